@@ -1,0 +1,29 @@
+"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from moetrain.config import ConfigError
+
+BENCHMARKS = {
+    "moe": ("expert implementations side by side: saved bytes and fwd+bwd time", "moetrain.bench.moe:main"),
+    "sync": ("HSDP sync policies under inhomogeneous microbatches", "moetrain.bench.sync:main"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: moetrain bench {" + ",".join(BENCHMARKS) + "} [options]\n")
+        for name, (help_text, _) in BENCHMARKS.items():
+            print(f"  {name:6s} {help_text}")
+        return 0
+    if argv[0] not in BENCHMARKS:
+        raise ConfigError(f"unknown benchmark {argv[0]!r}; valid benchmarks: {', '.join(BENCHMARKS)}")
+    module_name, func_name = BENCHMARKS[argv[0]][1].split(":")
+    return int(getattr(importlib.import_module(module_name), func_name)(argv[1:]) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,321 @@
+"""Typed job configuration: dataclasses, TOML loading, CLI overrides, validation.
+
+Every knob of a job lives in one dataclass tree (`JobConfig`). A job is described by a
+TOML file under `configs/`; any field can be overridden on the command line as
+`--section.field value` (parsed by tyro). `validate()` checks ranges and cross-field
+rules and raises `ConfigError` with one line naming the field, the bad value and
+what would be valid. Parallel sizes that depend on the world size are checked
+by `check_world_size` once the world is known.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import dacite
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration problem; the message is one line."""
+
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class MoEConfig:
+    n_experts: int = 16
+    top_k: int = 2
+    expert_hidden: int = 128
+    n_shared_experts: int = 0
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    # loop: per-expert reference; grouped: grouped GEMM + autograd; memory_efficient: SonicMoE backward
+    impl: Literal["loop", "grouped", "memory_efficient"] = "memory_efficient"
+    load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 1e-3
+    # Token rounding (tile-aware routing): per-expert token counts rounded to this multiple; 1 = off.
+    token_rounding_tile: int = 1
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 259
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_hidden: int = 512
+    # The first n_dense_layers blocks use a dense SwiGLU FFN; the rest are MoE (DeepSeek style).
+    n_dense_layers: int = 1
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_scheme: str = "llama"
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    # -1: whatever is left of the world size after dp_replicate.
+    dp_shard: int = -1
+    # auto: delayed_all_reduce under HSDP with accumulation, else every_microbatch.
+    sync_policy: Literal["auto", "every_microbatch", "delayed_all_reduce", "final_only"] = "auto"
+    reshard_after_forward: bool = True
+    param_dtype: DType = "float32"
+    reduce_dtype: DType = "float32"
+    output_dtype: DType | None = None
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    # stdlib: this interpreter's own standard-library .py sources (embedded, no download).
+    source: Literal["stdlib", "dir", "jsonl", "hf"] = "stdlib"
+    path: str | None = None
+    glob: str = "**/*"
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    seq_len: int = 512
+    heldout_fraction: float = 0.05
+    skip_bad_files: bool = False
+    max_documents: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    microbatch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    # WSD: fraction of steps spent in the final decay.
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    decay_norms_and_embeddings: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 0
+    activation_checkpointing: bool = False
+    compile: bool = False
+    nan_policy: Literal["skip", "stop"] = "stop"
+    eval_every: int = 100
+    eval_batches: int = 8
+    peak_flops: float = 1e12
+    sample_tokens: int = 200
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    every: int = 100
+    keep_last: int = 2
+    resume: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/tiny_moe"
+    log_every: int = 10
+    all_ranks_to_files: bool = False
+    progress_bar: bool = True
+    tensorboard: bool = False
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> JobConfig:
+        _validate(self)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, name: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} = {value!r} is invalid: {valid}")
+
+
+def _validate(cfg: JobConfig) -> None:
+    m, moe, p, d, t, c, lg = cfg.model, cfg.model.moe, cfg.parallel, cfg.data, cfg.train, cfg.checkpoint, cfg.logging
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.dim": m.dim, "model.n_layers": m.n_layers,
+        "model.n_heads": m.n_heads, "model.ffn_hidden": m.ffn_hidden, "model.max_seq_len": m.max_seq_len,
+        "model.moe.n_experts": moe.n_experts, "model.moe.top_k": moe.top_k,
+        "model.moe.expert_hidden": moe.expert_hidden, "model.moe.token_rounding_tile": moe.token_rounding_tile,
+        "parallel.dp_replicate": p.dp_replicate, "data.seq_len": d.seq_len, "train.steps": t.steps,
+        "train.microbatch_size": t.microbatch_size, "train.grad_accum": t.grad_accum,
+        "train.eval_batches": t.eval_batches, "checkpoint.every": c.every, "checkpoint.keep_last": c.keep_last,
+        "logging.log_every": lg.log_every,
+    }
+    for name, value in positive.items():
+        _check(value >= 1, name, value, "must be a positive integer")
+    nonneg = {
+        "model.n_dense_layers": m.n_dense_layers, "model.moe.n_shared_experts": moe.n_shared_experts,
+        "model.moe.aux_loss_coef": moe.aux_loss_coef, "model.moe.bias_update_rate": moe.bias_update_rate,
+        "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
+        "train.grad_clip": t.grad_clip, "train.eval_every": t.eval_every, "train.sample_tokens": t.sample_tokens,
+    }
+    for name, value in nonneg.items():
+        _check(value >= 0, name, value, "must be >= 0")
+    _check(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
+    _check(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0")
+    _check(m.dim % m.n_heads == 0, "model.n_heads", m.n_heads, f"must divide model.dim = {m.dim}")
+    _check((m.dim // m.n_heads) % 2 == 0, "model.n_heads", m.n_heads,
+           f"head dim model.dim / model.n_heads = {m.dim / m.n_heads:g} must be even for RoPE")
+    if m.n_kv_heads is not None:
+        _check(m.n_kv_heads >= 1 and m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
+               f"must be a positive divisor of model.n_heads = {m.n_heads}")
+    _check(m.n_dense_layers <= m.n_layers, "model.n_dense_layers", m.n_dense_layers,
+           f"must be <= model.n_layers = {m.n_layers}")
+    _check(moe.top_k <= moe.n_experts, "model.moe.top_k", moe.top_k,
+           f"must be <= model.moe.n_experts = {moe.n_experts}")
+    _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}")
+    _check(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", p.dp_shard, "must be -1 (auto) or >= 1")
+    _check(t.lr > 0, "train.lr", t.lr, "must be > 0")
+    _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    _check(0 < t.decay_fraction <= 1, "train.decay_fraction", t.decay_fraction, "must be in (0, 1]")
+    _check(0 <= t.beta1 < 1, "train.beta1", t.beta1, "must be in [0, 1)")
+    _check(0 <= t.beta2 < 1, "train.beta2", t.beta2, "must be in [0, 1)")
+    _check(t.eps > 0, "train.eps", t.eps, "must be > 0")
+    _check(t.peak_flops > 0, "train.peak_flops", t.peak_flops, "must be > 0")
+    _check(0 <= d.heldout_fraction < 1, "data.heldout_fraction", d.heldout_fraction, "must be in [0, 1)")
+    if d.max_documents is not None:
+        _check(d.max_documents >= 1, "data.max_documents", d.max_documents, "must be >= 1")
+    _check(d.source == "stdlib" or d.path is not None, "data.path", d.path,
+           f"a path is required when data.source = {d.source!r}")
+    _check(bool(lg.run_dir), "logging.run_dir", lg.run_dir, "must be a non-empty path")
+
+
+def check_world_size(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
+    """Resolve (dp_replicate, dp_shard) for a world size, or raise ConfigError."""
+    replicate = parallel.dp_replicate
+    if parallel.dp_shard == -1:
+        _check(world_size % replicate == 0, "parallel.dp_replicate", replicate,
+               f"must divide the world size {world_size}")
+        return replicate, world_size // replicate
+    _check(replicate * parallel.dp_shard == world_size, "parallel.dp_shard", parallel.dp_shard,
+           f"parallel.dp_replicate x parallel.dp_shard = {replicate} x {parallel.dp_shard} must equal "
+           f"the world size {world_size}")
+    return replicate, parallel.dp_shard
+
+
+def from_dict(data: dict[str, Any]) -> JobConfig:
+    """Build a JobConfig from nested dicts, rejecting unknown keys and wrong types."""
+    try:
+        return dacite.from_dict(JobConfig, _ints_to_floats(data, JobConfig), config=dacite.Config(strict=True))
+    except dacite.UnexpectedDataError as err:
+        raise ConfigError(f"unknown config key(s) {sorted(err.keys)}; valid keys are the fields of "
+                          "moetrain.config.JobConfig") from None
+    except dacite.WrongTypeError as err:
+        expected = _type_name(err.field_type)
+        raise ConfigError(f"{err.field_path} = {err.value!r} has the wrong type: expected {expected}") from None
+    except dacite.DaciteError as err:
+        raise ConfigError(f"bad config: {err}") from None
+
+
+def _ints_to_floats(data: Any, cls: type, prefix: str = "") -> Any:
+    # TOML writes 1 for 1.0: turn ints into floats where the field is a float. dacite
+    # accepts bools as numbers, so they are rejected here, by field name.
+    if not isinstance(data, dict):
+        return data
+    hints = typing.get_type_hints(cls)
+    out = dict(data)
+    for key, value in data.items():
+        hint = hints.get(key)
+        if dataclasses.is_dataclass(hint):
+            out[key] = _ints_to_floats(value, hint, f"{prefix}{key}.")
+        elif float in (hint, *typing.get_args(hint)):
+            if isinstance(value, bool):
+                raise ConfigError(f"{prefix}{key} = {value!r} has the wrong type: expected a number")
+            if type(value) is int:
+                out[key] = float(value)
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def load(path: str | Path) -> JobConfig:
+    """Load and validate a TOML config file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+    return from_dict(data).validate()
+
+
+def apply_overrides(cfg: JobConfig, args: list[str], prog: str = "moetrain train") -> JobConfig:
+    """Apply `--section.field value` command-line overrides (typed by tyro) and re-validate."""
+    import tyro
+
+    if not args:
+        return cfg.validate()
+    if any(a in ("-h", "--help") for a in args):
+        return tyro.cli(JobConfig, default=cfg, args=args, prog=prog, use_underscores=True,
+                        config=(tyro.conf.FlagConversionOff,))
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            new = tyro.cli(JobConfig, default=cfg, args=args, prog=prog, use_underscores=True,
+                           config=(tyro.conf.FlagConversionOff,))
+    except SystemExit:
+        raise ConfigError(f"{_first_message_line(captured.getvalue())} (run `{prog} --help` for fields)") from None
+    return new.validate()
+
+
+def _first_message_line(text: str) -> str:
+    # tyro prints a title, a rule, then the message (boxed on a terminal, plain when
+    # captured); join the message paragraph onto one line.
+    paragraphs: list[list[str]] = [[]]
+    for raw in text.splitlines():
+        line = raw.strip().strip("│|╭╮").strip()
+        if raw.lstrip().startswith("╭") or not line or set(line) <= set("-─╰╯+"):
+            if raw.lstrip().startswith("╭"):
+                paragraphs[-1].append(line.strip("─ "))
+            if paragraphs[-1]:
+                paragraphs.append([])
+            continue
+        paragraphs[-1].append(line)
+    paragraphs = [p for p in paragraphs if p]
+    chosen = paragraphs[1] if len(paragraphs) > 1 else (paragraphs or [["bad command-line override"]])[0]
+    return " ".join(chosen)
+
+
+def parse_job_args(argv: list[str], prog: str = "moetrain train") -> JobConfig:
+    """`--config PATH [--section.field value ...]` -> validated JobConfig."""
+    import argparse
+
+    pre = argparse.ArgumentParser(prog=prog, add_help=False)
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(argv)
+    cfg = load(known.config) if known.config else JobConfig().validate()
+    return apply_overrides(cfg, rest, prog=prog)

@@ -1,0 +1,1 @@
+"""Data: tokenizer, corpora, packing, resumable loader."""

@@ -1,0 +1,1 @@
+"""Model definitions: transformer, MoE layer, expert kernels, init schemes. No distributed code."""

@@ -1,0 +1,106 @@
+"""Run a function on N gloo ranks as spawned processes, for tests and benchmarks.
+
+`run_on_ranks(fn, world_size, *args)` spawns N processes, each joining a gloo
+process group on a free 127.0.0.1 port, runs `fn(*args)` on every rank and returns
+the list of per-rank results. An exception on any rank fails the call with that
+rank's traceback; a rank that does not finish within `timeout` (a hung collective,
+say) fails it too. Every child is killed and reaped before this returns or raises.
+`fn` must be importable (a module-level function) because ranks are spawned.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or timed out; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
+           conn, backend: str, threads: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                init_method=f"tcp://127.0.0.1:{port}")
+        result = fn(*args, **kwargs)
+        conn.send(("ok", result))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    threads_per_rank: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` spawned ranks; return per-rank results."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes, procs = [], []
+    try:
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, daemon=True,
+                               args=(rank, world_size, port, fn, args, kwargs, child_conn, backend,
+                                     threads_per_rank))
+            proc.start()
+            child_conn.close()
+            pipes.append(parent_conn)
+            procs.append(proc)
+        results: list[Any] = [None] * world_size
+        pending = set(range(world_size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            for rank in sorted(pending):
+                conn = pipes[rank]
+                if conn.poll(0.05):
+                    try:
+                        status, payload = conn.recv()
+                    except EOFError:
+                        raise RankFailure(f"rank {rank} died (exit code {procs[rank].exitcode})") from None
+                    if status == "error":
+                        raise RankFailure(f"rank {rank} raised:\n{payload}")
+                    results[rank] = payload
+                    pending.discard(rank)
+                elif not procs[rank].is_alive() and not conn.poll(0):
+                    raise RankFailure(f"rank {rank} died (exit code {procs[rank].exitcode})")
+            if pending and time.monotonic() > deadline:
+                raise RankFailure(f"ranks {sorted(pending)} did not finish within {timeout:.0f} s "
+                                  "(hung collective?)")
+        for proc in procs:
+            proc.join(timeout=10)
+        return results
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(timeout=10)
+        for conn in pipes:
+            conn.close()

@@ -1,0 +1,1 @@
+"""Training loop and its components: optimizer, checkpoints, metrics."""

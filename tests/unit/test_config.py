@@ -1,0 +1,123 @@
+"""Config loading, overrides and validation: every bad input is one ConfigError line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetrain.config import ConfigError, JobConfig, ParallelConfig, check_world_size, load, parse_job_args
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny_moe.toml")
+
+
+def test_default_config_file_loads():
+    cfg = load(TINY)
+    assert cfg.model.moe.n_experts == 16 and cfg.data.source == "stdlib"
+
+
+def test_overrides_are_typed():
+    cfg = parse_job_args(["--config", TINY, "--train.steps", "50", "--parallel.dp_replicate", "2",
+                          "--train.compile", "True", "--model.n_kv_heads", "2", "--train.lr", "1e-3"])
+    assert (cfg.train.steps, cfg.parallel.dp_replicate, cfg.train.compile, cfg.model.n_kv_heads) == (50, 2, True, 2)
+    assert cfg.train.lr == pytest.approx(1e-3)
+
+
+BAD_OVERRIDES = [
+    (["--train.lr", "-0.1"], "train.lr"),
+    (["--train.steps", "0"], "train.steps"),
+    (["--train.steps", "ten"], "--train.steps"),
+    (["--train.nonexistent", "1"], "Unrecognized"),
+    (["--model.moe.top_k", "17"], "model.moe.top_k"),
+    (["--model.moe.score_func", "relu"], "score_func"),
+    (["--model.n_heads", "3"], "model.n_heads"),
+    (["--model.n_heads", "32", "--model.dim", "96"], "model.n_heads"),
+    (["--model.n_kv_heads", "3"], "model.n_kv_heads"),
+    (["--model.n_dense_layers", "5"], "model.n_dense_layers"),
+    (["--data.seq_len", "1024"], "data.seq_len"),
+    (["--data.source", "dir"], "data.path"),
+    (["--data.heldout_fraction", "1.5"], "data.heldout_fraction"),
+    (["--train.beta2", "1.0"], "train.beta2"),
+    (["--train.min_lr_ratio", "2"], "train.min_lr_ratio"),
+    (["--parallel.dp_shard", "0"], "parallel.dp_shard"),
+    (["--parallel.dp_replicate", "-2"], "parallel.dp_replicate"),
+    (["--checkpoint.keep_last", "0"], "checkpoint.keep_last"),
+    (["--model.moe.token_rounding_tile", "0"], "token_rounding_tile"),
+    (["--train.grad_clip", "-1"], "train.grad_clip"),
+    (["--model.moe.aux_loss_coef", "-0.5"], "aux_loss_coef"),
+]
+
+
+@pytest.mark.parametrize("override,needle", BAD_OVERRIDES, ids=[" ".join(o) for o, _ in BAD_OVERRIDES])
+def test_bad_override_is_one_line(override, needle):
+    with pytest.raises(ConfigError) as info:
+        parse_job_args(["--config", TINY, *override])
+    message = str(info.value)
+    assert needle in message and "\n" not in message
+
+
+BAD_TOML = [
+    ("[train]\nstepz = 3\n", "stepz"),
+    ("[nosuchsection]\nx = 1\n", "nosuchsection"),
+    ("[train]\nsteps = 'many'\n", "train.steps"),
+    ("[train]\nlr = true\n", "train.lr"),
+    ("[model.moe]\ntop_k = 2.5\n", "model.moe.top_k"),
+    ("[train\nsteps = 3\n", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text,needle", BAD_TOML)
+def test_bad_toml_is_one_line(tmp_path, text, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_int_accepted_for_float_field(tmp_path):
+    path = tmp_path / "ok.toml"
+    path.write_text("[train]\nlr = 1\n")
+    assert load(path).train.lr == 1.0
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load("configs/does-not-exist.toml")
+
+
+@pytest.mark.parametrize("replicate,shard,world,expected", [(1, -1, 4, (1, 4)), (2, 2, 4, (2, 2)), (4, -1, 4, (4, 1)),
+                                                            (1, -1, 1, (1, 1))])
+def test_world_size_resolution(replicate, shard, world, expected):
+    assert check_world_size(ParallelConfig(dp_replicate=replicate, dp_shard=shard), world) == expected
+
+
+@pytest.mark.parametrize("replicate,shard,world", [(3, -1, 4), (2, 3, 4), (1, 2, 4)])
+def test_mesh_not_matching_world_size(replicate, shard, world):
+    with pytest.raises(ConfigError, match="world size"):
+        check_world_size(ParallelConfig(dp_replicate=replicate, dp_shard=shard), world)
+
+
+def test_defaults_validate():
+    JobConfig().validate()
+
+
+def test_cli_missing_config_exits_2_with_one_line():
+    proc = subprocess.run([sys.executable, "-m", "moetrain", "train", "--config", "configs/does-not-exist.toml"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "does-not-exist.toml" in proc.stderr
+
+
+def test_cli_bad_override_exits_2_with_one_line():
+    proc = subprocess.run([sys.executable, "-m", "moetrain", "train", "--config", TINY, "--train.lr", "-1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "train.lr" in proc.stderr
+
+
+def test_cli_help_and_unknown_command():
+    ok = subprocess.run([sys.executable, "-m", "moetrain", "--help"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "train" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "moetrain", "fly"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "valid commands" in bad.stderr
