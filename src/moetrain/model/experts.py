@@ -1,0 +1,343 @@
+"""Routed-expert computation for MoE layers: routing records, grouped GEMMs, three implementations.
+
+The MoE module (moe.py) decides *which* tokens go to which experts; this module computes
+``out[t] = sum over assignments a of token t: scores[a] * (phi(x_t W1_e) W2_e)`` for a given
+`Routing`. Three implementations share one contract (`routed_experts`):
+
+- ``loop``: a plain per-expert Python loop with standard autograd; the reference.
+- ``grouped``: one grouped GEMM per projection, standard autograd (it saves the gathered
+  input and the expert outputs, O(tokens * top_k * hidden) bytes, for backward).
+- ``memory_efficient``: the SonicMoE-style autograd Function in `moe_function.py`, which saves
+  only X, the pre-activation H, scores and indices.
+
+The grouped GEMM backend is chosen per device (`grouped_mm_backend`): ``torch._grouped_mm`` on
+CUDA, and on CPU whichever of ``_grouped_mm`` and a loop of matmuls over contiguous expert
+segments `moetrain bench moe` measured faster (see docs/bench_moe.md).
+
+Token rounding (`round_routing`) rounds each expert's token count to a multiple of a GEMM tile.
+This module has no distributed code and no parameters of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moetrain.config import ConfigError
+
+Activation = Literal["swiglu", "gelu"]
+Impl = Literal["loop", "grouped", "memory_efficient"]
+Backend = Literal["torch_grouped_mm", "segment_loop"]
+
+ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")
+IMPLS: tuple[str, ...] = ("loop", "grouped", "memory_efficient")
+BACKENDS: tuple[str, ...] = ("torch_grouped_mm", "segment_loop")
+
+# Measured by `moetrain bench moe --backends` on this project's CPU machine (docs/bench_moe.md):
+# the loop over contiguous expert segments beat torch._grouped_mm on CPU for both presets.
+CPU_GROUPED_MM_BACKEND: Backend = "segment_loop"
+
+
+@dataclass
+class Routing:
+    """Which token each routed assignment belongs to, grouped by expert (expert 0's first).
+
+    token_index: LongTensor[N], token of each assignment; scores: Tensor[N], its gate weight
+    (differentiable: the router gradient flows through it); counts: LongTensor[E], assignments per
+    expert (sums to N), so expert e owns rows counts[:e].sum() ... counts[:e+1].sum() of N.
+    """
+
+    token_index: Tensor
+    scores: Tensor
+    counts: Tensor
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.counts.numel())
+
+    @property
+    def n_assignments(self) -> int:
+        return int(self.token_index.numel())
+
+
+def routing_from_topk(topk_idx: Tensor, topk_scores: Tensor, n_experts: int) -> Routing:
+    """Group the (token, expert) choices of a top-k router by expert; within an expert, by token."""
+    if topk_idx.dim() != 2 or topk_idx.shape != topk_scores.shape:
+        raise ValueError(f"topk_idx {tuple(topk_idx.shape)} and topk_scores {tuple(topk_scores.shape)} "
+                         "must both be [tokens, top_k]")
+    if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= n_experts):
+        raise ValueError(f"expert indices must lie in [0, {n_experts}); got range "
+                         f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
+    top_k = topk_idx.shape[1]
+    flat_expert = topk_idx.reshape(-1)
+    # Stable sort keeps assignments of one expert in token order (flat index = token * k + slot).
+    order = torch.argsort(flat_expert, stable=True)
+    return Routing(
+        token_index=torch.div(order, top_k, rounding_mode="floor"),
+        scores=topk_scores.reshape(-1)[order],
+        counts=torch.bincount(flat_expert, minlength=n_experts),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations and their derivative (shared with the memory-efficient backward)
+# ---------------------------------------------------------------------------------------------
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"moe activation = {activation!r} is invalid: valid activations are {', '.join(ACTIVATIONS)}")
+
+
+def activation_forward(h: Tensor, activation: str) -> Tensor:
+    """A = phi(H). SwiGLU: H = [gate | up] (width 2n), A = silu(gate) * up. GELU: A = gelu(H)."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
+
+
+def activation_backward(h: Tensor, grad_a: Tensor, activation: str) -> Tensor:
+    """dH = dA * phi'(H), computed in float32 for low-precision inputs and returned in H's dtype."""
+    compute_dtype = torch.float32 if h.dtype in (torch.bfloat16, torch.float16) else h.dtype
+    h_c, grad_c = h.to(compute_dtype), grad_a.to(compute_dtype)
+    if activation == "swiglu":
+        gate, up = h_c.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        # d silu(g)/dg = sigma(g) * (1 + g * (1 - sigma(g)))
+        grad_gate = grad_c * up * sig * (1 + gate * (1 - sig))
+        grad_up = grad_c * silu
+        return torch.cat([grad_gate, grad_up], dim=-1).to(h.dtype)
+    # Exact (erf) GELU, matching F.gelu's default: d/dx x*Phi(x) = Phi(x) + x * pdf(x).
+    cdf = 0.5 * (1 + torch.erf(h_c * 0.7071067811865476))
+    pdf = torch.exp(-0.5 * h_c * h_c) * 0.3989422804014327
+    return (grad_c * (cdf + h_c * pdf)).to(h.dtype)
+
+
+def check_expert_shapes(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str) -> None:
+    check_activation(activation)
+    if x.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"expected x [T,d], w1 [E,d,h], w2 [E,n,d]; got {tuple(x.shape)}, {tuple(w1.shape)}, "
+                         f"{tuple(w2.shape)}")
+    n_experts, dim, width = w1.shape
+    inner = width // 2 if activation == "swiglu" else width
+    if w2.shape != (n_experts, inner, dim) or x.shape[1] != dim or (activation == "swiglu" and width % 2):
+        raise ValueError(f"inconsistent expert shapes for {activation}: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, "
+                         f"w2 {tuple(w2.shape)} (want w1 [E,d,{'2n' if activation == 'swiglu' else 'n'}], w2 [E,n,d])")
+    if routing.n_experts != n_experts:
+        raise ValueError(f"routing has {routing.n_experts} experts, weights have {n_experts}")
+    if routing.token_index.shape != routing.scores.shape or routing.token_index.dim() != 1:
+        raise ValueError("routing.token_index and routing.scores must both be 1-D of the same length")
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs over contiguous expert segments
+# ---------------------------------------------------------------------------------------------
+
+def grouped_mm_backend(device: torch.device, dtype: torch.dtype) -> Backend:
+    """The grouped GEMM backend for a device: `_grouped_mm` on CUDA, the measured winner on CPU.
+
+    float64 is not supported by `_grouped_mm` on any device, so it always takes the segment loop.
+    """
+    if dtype == torch.float64:
+        return "segment_loop"
+    if device.type == "cuda":
+        return "torch_grouped_mm"
+    return CPU_GROUPED_MM_BACKEND
+
+
+def _grouped_mm_usable(*mats: Tensor) -> bool:
+    """`_grouped_mm` needs one dtype in {fp32, bf16, fp16} and 16-byte aligned strides and pointers."""
+    dtype = mats[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    for mat in mats:
+        if mat.dtype != dtype or mat.data_ptr() % 16:
+            return False
+        # Every non-unit stride (in bytes) must be a multiple of 16.
+        if any(s != 1 and (s * mat.element_size()) % 16 for s in mat.stride()):
+            return False
+    return True
+
+
+def _offsets(counts: Tensor) -> Tensor:
+    # `_grouped_mm` takes int32 cumulative end offsets, one per group, on the operands' device.
+    return torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    torch 2.13's CPU `_grouped_mm` backward rejects a stride-0 gradient (what `out.sum()`
+    produces): "Invalid strides/sizes, got [0, 0]". Placing this right after each `_grouped_mm`
+    hands it a dense gradient instead. It saves nothing for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor) -> Tensor:  # noqa: D102
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: D102
+        return grad.contiguous()
+
+
+def grouped_mm(a: Tensor, b: Tensor, counts: Tensor, backend: Backend, counts_host: list[int] | None = None) -> Tensor:
+    """Rows of `a` [N,k] grouped by `counts` [E], each group times its `b[e]` [k,m] -> [N,m].
+
+    Differentiable under standard autograd for both backends (used by the `grouped` impl), and
+    immune to the stride-0 gradient bug of `_grouped_mm`.
+    """
+    if backend == "torch_grouped_mm" and _grouped_mm_usable(a, b):
+        out = torch._grouped_mm(a, b, offs=_offsets(counts))
+        return _ContiguousGrad.apply(out)
+    sizes = counts.tolist() if counts_host is None else counts_host
+    pieces = [seg @ b[e] for e, seg in enumerate(a.split(sizes, dim=0)) if sizes[e]]
+    if not pieces:
+        return a.new_zeros(a.shape[0], b.shape[2])
+    return torch.cat(pieces, dim=0)
+
+
+def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backend,
+                           counts_host: list[int] | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+    """Per-expert a_e^T g_e for rows grouped by `counts`: a [N,k], g [N,m] -> [E,k,m] (zeros for empty experts).
+
+    Used only inside the memory-efficient backward (no autograd through it).
+    """
+    n_experts = counts.numel()
+    out_dtype = out_dtype or a.dtype
+    if backend == "torch_grouped_mm" and _grouped_mm_usable(a, g):
+        a_t = a.t()  # [k, N] view with unit row stride: the 2d x 2d form groups along the shared N dim
+        if _grouped_mm_usable(a_t, g) and a.shape[0] > 0:
+            out = torch._grouped_mm(a_t, g, offs=_offsets(counts))
+            # Groups with no rows are left untouched by some kernels; zero them explicitly.
+            out = out.masked_fill((counts == 0).view(-1, 1, 1), 0)
+            return out.to(out_dtype)
+    sizes = counts.tolist() if counts_host is None else counts_host
+    out = torch.zeros(n_experts, a.shape[1], g.shape[1], dtype=out_dtype, device=a.device)
+    for e, (a_seg, g_seg) in enumerate(zip(a.split(sizes, dim=0), g.split(sizes, dim=0), strict=True)):
+        if sizes[e]:
+            out[e] = (a_seg.t() @ g_seg).to(out_dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations
+# ---------------------------------------------------------------------------------------------
+
+def _scatter_to_tokens(contrib: Tensor, token_index: Tensor, n_tokens: int) -> Tensor:
+    """out[t] = sum of contrib rows whose token is t; summed in float32 for low-precision inputs."""
+    acc_dtype = torch.float32 if contrib.dtype in (torch.bfloat16, torch.float16) else contrib.dtype
+    out = torch.zeros(n_tokens, contrib.shape[1], dtype=acc_dtype, device=contrib.device)
+    out = out.index_add(0, token_index, contrib.to(acc_dtype))
+    return out.to(contrib.dtype)
+
+
+def _experts_loop(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str) -> Tensor:
+    """Reference: one expert at a time, plain matmuls, standard autograd."""
+    sizes = routing.counts.tolist()
+    pieces = []
+    for e, (tokens, scores) in enumerate(zip(routing.token_index.split(sizes), routing.scores.split(sizes),
+                                             strict=True)):
+        if sizes[e] == 0:
+            continue
+        expert_out = activation_forward(x[tokens] @ w1[e], activation) @ w2[e]
+        pieces.append(expert_out * scores.unsqueeze(1).to(expert_out.dtype))
+    contrib = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])
+    return _scatter_to_tokens(contrib, routing.token_index, x.shape[0])
+
+
+def _experts_grouped(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str,
+                     backend: Backend) -> Tensor:
+    """Gather, two grouped GEMMs, weight by score, scatter back; standard autograd saves the lot."""
+    sizes = routing.counts.tolist() if backend == "segment_loop" else None
+    gathered = x.index_select(0, routing.token_index)
+    hidden = grouped_mm(gathered, w1, routing.counts, backend, sizes)
+    expert_out = grouped_mm(activation_forward(hidden, activation), w2, routing.counts, backend, sizes)
+    weighted = expert_out * routing.scores.unsqueeze(1).to(expert_out.dtype)
+    return _scatter_to_tokens(weighted, routing.token_index, x.shape[0])
+
+
+def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str = "swiglu",
+                   impl: str = "memory_efficient", backend: Backend | None = None) -> Tensor:
+    """out[t] = sum over assignments a of token t: scores[a] * (phi(x_t W1_e) W2_e), shape [T,d].
+
+    x [T,d]; w1 [E,d,2n] (swiglu) or [E,d,n] (gelu); w2 [E,n,d]. `backend` overrides the
+    per-device grouped GEMM choice (the benchmark measures both).
+    """
+    if impl not in IMPLS:
+        raise ConfigError(f"moe impl = {impl!r} is invalid: valid impls are {', '.join(IMPLS)}")
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(f"grouped GEMM backend = {backend!r} is invalid: valid backends are {', '.join(BACKENDS)}")
+    check_expert_shapes(x, routing, w1, w2, activation)
+    # Weights kept in a wider dtype than the activations (e.g. fp32 master weights, bf16 compute) are
+    # cast differentiably here, so every implementation sees one dtype.
+    w1, w2 = w1.to(x.dtype), w2.to(x.dtype)
+    chosen = grouped_mm_backend(x.device, x.dtype) if backend is None else backend
+    if impl == "loop":
+        return _experts_loop(x, routing, w1, w2, activation)
+    if impl == "grouped":
+        return _experts_grouped(x, routing, w1, w2, activation, chosen)
+    from moetrain.model.moe_function import memory_efficient_experts
+
+    return memory_efficient_experts(x, routing, w1, w2, activation, chosen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token rounding
+# ---------------------------------------------------------------------------------------------
+
+def round_routing(router_probs: Tensor, routing: Routing, tile: int) -> tuple[Routing, int]:
+    """Round every expert's assignment count to a multiple of `tile`; return (routing, decisions changed).
+
+    For an expert with count c and remainder r = c mod tile, either drop its r lowest-score
+    assignments or fill it with the (tile - r) highest-probability tokens not already routed to it,
+    whichever changes fewer decisions (ties drop: less compute; fill only when enough tokens exist).
+    Filled assignments take router_probs[t, e] as their gate weight, so they stay differentiable.
+    """
+    if not isinstance(tile, int) or tile < 1:
+        raise ConfigError(f"token_rounding_tile = {tile!r} is invalid: must be an integer >= 1")
+    n_tokens, n_experts = router_probs.shape
+    if n_experts != routing.n_experts:
+        raise ValueError(f"router_probs has {n_experts} experts, routing has {routing.n_experts}")
+    if tile == 1:
+        return routing, 0
+    sizes = routing.counts.tolist()
+    probs_detached = router_probs.detach()
+    tokens_out, scores_out, counts_out = [], [], []
+    changed = 0
+    for e, (tokens, scores) in enumerate(zip(routing.token_index.split(sizes), routing.scores.split(sizes),
+                                             strict=True)):
+        count = sizes[e]
+        remainder = count % tile
+        fill = tile - remainder
+        if remainder == 0:
+            tokens_out.append(tokens)
+            scores_out.append(scores)
+        elif remainder <= fill or count + fill > n_tokens:
+            # Drop the `remainder` lowest-score assignments; keep the rest in token order.
+            keep = torch.topk(scores.detach(), count - remainder).indices.sort().values
+            tokens_out.append(tokens[keep])
+            scores_out.append(scores[keep])
+            changed += remainder
+        else:
+            candidate = probs_detached[:, e].clone()
+            candidate[tokens] = float("-inf")
+            new_tokens = torch.topk(candidate, fill).indices
+            merged = torch.cat([tokens, new_tokens])
+            merged_scores = torch.cat([scores, router_probs[new_tokens, e].to(scores.dtype)])
+            order = torch.argsort(merged, stable=True)
+            tokens_out.append(merged[order])
+            scores_out.append(merged_scores[order])
+            changed += fill
+        counts_out.append(tokens_out[-1].numel())
+    rounded = Routing(
+        token_index=torch.cat(tokens_out) if tokens_out else routing.token_index,
+        scores=torch.cat(scores_out) if scores_out else routing.scores,
+        counts=torch.tensor(counts_out, dtype=routing.counts.dtype, device=routing.counts.device),
+    )
+    return rounded, changed
