@@ -1,0 +1,129 @@
+"""MoE feed-forward layer: linear router, top-k selection, routed experts, optional shared expert.
+
+Routing: scores = softmax or sigmoid of the router logits (float32); the top-k experts of each
+token are chosen on the scores (plus a per-expert bias under aux-loss-free balancing, which only
+affects the choice, never the gate values); gate values are the chosen scores, optionally
+renormalised to sum to 1. The routed experts are computed by `moetrain.model.experts.routed_experts`
+(loop / grouped GEMM / memory-efficient, chosen by `MoEConfig.impl`) on stacked weights
+`experts.w1` [E, d, 2n] (gate | up, SwiGLU) or [E, d, n] (GELU) and `experts.w2` [E, n, d].
+A shared expert, when configured, is a dense SwiGLU FFN of width n · n_shared_experts added to
+every token's output.
+
+After each forward the module exposes `aux_loss` (switch-style load-balancing loss of that forward,
+not multiplied by its coefficient) and `tokens_per_expert` (detached, [E]). It holds no
+distributed code: the cross-rank sum of expert loads for the bias update is an injected callable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from moetrain.config import MoEConfig
+
+
+class RoutedExpertWeights(nn.Module):
+    """Stacked expert weights: w1 [E, d, 2n] (SwiGLU: gate = [..., :n], up = [..., n:]) or [E, d, n]; w2 [E, n, d]."""
+
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        width = 2 * cfg.expert_hidden if cfg.activation == "swiglu" else cfg.expert_hidden
+        self.w1 = nn.Parameter(torch.empty(cfg.n_experts, dim, width))
+        self.w2 = nn.Parameter(torch.empty(cfg.n_experts, cfg.expert_hidden, dim))
+
+
+def switch_aux_loss(probs: Tensor, counts: Tensor, top_k: int) -> Tensor:
+    """Switch-Transformer load-balancing loss E · Σ_e f_e · P_e (1 when perfectly balanced).
+
+    f_e = share of the T·k assignments that went to expert e (no gradient), P_e = mean router
+    probability of e over the T tokens (probs rows sum to 1).
+    """
+    n_tokens, n_experts = probs.shape
+    fraction = counts.to(probs.dtype) / max(n_tokens * top_k, 1)
+    return n_experts * (fraction * probs.mean(dim=0)).sum()
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        from moetrain.model.transformer import FeedForward
+
+        self.cfg = cfg
+        self.dim = dim
+        self.router = nn.Linear(dim, cfg.n_experts, bias=False)
+        self.experts = RoutedExpertWeights(dim, cfg)
+        self.shared_expert = (FeedForward(dim, cfg.expert_hidden * cfg.n_shared_experts)
+                              if cfg.n_shared_experts > 0 else None)
+        # Aux-loss-free balancing (DeepSeek-V3, arXiv 2408.15664): a bias added to the scores for
+        # the top-k choice only. Persistent so a resumed run keeps its balance state.
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        # Loads accumulated since the last bias update (one optimizer step spans several microbatches).
+        self.register_buffer("load_since_update", torch.zeros(cfg.n_experts, dtype=torch.float32),
+                             persistent=False)
+        self.aux_loss: Tensor | None = None
+        self.tokens_per_expert: Tensor | None = None
+        self.rounding_changes: int = 0
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero the balancing state (called by init; buffers hold garbage after `to_empty`)."""
+        self.expert_bias.zero_()
+        self.load_since_update.zero_()
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [T, d] -> (probs [T, E] float32 rows summing to 1, topk_idx [T, k], gates [T, k] float32)."""
+        logits = self.router(x).float()
+        if self.cfg.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+            probs = scores
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        choice = scores + self.expert_bias if self.cfg.load_balance == "aux_free" else scores
+        topk_idx = choice.topk(self.cfg.top_k, dim=-1).indices
+        gates = scores.gather(-1, topk_idx)
+        if self.cfg.renormalize:
+            gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+        return probs, topk_idx, gates
+
+    def forward(self, x: Tensor) -> Tensor:
+        from moetrain.model.experts import routed_experts, routing_from_topk
+
+        shape = x.shape
+        flat = x.reshape(-1, self.dim)
+        probs, topk_idx, gates = self.route(flat)
+        routing = routing_from_topk(topk_idx, gates.to(flat.dtype), self.cfg.n_experts)
+        if self.cfg.token_rounding_tile > 1:
+            from moetrain.model.experts import round_routing
+
+            routing, self.rounding_changes = round_routing(probs, routing, self.cfg.token_rounding_tile)
+        out = routed_experts(flat, routing, self.experts.w1, self.experts.w2, self.cfg.activation, self.cfg.impl)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        counts = routing.counts.detach()
+        self.tokens_per_expert = counts
+        self.aux_loss = switch_aux_loss(probs, counts, self.cfg.top_k)
+        if self.training:
+            with torch.no_grad():
+                self.load_since_update += counts.to(self.load_since_update.dtype)
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self, all_reduce: Callable[[Tensor], object] | None = None) -> None:
+        """Aux-loss-free step: bias_e += rate · sign(mean load − load_e), then reset the loads.
+
+        `all_reduce`, when given, sums the load vector in place across data-parallel ranks first
+        (e.g. `torch.distributed.all_reduce`) so every rank applies the same update. Does nothing
+        unless `load_balance == "aux_free"` (the loads are still reset).
+        """
+        loads = self.load_since_update.clone()
+        self.load_since_update.zero_()
+        if self.cfg.load_balance != "aux_free":
+            return
+        if all_reduce is not None:
+            all_reduce(loads)
+        if loads.sum() == 0:
+            return
+        self.expert_bias += self.cfg.bias_update_rate * torch.sign(loads.mean() - loads)
