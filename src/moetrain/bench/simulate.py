@@ -1,0 +1,414 @@
+"""Discrete-event model of one optimizer step under the data-parallel sync policies.
+
+Every rank runs `accum` microbatches; each microbatch is a forward and a backward over
+`layers` FSDP units. A unit all-gathers its parameters before its forward (and again
+before its backward when parameters are resharded after forward); after its backward
+it reduce-scatters its gradient over the shard group and, under HSDP when the policy
+says so, all-reduces the shard over the replicate group. A collective starts when the
+last member of its group is ready and ends for all members at once, so a fast replica
+group waits for the slow one exactly where a collective couples them. Durations come
+from an alpha-beta model (latency + bytes / bandwidth; intra-node or inter-node link;
+ring or tree). The modes are a table of (mesh, when to reduce-scatter, when to
+all-reduce); the overlap model says how collectives share time with compute:
+
+- blocking: a collective blocks the issuing rank (FSDP2 on CPU/gloo: plain synchronous calls);
+- backward: collectives run on their own streams and overlap the rest of the backward;
+  the end of every backward waits for them (FSDP2 on GPU: `finalize_backward` waits on
+  the last post-reduce event);
+- next_microbatch: like backward, but only the final microbatch waits, so the
+  collectives of microbatch i overlap the compute of i+1 (an optimistic bound).
+
+Event times are computed in dependency order, vectorised over Monte Carlo samples and
+replica groups. Ranks of one replica group share a cost (moetrain.bench.costs), so one
+lane per group is exact. This module predicts; it must not run or time anything real.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from moetrain.bench.costs import CostSpec, draw_costs, expected_max_of_sum_bimodal, expected_sum_of_max_bimodal
+from moetrain.config import ConfigError
+
+Mode = Literal["fsdp", "hsdp", "hsdp-delayed", "hsdp-final-only"]
+Overlap = Literal["blocking", "backward", "next_microbatch"]
+When = Literal["every", "last", "never"]
+
+
+@dataclass(frozen=True)
+class ModeRule:
+    """What one mode does: its mesh and when the two gradient collectives run."""
+
+    mesh: Literal["1d", "2d"]
+    reduce_scatter: When
+    all_reduce: When
+
+    def flags(self, is_last: bool) -> tuple[bool, bool]:
+        """(reduce-scatter this microbatch, all-reduce this microbatch)."""
+        runs = {"every": True, "last": is_last, "never": False}
+        return runs[self.reduce_scatter], runs[self.all_reduce]
+
+
+MODES: dict[str, ModeRule] = {
+    "fsdp": ModeRule("1d", "every", "never"),  # one shard group over the whole world
+    "hsdp": ModeRule("2d", "every", "every"),
+    "hsdp-delayed": ModeRule("2d", "every", "last"),  # set_requires_all_reduce(is_last)
+    "hsdp-final-only": ModeRule("2d", "last", "last"),  # set_requires_gradient_sync(is_last)
+}
+REFERENCE_MODE = "hsdp-delayed"
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha_s: float = 5e-6  # per-message latency, seconds
+    bandwidth: float = 150e9  # bytes per second; inf = free
+
+    def validate(self, name: str) -> Link:
+        if not self.alpha_s >= 0:
+            raise ConfigError(f"{name}.alpha_s = {self.alpha_s!r} is invalid: must be >= 0")
+        if not self.bandwidth > 0:
+            raise ConfigError(f"{name}.bandwidth = {self.bandwidth!r} is invalid: must be > 0 (bytes/s)")
+        return self
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Alpha-beta collective costs; defaults are H100-node-like (NVLink inside, 200 Gb/s per GPU across)."""
+
+    intra: Link = field(default_factory=lambda: Link(5e-6, 150e9))
+    inter: Link = field(default_factory=lambda: Link(20e-6, 25e9))
+    ranks_per_node: int = 8
+    algorithm: Literal["ring", "tree"] = "ring"
+
+    def validate(self) -> CommModel:
+        self.intra.validate("comm.intra")
+        self.inter.validate("comm.inter")
+        if self.ranks_per_node < 1:
+            raise ConfigError(f"comm.ranks_per_node = {self.ranks_per_node!r} is invalid: must be >= 1")
+        if self.algorithm not in ("ring", "tree"):
+            raise ConfigError(f"comm.algorithm = {self.algorithm!r} is invalid: valid are ('ring', 'tree')")
+        return self
+
+    def link(self, ranks: Sequence[int]) -> Link:
+        nodes = {rank // self.ranks_per_node for rank in ranks}
+        return self.intra if len(nodes) <= 1 else self.inter
+
+    def reduce_scatter(self, nbytes_in: float, n: int, link: Link) -> float:
+        """Reduce-scatter of an n-rank group, `nbytes_in` per rank before scattering (all-gather: same cost)."""
+        if n <= 1:
+            return 0.0
+        steps = n - 1 if self.algorithm == "ring" else math.ceil(math.log2(n))
+        return steps * link.alpha_s + (n - 1) / n * nbytes_in / link.bandwidth
+
+    def all_reduce(self, nbytes: float, n: int, link: Link) -> float:
+        if n <= 1:
+            return 0.0
+        if self.algorithm == "ring":  # reduce-scatter then all-gather
+            return 2 * self.reduce_scatter(nbytes, n, link)
+        # tree: reduce up and broadcast down a (pipelined, double binary) tree
+        return 2 * math.ceil(math.log2(n)) * link.alpha_s + 2 * nbytes / link.bandwidth
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one microbatch moves and how its compute splits over FSDP units."""
+
+    layers: int = 8  # FSDP units, each with its own all-gather / reduce-scatter / all-reduce
+    grad_bytes: float = 2e9  # unsharded gradient bytes of the whole model in the reduce dtype
+    param_bytes: float | None = None  # unsharded parameter bytes all-gathered (default: grad_bytes)
+    forward_fraction: float = 1 / 3  # share of a microbatch's compute spent in forward
+    reshard_after_forward: bool = True  # all-gather again before backward
+    overlap: Overlap = "backward"
+    # Extra fixed seconds per (rank, collective call): framework bookkeeping around each collective.
+    per_call_overhead_s: float = 0.0
+
+    def validate(self) -> Workload:
+        if self.layers < 1:
+            raise ConfigError(f"workload.layers = {self.layers!r} is invalid: must be >= 1")
+        if not self.grad_bytes >= 0:
+            raise ConfigError(f"workload.grad_bytes = {self.grad_bytes!r} is invalid: must be >= 0")
+        if self.param_bytes is not None and not self.param_bytes >= 0:
+            raise ConfigError(f"workload.param_bytes = {self.param_bytes!r} is invalid: must be >= 0")
+        if not 0 <= self.forward_fraction <= 1:
+            raise ConfigError(f"workload.forward_fraction = {self.forward_fraction!r} is invalid: must be in [0, 1]")
+        if self.overlap not in ("blocking", "backward", "next_microbatch"):
+            raise ConfigError(f"workload.overlap = {self.overlap!r} is invalid: valid are "
+                              "('blocking', 'backward', 'next_microbatch')")
+        if not self.per_call_overhead_s >= 0:
+            raise ConfigError(f"workload.per_call_overhead_s = {self.per_call_overhead_s!r} is invalid: must be >= 0")
+        return self
+
+
+@dataclass(frozen=True)
+class CollectiveTimes:
+    """Per-unit durations of the collectives of one mode, and which lanes each one couples."""
+
+    all_gather: float
+    reduce_scatter: float
+    all_reduce: float
+    shard_group_spans_groups: bool  # 1-D FSDP: the shard group is the whole world
+
+
+def collective_times(mode: str, replicate: int, shard: int, workload: Workload, comm: CommModel) -> CollectiveTimes:
+    rule = MODES[mode]
+    unit_grad = workload.grad_bytes / workload.layers
+    unit_param = (workload.grad_bytes if workload.param_bytes is None else workload.param_bytes) / workload.layers
+    extra = workload.per_call_overhead_s
+    if rule.mesh == "1d":
+        world = list(range(replicate * shard))
+        link = comm.link(world)
+        n = len(world)
+        return CollectiveTimes(comm.reduce_scatter(unit_param, n, link) + extra,
+                               comm.reduce_scatter(unit_grad, n, link) + extra, 0.0, True)
+    shard_group = list(range(shard))  # replica group 0; every group is laid out alike
+    replicate_group = [g * shard for g in range(replicate)]  # shard position 0 of every group
+    shard_link, replicate_link = comm.link(shard_group), comm.link(replicate_group)
+    return CollectiveTimes(
+        comm.reduce_scatter(unit_param, shard, shard_link) + extra,
+        comm.reduce_scatter(unit_grad, shard, shard_link) + extra,
+        comm.all_reduce(unit_grad / shard, replicate, replicate_link) + extra,
+        False,
+    )
+
+
+def simulate_step_times(compute_s: np.ndarray, replicate: int, shard: int, mode: str, workload: Workload,
+                        comm: CommModel) -> np.ndarray:
+    """Step times [samples] for compute seconds [samples, accum, replicate] (one lane per replica group)."""
+    if mode not in MODES:
+        raise ConfigError(f"mode {mode!r} is invalid: valid are {tuple(MODES)}")
+    workload.validate()
+    comm.validate()
+    compute_s = np.asarray(compute_s, dtype=np.float64)
+    if compute_s.ndim != 3 or compute_s.shape[2] != replicate:
+        raise ConfigError(f"compute shape {compute_s.shape} is invalid: expected [samples, accum, {replicate}]")
+    rule = MODES[mode]
+    times = collective_times(mode, replicate, shard, workload, comm)
+    samples, accum, _ = compute_s.shape
+    layers = workload.layers
+    fwd_share = workload.forward_fraction / layers
+    bwd_share = (1 - workload.forward_fraction) / layers
+
+    def couple_gather(ready: np.ndarray) -> np.ndarray:
+        # All-gather group: the replica group itself (its lanes are identical), or the whole world in 1-D FSDP.
+        return np.broadcast_to(ready.max(axis=1, keepdims=True), ready.shape) if times.shard_group_spans_groups \
+            else ready
+
+    couple_reduce_scatter = couple_gather
+
+    def couple_all_reduce(ready: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(ready.max(axis=1, keepdims=True), ready.shape)
+
+    zeros = np.zeros((samples, replicate))
+    compute_free, gather_free, rs_free, ar_free = zeros.copy(), zeros.copy(), zeros.copy(), zeros.copy()
+    blocking = workload.overlap == "blocking"
+    for mb in range(accum):
+        is_last = mb == accum - 1
+        do_rs, do_ar = rule.flags(is_last)
+        cost = compute_s[:, mb, :]
+        passes = [(layer, fwd_share, False) for layer in range(layers)]
+        passes += [(layer, bwd_share, True) for layer in reversed(range(layers))]
+        previous_unit_start = compute_free
+        for _, share, is_backward in passes:
+            gathers = not is_backward or workload.reshard_after_forward
+            if gathers:
+                if blocking:
+                    compute_free = couple_gather(compute_free) + times.all_gather
+                else:
+                    # Prefetched one unit ahead on its own stream: issued when the previous unit's
+                    # compute starts; this unit's compute waits for it.
+                    start = couple_gather(np.maximum(gather_free, previous_unit_start))
+                    gather_free = start + times.all_gather
+                    compute_free = np.maximum(compute_free, gather_free)
+            previous_unit_start = compute_free
+            compute_free = compute_free + cost * share
+            if not is_backward:
+                continue
+            if blocking:
+                if do_rs:
+                    compute_free = couple_reduce_scatter(compute_free) + times.reduce_scatter
+                if do_ar:
+                    compute_free = couple_all_reduce(compute_free) + times.all_reduce
+            else:
+                if do_rs:
+                    rs_free = couple_reduce_scatter(np.maximum(rs_free, compute_free)) + times.reduce_scatter
+                if do_ar:
+                    ar_free = couple_all_reduce(np.maximum(ar_free, rs_free)) + times.all_reduce
+        if not blocking and (workload.overlap == "backward" or is_last):
+            compute_free = np.maximum(compute_free, np.maximum(rs_free, ar_free))
+    return compute_free.max(axis=1)
+
+
+@dataclass
+class ModePrediction:
+    mode: str
+    mean_step_s: float
+    median_step_s: float
+    p90_step_s: float
+    ratio_to_reference: float  # mean step time of this mode / mean of hsdp-delayed
+
+
+def predict(compute_s: np.ndarray, replicate: int, shard: int, workload: Workload, comm: CommModel,
+            modes: Sequence[str] = tuple(MODES)) -> list[ModePrediction]:
+    step_times = {mode: simulate_step_times(compute_s, replicate, shard, mode, workload, comm) for mode in modes}
+    reference = step_times.get(REFERENCE_MODE)
+    reference_mean = float(reference.mean()) if reference is not None else float("nan")
+    return [ModePrediction(mode, float(t.mean()), float(np.median(t)), float(np.percentile(t, 90)),
+                           float(t.mean()) / reference_mean) for mode, t in step_times.items()]
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+@dataclass
+class SimulateOptions:
+    """Predict step time of each sync policy for a replicate x shard mesh and accumulation steps."""
+
+    replicate: int = 64  # replica groups (dp_replicate)
+    shard: int = 8  # ranks per replica group (dp_shard)
+    accum: int = 16  # microbatches per optimizer step
+    samples: int = 2000  # Monte Carlo steps (cost draws)
+    seed: int = 0
+    cost: CostSpec = field(default_factory=lambda: CostSpec("bimodal", 0.2, 4.0, 0.5, 0.5))  # seconds
+    trace: str | None = None  # JSON with "costs_s": [steps][accum][replicate] seconds (e.g. a `bench sync` JSON)
+    workload: Workload = field(default_factory=Workload)
+    comm: CommModel = field(default_factory=CommModel)
+    modes: tuple[str, ...] = tuple(MODES)
+    json: str | None = None
+    figure: str | None = None  # PNG: speedup of hsdp-delayed over hsdp vs replica groups and vs cost CV
+    cvs: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5)  # lognormal CVs of the figure's CV panel
+    group_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # replica-group counts of the figure
+
+
+def parse_options(cls: type, argv: list[str], prog: str):
+    """tyro-parse a dataclass of options; a bad value becomes a one-line ConfigError."""
+    import contextlib
+    import io
+
+    import tyro
+
+    from moetrain.config import _first_message_line
+
+    if any(a in ("-h", "--help") for a in argv):
+        return tyro.cli(cls, args=argv, prog=prog, config=(tyro.conf.FlagConversionOff,))
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            return tyro.cli(cls, args=argv, prog=prog, config=(tyro.conf.FlagConversionOff,))
+    except SystemExit:
+        raise ConfigError(f"{_first_message_line(captured.getvalue())} (run `{prog} --help` for options)") from None
+
+
+def load_trace(path: str, replicate: int) -> np.ndarray:
+    """Measured compute seconds [steps, accum, replicate] from a JSON file with a "costs_s" array."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"trace {path!r} does not exist")
+    try:
+        costs = np.asarray(json.loads(file.read_text())["costs_s"], dtype=np.float64)
+    except (KeyError, ValueError, TypeError) as err:
+        raise ConfigError(f"trace {path!r} has no numeric \"costs_s\" [steps][accum][groups] array ({err})") from None
+    if costs.ndim != 3 or costs.shape[2] != replicate:
+        raise ConfigError(f"trace {path!r} has costs_s of shape {costs.shape}: expected [steps, accum, {replicate}]")
+    return costs
+
+
+def _validate(opts: SimulateOptions) -> None:
+    for name in ("replicate", "shard", "accum", "samples"):
+        if getattr(opts, name) < 1:
+            raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
+    unknown = [m for m in opts.modes if m not in MODES]
+    if unknown:
+        raise ConfigError(f"modes {unknown} are invalid: valid are {tuple(MODES)}")
+    opts.cost.validate()
+    opts.workload.validate()
+    opts.comm.validate()
+
+
+def speedup_delayed_over_hsdp(spec: CostSpec, replicate: int, shard: int, accum: int, samples: int, seed: int,
+                              workload: Workload, comm: CommModel) -> float:
+    compute = draw_costs(spec, seed, samples, accum, replicate)
+    hsdp = simulate_step_times(compute, replicate, shard, "hsdp", workload, comm).mean()
+    delayed = simulate_step_times(compute, replicate, shard, "hsdp-delayed", workload, comm).mean()
+    return float(hsdp / delayed)
+
+
+def draw_figure(opts: SimulateOptions, path: str) -> dict[str, list[float]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = min(opts.samples, 500)
+    by_groups = [speedup_delayed_over_hsdp(opts.cost, r, opts.shard, opts.accum, samples, opts.seed, opts.workload,
+                                           opts.comm) for r in opts.group_counts]
+    lognormal = [CostSpec("lognormal", opts.cost.mean(), cv=cv) for cv in opts.cvs]
+    by_cv = [speedup_delayed_over_hsdp(spec, opts.replicate, opts.shard, opts.accum, samples, opts.seed,
+                                       opts.workload, opts.comm) for spec in lognormal]
+    fig, (ax_groups, ax_cv) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_groups.plot(opts.group_counts, by_groups, marker="o")
+    ax_groups.set_xscale("log", base=2)
+    ax_groups.set_xlabel(f"replica groups (x {opts.shard} shards)")
+    ax_groups.set_ylabel("predicted step-time ratio hsdp / hsdp-delayed")
+    ax_groups.set_title(f"{opts.cost.distribution} costs (CV {opts.cost.std() / opts.cost.mean():.2f}), "
+                        f"accum {opts.accum}")
+    ax_cv.plot(opts.cvs, by_cv, marker="o")
+    ax_cv.set_xlabel("cost coefficient of variation (lognormal)")
+    ax_cv.set_title(f"{opts.replicate} x {opts.shard} ranks, accum {opts.accum}")
+    for ax in (ax_groups, ax_cv):
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"moetrain simulate: overlap={opts.workload.overlap}, {opts.comm.algorithm}, "
+                 f"{opts.workload.grad_bytes / 1e9:g} GB grads / {opts.workload.layers} units")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return {"group_counts": list(opts.group_counts), "speedup_by_groups": by_groups, "cvs": list(opts.cvs),
+            "speedup_by_cv": by_cv}
+
+
+def format_table(predictions: Sequence[ModePrediction]) -> str:
+    lines = [f"{'mode':<16} {'mean s':>9} {'median s':>9} {'p90 s':>9} {'/ hsdp-delayed':>15}"]
+    lines += [f"{p.mode:<16} {p.mean_step_s:>9.4f} {p.median_step_s:>9.4f} {p.p90_step_s:>9.4f} "
+              f"{p.ratio_to_reference:>15.3f}" for p in predictions]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    opts: SimulateOptions = parse_options(SimulateOptions, argv, "moetrain simulate")
+    _validate(opts)
+    if opts.trace:
+        compute = load_trace(opts.trace, opts.replicate)
+        source = f"trace {opts.trace} ({compute.shape[0]} steps)"
+        if compute.shape[1] != opts.accum:
+            raise ConfigError(f"accum = {opts.accum} does not match the trace's {compute.shape[1]} microbatches")
+    else:
+        compute = draw_costs(opts.cost, opts.seed, opts.samples, opts.accum, opts.replicate)
+        source = f"{opts.cost} seed {opts.seed}, {opts.samples} draws"
+    predictions = predict(compute, opts.replicate, opts.shard, opts.workload, opts.comm, opts.modes)
+    print(f"moetrain simulate: {opts.replicate} replica groups x {opts.shard} shards, accum {opts.accum}, "
+          f"overlap={opts.workload.overlap}, {opts.comm.algorithm}; costs: {source}")
+    print(format_table(predictions))
+    result: dict = {"options": asdict(opts), "modes": [asdict(p) for p in predictions]}
+    if not opts.trace and opts.cost.distribution == "bimodal":
+        bounds = {"sum_of_max_s": expected_sum_of_max_bimodal(opts.cost, opts.accum, opts.replicate),
+                  "max_of_sum_s": expected_max_of_sum_bimodal(opts.cost, opts.accum, opts.replicate)}
+        print(f"zero-comm limits (exact): E[sum max] = {bounds['sum_of_max_s']:.4f} s (hsdp), "
+              f"E[max sum] = {bounds['max_of_sum_s']:.4f} s (hsdp-delayed), "
+              f"ratio {bounds['sum_of_max_s'] / bounds['max_of_sum_s']:.3f}")
+        result["zero_comm_limits"] = bounds
+    if opts.figure:
+        result["figure"] = {"path": opts.figure, **draw_figure(opts, opts.figure)}
+        print(f"figure: {opts.figure}")
+    if opts.json:
+        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(f"json: {opts.json}")
+    return 0
