@@ -209,6 +209,8 @@ def _validate(cfg: JobConfig) -> None:
     _check(d.source == "stdlib" or d.path is not None, "data.path", d.path,
            f"a path is required when data.source = {d.source!r}")
     _check(bool(lg.run_dir), "logging.run_dir", lg.run_dir, "must be a non-empty path")
+    _check(m.init_scheme in (names := list(__import__("moetrain.model.init", fromlist=["SCHEMES"]).SCHEMES)),
+           "model.init_scheme", m.init_scheme, f"valid schemes: {', '.join(names)}")
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
