@@ -39,7 +39,8 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _scatter_add_rows(rows: Tensor, token_index: Tensor, n_tokens: int) -> Tensor:
     acc = torch.zeros(n_tokens, rows.shape[1], dtype=_accumulate_dtype(rows.dtype), device=rows.device)
-    acc.index_add_(0, token_index, rows)
+    # index_put_(accumulate=True) measured faster than index_add_ on CPU for N x d rows.
+    acc.index_put_((token_index,), rows.to(acc.dtype), accumulate=True)
     return acc.to(rows.dtype)
 
 

@@ -1,0 +1,329 @@
+"""`moetrain bench moe`: the routed-expert implementations side by side, in one process, same inputs.
+
+For each implementation (per-expert loop, grouped GEMM with standard autograd, memory-efficient
+Function) it measures the bytes saved for backward (unique storages seen by
+`torch.autograd.graph.saved_tensors_hooks`, parameters excluded) and the forward+backward time
+(median over repeats after warm-up, implementations interleaved so machine noise hits all alike),
+and reports ratios to the grouped path. On CPU it also times both grouped GEMM backends
+(`torch._grouped_mm` and the loop over contiguous expert segments), which is how the CPU backend
+in `moetrain.model.experts` was chosen. `--sweep` varies granularity at constant top_k *
+intermediate and plots saved MiB (PNG + JSON under benchmarks/results/).
+
+This is a benchmark, not a test: it asserts nothing about time. User errors raise ConfigError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetrain.config import ConfigError
+from moetrain.model.experts import (
+    ACTIVATIONS,
+    BACKENDS,
+    IMPLS,
+    Routing,
+    grouped_mm_backend,
+    routed_experts,
+    routing_from_topk,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+RESULTS_DIR = Path("benchmarks/results")
+# (n_experts, top_k, intermediate) at constant top_k * intermediate = 1024.
+GRANULARITY_SWEEP: tuple[tuple[int, int, int], ...] = ((8, 1, 1024), (16, 2, 512), (32, 4, 256), (64, 8, 128),
+                                                       (128, 16, 64))
+
+
+@dataclass
+class BenchConfig:
+    tokens: int = 4096
+    hidden: int = 512
+    intermediate: int = 128
+    n_experts: int = 64
+    top_k: int = 8
+    activation: str = "swiglu"
+    dtype: str = "float32"
+    device: str = "cpu"
+    warmup: int = 2
+    repeats: int = 7
+    seed: int = 0
+    # Grouped GEMM backend for the main table; "auto" = moetrain's per-device choice.
+    backend: str = "auto"
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "fine": dict(hidden=512, intermediate=128, n_experts=64, top_k=8, tokens=4096),
+    "coarse": dict(hidden=1024, intermediate=512, n_experts=8, top_k=2, tokens=4096),
+}
+
+
+def _validate(cfg: BenchConfig) -> None:
+    def check(ok: bool, name: str, valid: str) -> None:
+        if not ok:
+            raise ConfigError(f"--{name} = {getattr(cfg, name)!r} is invalid: {valid}")
+
+    for name in ("tokens", "hidden", "intermediate", "n_experts", "top_k"):
+        check(getattr(cfg, name) >= 1, name, "must be >= 1")
+    check(cfg.top_k <= cfg.n_experts, "top_k", f"must be <= n_experts ({cfg.n_experts})")
+    check(cfg.repeats >= 5, "repeats", "must be >= 5 (the median needs at least 5 samples)")
+    check(cfg.warmup >= 0, "warmup", "must be >= 0")
+    check(cfg.activation in ACTIVATIONS, "activation", f"valid: {', '.join(ACTIVATIONS)}")
+    check(cfg.dtype in DTYPES, "dtype", f"valid: {', '.join(DTYPES)}")
+    check(cfg.backend in ("auto", *BACKENDS), "backend", f"valid: auto, {', '.join(BACKENDS)}")
+    check(cfg.device in ("cpu", "cuda"), "device", "valid: cpu, cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device = 'cuda' is invalid: no CUDA device is available here; use cpu")
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor
+    routing: Routing
+    w1: torch.Tensor
+    w2: torch.Tensor
+    grad_out: torch.Tensor
+
+
+def make_inputs(cfg: BenchConfig) -> Inputs:
+    """One set of inputs shared by every implementation: softmax router scores (a leaf, so the score
+    gradient is computed but the router itself is outside the timed region), top-k, renormalised."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
+    width = 2 * cfg.intermediate if cfg.activation == "swiglu" else cfg.intermediate
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+    x = randn(cfg.tokens, cfg.hidden).requires_grad_()
+    logits = torch.randn(cfg.tokens, cfg.n_experts, generator=gen)
+    top_scores, top_idx = logits.softmax(-1).topk(cfg.top_k, dim=-1)
+    top_scores = top_scores / top_scores.sum(-1, keepdim=True)
+    routing = routing_from_topk(top_idx.to(device), top_scores.to(device=device, dtype=dtype), cfg.n_experts)
+    routing.scores.requires_grad_()
+    w1 = torch.nn.Parameter(randn(cfg.n_experts, cfg.hidden, width, scale=cfg.hidden ** -0.5))
+    w2 = torch.nn.Parameter(randn(cfg.n_experts, cfg.intermediate, cfg.hidden, scale=cfg.intermediate ** -0.5))
+    return Inputs(x=x, routing=routing, w1=w1, w2=w2, grad_out=randn(cfg.tokens, cfg.hidden))
+
+
+def _forward(inputs: Inputs, cfg: BenchConfig, impl: str, backend: str) -> torch.Tensor:
+    return routed_experts(inputs.x, inputs.routing, inputs.w1, inputs.w2, cfg.activation, impl, backend=backend)
+
+
+def saved_bytes(inputs: Inputs, cfg: BenchConfig, impl: str, backend: str) -> int:
+    """Bytes of the unique storages autograd saves for backward during one forward, parameters excluded."""
+    param_storages = {p.untyped_storage().data_ptr() for p in (inputs.w1, inputs.w2)}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = _forward(inputs, cfg, impl, backend)
+    del out
+    return sum(storages.values())
+
+
+def formula_bytes(cfg: BenchConfig) -> int:
+    """Closed-form minimum for the memory-efficient Function: X + H + scores + token indices + counts."""
+    elem = DTYPES[cfg.dtype].itemsize
+    assignments = cfg.tokens * cfg.top_k
+    width = 2 * cfg.intermediate if cfg.activation == "swiglu" else cfg.intermediate
+    return (cfg.tokens * cfg.hidden * elem + assignments * width * elem + assignments * elem
+            + assignments * 8 + cfg.n_experts * 8)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _fwd_bwd_once(inputs: Inputs, cfg: BenchConfig, impl: str, backend: str) -> float:
+    for tensor in (inputs.x, inputs.routing.scores, inputs.w1, inputs.w2):
+        tensor.grad = None
+    _sync(cfg.device)
+    start = time.perf_counter()
+    _forward(inputs, cfg, impl, backend).backward(inputs.grad_out)
+    _sync(cfg.device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_variants(inputs: Inputs, cfg: BenchConfig, variants: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
+    """Median fwd+bwd ms per (impl, backend), variants interleaved within every repeat."""
+    for _ in range(cfg.warmup):
+        for impl, backend in variants:
+            _fwd_bwd_once(inputs, cfg, impl, backend)
+    samples: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+    for _ in range(cfg.repeats):
+        for variant in variants:
+            samples[variant].append(_fwd_bwd_once(inputs, cfg, *variant))
+    return {v: statistics.median(s) for v, s in samples.items()}
+
+
+def run_preset(cfg: BenchConfig, compare_backends: bool) -> dict[str, Any]:
+    inputs = make_inputs(cfg)
+    chosen = grouped_mm_backend(torch.device(cfg.device), DTYPES[cfg.dtype]) if cfg.backend == "auto" else cfg.backend
+    variants = [(impl, chosen) for impl in IMPLS]
+    if compare_backends:
+        variants += [(impl, other) for other in BACKENDS if other != chosen for impl in ("grouped", "memory_efficient")]
+    times = time_variants(inputs, cfg, variants)
+    results = []
+    grouped_bytes = saved_bytes(inputs, cfg, "grouped", chosen)
+    grouped_ms = times[("grouped", chosen)]
+    for impl in IMPLS:
+        nbytes = saved_bytes(inputs, cfg, impl, chosen)
+        entry: dict[str, Any] = {
+            "impl": impl,
+            "backend": "per-expert matmuls" if impl == "loop" else chosen,
+            "saved_bytes": nbytes,
+            "saved_mib": nbytes / 2**20,
+            "fwd_bwd_ms": times[(impl, chosen)],
+            "saved_ratio_to_grouped": nbytes / grouped_bytes,
+            "time_ratio_to_grouped": times[(impl, chosen)] / grouped_ms,
+        }
+        if impl == "memory_efficient":
+            entry["formula_bytes"] = formula_bytes(cfg)
+            entry["saved_over_formula"] = nbytes / entry["formula_bytes"]
+        results.append(entry)
+    report: dict[str, Any] = {"config": dataclasses.asdict(cfg), "chosen_backend": chosen, "results": results,
+                              "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if compare_backends:
+        report["backend_comparison"] = [
+            {"impl": impl, "backend": backend, "fwd_bwd_ms": ms, "time_ratio_to_chosen_grouped": ms / grouped_ms}
+            for (impl, backend), ms in times.items() if impl != "loop"
+        ]
+    return report
+
+
+def run_sweep(base: BenchConfig) -> list[dict[str, Any]]:
+    """Saved bytes per implementation across granularity at constant top_k * intermediate."""
+    rows = []
+    for n_experts, top_k, intermediate in GRANULARITY_SWEEP:
+        cfg = dataclasses.replace(base, n_experts=n_experts, top_k=top_k, intermediate=intermediate)
+        inputs = make_inputs(cfg)
+        backend = grouped_mm_backend(torch.device(cfg.device), DTYPES[cfg.dtype]) if cfg.backend == "auto" \
+            else cfg.backend
+        row: dict[str, Any] = {"n_experts": n_experts, "top_k": top_k, "intermediate": intermediate,
+                               "formula_bytes": formula_bytes(cfg)}
+        for impl in IMPLS:
+            row[f"{impl}_saved_bytes"] = saved_bytes(inputs, cfg, impl, backend)
+        rows.append(row)
+    return rows
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"E={r['n_experts']}\nk={r['top_k']}\nn={r['intermediate']}" for r in rows]
+    xs = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for impl, marker in zip(IMPLS, "osD", strict=True):
+        ax.plot(xs, [r[f"{impl}_saved_bytes"] / 2**20 for r in rows], marker=marker, label=impl)
+    ax.plot(xs, [r["formula_bytes"] / 2**20 for r in rows], linestyle="--", color="gray",
+            label="closed-form minimum (X+H+S+idx)")
+    ax.set_xticks(xs, labels)
+    ax.set_ylabel("bytes saved for backward (MiB)")
+    ax.set_xlabel("granularity (constant top_k x intermediate)")
+    ax.set_title("MoE activation memory vs expert granularity")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"{'impl':18s} {'backend':18s} {'saved MiB':>10s} {'x grouped':>9s} {'fwd+bwd ms':>11s} {'x grouped':>9s}"]
+    for r in report["results"]:
+        lines.append(f"{r['impl']:18s} {r['backend']:18s} {r['saved_mib']:10.2f} {r['saved_ratio_to_grouped']:9.3f} "
+                     f"{r['fwd_bwd_ms']:11.2f} {r['time_ratio_to_grouped']:9.3f}")
+    mem = next(r for r in report["results"] if r["impl"] == "memory_efficient")
+    lines.append(f"memory_efficient formula: {mem['formula_bytes'] / 2**20:.2f} MiB "
+                 f"(measured / formula = {mem['saved_over_formula']:.4f})")
+    if "backend_comparison" in report:
+        lines.append("grouped GEMM backends (same run):")
+        for r in report["backend_comparison"]:
+            lines.append(f"  {r['impl']:18s} {r['backend']:18s} {r['fwd_bwd_ms']:9.2f} ms "
+                         f"({r['time_ratio_to_chosen_grouped']:.3f} x chosen grouped)")
+    return "\n".join(lines)
+
+
+def format_sweep(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'E':>4s} {'k':>3s} {'n':>5s} " + " ".join(f"{impl + ' MiB':>22s}" for impl in IMPLS)
+             + f" {'formula MiB':>12s}"]
+    for r in rows:
+        lines.append(f"{r['n_experts']:4d} {r['top_k']:3d} {r['intermediate']:5d} "
+                     + " ".join(f"{r[f'{impl}_saved_bytes'] / 2**20:22.2f}" for impl in IMPLS)
+                     + f" {r['formula_bytes'] / 2**20:12.2f}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moetrain bench moe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="fine", help=f"one of {', '.join(PRESETS)} (default fine)")
+    for field in dataclasses.fields(BenchConfig):
+        parser.add_argument(f"--{field.name}", type=type(field.default), default=None,
+                            help=f"override the preset (default {field.default!r})")
+    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also sweep granularity at constant top_k*intermediate; writes PNG + JSON to --out-dir")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
+                        help="where the sweep writes (default %(default)s)")
+    parser.add_argument("--no-backend-comparison", action="store_true",
+                        help="skip timing the non-chosen grouped GEMM backend")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    if args.preset not in PRESETS:
+        raise ConfigError(f"--preset = {args.preset!r} is invalid: valid presets are {', '.join(PRESETS)}")
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
+                 if getattr(args, f.name) is not None}
+    cfg = BenchConfig(**{**PRESETS[args.preset], **overrides})
+    _validate(cfg)
+    return cfg
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    cfg = config_from_args(args)
+    torch.manual_seed(cfg.seed)
+    report = run_preset(cfg, compare_backends=not args.no_backend_comparison and cfg.device == "cpu"
+                        and cfg.dtype != "float64")
+    report = {"preset": args.preset, **report}
+    print(f"moetrain bench moe --preset {args.preset}: tokens={cfg.tokens} hidden={cfg.hidden} "
+          f"intermediate={cfg.intermediate} experts={cfg.n_experts} top_k={cfg.top_k} {cfg.activation} {cfg.dtype} "
+          f"{cfg.device} threads={torch.get_num_threads()} (median of {cfg.repeats} after {cfg.warmup} warm-up)")
+    print(format_table(report))
+    if args.sweep:
+        rows = run_sweep(cfg)
+        report["sweep"] = rows
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        png, sweep_json = args.out_dir / "bench_moe_granularity.png", args.out_dir / "bench_moe_granularity.json"
+        plot_sweep(rows, png)
+        sweep_json.write_text(json.dumps({"preset": args.preset, "config": dataclasses.asdict(cfg),
+                                          "sweep": rows}, indent=2) + "\n")
+        print(f"granularity sweep (tokens={cfg.tokens}, hidden={cfg.hidden}, top_k*intermediate=1024):")
+        print(format_sweep(rows))
+        print(f"wrote {png} and {sweep_json}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
