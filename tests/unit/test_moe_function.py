@@ -1,0 +1,124 @@
+"""The memory-efficient Function: what it saves for backward, its score gradient formula, partial
+input gradients, and bfloat16 accuracy against a float64 reference on the same (rounded) inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetrain.model.experts import routed_experts, routing_from_topk
+from moetrain.model.moe_function import MemoryEfficientExperts
+
+BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: round-to-nearest relative error <= 2^-8
+
+
+def make_problem(tokens, dim, inner, n_experts, top_k, activation, dtype, seed=0):
+    """Inputs drawn in float64 and rounded once to `dtype`; routing fixed from float64 router scores."""
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * inner if activation == "swiglu" else inner
+    x = torch.randn(tokens, dim, generator=gen, dtype=torch.float64)
+    w1 = torch.randn(n_experts, dim, width, generator=gen, dtype=torch.float64) * dim**-0.5
+    w2 = torch.randn(n_experts, inner, dim, generator=gen, dtype=torch.float64) * inner**-0.5
+    grad_out = torch.randn(tokens, dim, generator=gen, dtype=torch.float64)
+    scores, idx = torch.randn(tokens, n_experts, generator=gen, dtype=torch.float64).softmax(-1).topk(top_k)
+    return [t.to(dtype) for t in (x, w1, w2, grad_out, scores)] + [idx]
+
+
+def grads_of(impl, x, w1, w2, grad_out, scores, idx, activation, backend="segment_loop"):
+    x, w1, w2, scores = (t.clone().requires_grad_() for t in (x, w1, w2, scores))
+    routing = routing_from_topk(idx, scores, w1.shape[0])
+    out = routed_experts(x, routing, w1, w2, activation, impl, backend=backend)
+    return (out, *torch.autograd.grad(out, (x, scores, w1, w2), grad_out))
+
+
+def rel_err(actual, expected):
+    expected = expected.double()
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def test_saves_only_x_h_scores_indices_counts():
+    tokens, dim, inner, n_experts, top_k = 24, 32, 8, 6, 3
+    x, w1, w2, grad_out, scores, idx = make_problem(tokens, dim, inner, n_experts, top_k, "swiglu", torch.float32)
+    x.requires_grad_()
+    w1.requires_grad_()
+    w2.requires_grad_()
+    scores.requires_grad_()
+    routing = routing_from_topk(idx, scores, n_experts)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        out = routed_experts(x, routing, w1, w2, "swiglu", "memory_efficient")
+    assignments = tokens * top_k
+    shapes = sorted(tuple(t.shape) for t in saved if t.data_ptr() not in (w1.data_ptr(), w2.data_ptr()))
+    assert shapes == sorted([(tokens, dim), (assignments, 2 * inner), (assignments,), (assignments,), (n_experts,)])
+    # X is saved as the caller's tensor (no copy), and nothing of size tokens*top_k x hidden is kept
+    assert any(t.data_ptr() == x.data_ptr() for t in saved)
+    assert all(t.numel() < assignments * dim for t in saved if t.data_ptr() not in (w1.data_ptr(), w2.data_ptr()))
+    out.backward(grad_out)
+    assert x.grad is not None
+
+
+def test_score_gradient_is_inner_product_of_output_gradient_and_expert_output():
+    """dS_a = <dO[t_a], Y_a> with Y_a = phi(x W1_e) W2_e, computed here directly (the Function
+    computes it as <dO W2^T, A> without ever forming Y)."""
+    x, w1, w2, grad_out, scores, idx = make_problem(13, 16, 8, 5, 2, "gelu", torch.float64)
+    _, _, grad_scores, _, _ = grads_of("memory_efficient", x, w1, w2, grad_out, scores, idx, "gelu")
+    routing = routing_from_topk(idx, scores, 5)
+    expert_of = torch.repeat_interleave(torch.arange(5), routing.counts)
+    want = torch.empty(routing.n_assignments, dtype=torch.float64)
+    for a, (t, e) in enumerate(zip(routing.token_index.tolist(), expert_of.tolist(), strict=True)):
+        y = F.gelu(x[t] @ w1[e]) @ w2[e]
+        want[a] = grad_out[t] @ y
+    # map each token's top-k slots to their assignment rows
+    slot_grad = torch.zeros(13, 2, dtype=torch.float64)
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    slot_grad.view(-1)[order] = want
+    assert torch.allclose(grad_scores, slot_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_partial_input_gradients():
+    x, w1, w2, grad_out, scores, idx = make_problem(10, 16, 8, 4, 2, "swiglu", torch.float64)
+    _, gx, gs, gw1, gw2 = grads_of("loop", x, w1, w2, grad_out, scores, idx, "swiglu")
+    routing = routing_from_topk(idx, scores, 4)
+    # only the weights need gradients (e.g. a frozen embedding below the layer)
+    w1_leaf, w2_leaf = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    out = routed_experts(x, routing, w1_leaf, w2_leaf, "swiglu", "memory_efficient")
+    got_w1, got_w2 = torch.autograd.grad(out, (w1_leaf, w2_leaf), grad_out)
+    assert torch.allclose(got_w1, gw1, rtol=1e-12) and torch.allclose(got_w2, gw2, rtol=1e-12)
+    # only x needs a gradient
+    x_leaf = x.clone().requires_grad_()
+    (got_x,) = torch.autograd.grad(routed_experts(x_leaf, routing, w1, w2, "swiglu", "memory_efficient"), x_leaf,
+                                   grad_out)
+    assert torch.allclose(got_x, gx, rtol=1e-12)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("backend", ["segment_loop", "torch_grouped_mm"])
+def test_bfloat16_error_bound(activation, backend):
+    """bf16 bound, against float64 on the same bf16-rounded inputs (so only computation error counts).
+
+    Every GEMM and reduction accumulates in float32 (CPU bf16 matmuls accumulate in fp32; the
+    Function's dS and token scatter-adds are fp32), so the reduction length contributes only
+    ~L * 2^-24, negligible here: the error is set by rounding intermediates to bf16. The longest
+    chain (dX: H, A, dA', S dA', dH, dX rows, dX) rounds 7 times, each with relative error
+    <= u = 2^-8, so 8u bounds every output and gradient elementwise to first order; norm-wise we
+    also require the memory-efficient path to be no worse than the standard-autograd loop run in
+    bf16 (1.25x its error, plus u/4 for independent rounding noise)."""
+    problem = make_problem(48, 64, 32, 8, 4, activation, torch.bfloat16, seed=1)
+    reference = grads_of("loop", *[t.double() if t.is_floating_point() else t for t in problem], activation)
+    mem = grads_of("memory_efficient", *problem, activation, backend=backend)
+    loop_bf16 = grads_of("loop", *problem, activation)
+    for name, got, base, want in zip(("out", "x", "scores", "w1", "w2"), mem, loop_bf16, reference, strict=True):
+        assert got.dtype == torch.bfloat16, name
+        err, base_err = rel_err(got, want), rel_err(base, want)
+        assert err <= 8 * BF16_UNIT_ROUNDOFF, (name, err)
+        assert err <= 1.25 * base_err + BF16_UNIT_ROUNDOFF / 4, (name, err, base_err)
+
+
+def test_function_returns_no_gradient_for_integer_metadata():
+    x, w1, w2, grad_out, scores, idx = make_problem(5, 16, 8, 3, 2, "swiglu", torch.float64)
+    routing = routing_from_topk(idx, scores.requires_grad_(), 3)
+    out = MemoryEfficientExperts.apply(x, routing.scores, w1, w2, routing.token_index, routing.counts, "swiglu",
+                                       "segment_loop")
+    (grad_scores,) = torch.autograd.grad(out, routing.scores, grad_out)
+    assert grad_scores.shape == routing.scores.shape
