@@ -30,6 +30,9 @@ import pickle
 import re
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +74,15 @@ def _rank() -> int:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns on every single-process save/load that it assumes one process; that is
+    # exactly the intent here, so the warning is noise.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def step_dir_name(step: int) -> str:
@@ -181,7 +193,8 @@ def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, opt
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt at this same step
     _barrier()
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
     _barrier()
     if _rank() == 0:
         _maybe_pause_for_test(step, tmp)
@@ -219,7 +232,8 @@ def load_checkpoint(ref: CheckpointRef, model: nn.Module, optimizer: torch.optim
     """Restore model and optimizer in place (resharding as needed); return the trainer state."""
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
              "trainer": b""}
-    dcp.load(state, checkpoint_id=str(ref.path), no_dist=not _distributed())
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(ref.path), no_dist=not _distributed())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     return pickle.loads(state["trainer"])
@@ -228,6 +242,7 @@ def load_checkpoint(ref: CheckpointRef, model: nn.Module, optimizer: torch.optim
 def load_model_weights(ref: CheckpointRef, model: nn.Module) -> dict[str, Any]:
     """Restore only the model (e.g. for sampling in one process); return the trainer state."""
     state = {"model": get_model_state_dict(model), "trainer": b""}
-    dcp.load(state, checkpoint_id=str(ref.path), no_dist=not _distributed())
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(ref.path), no_dist=not _distributed())
     set_model_state_dict(model, state["model"])
     return pickle.loads(state["trainer"])
