@@ -119,6 +119,12 @@ class TrainConfig:
     eval_batches: int = 8
     peak_flops: float = 1e12
     sample_tokens: int = 200
+    sample_prompt: str = "def "
+    sample_temperature: float = 0.8
+    sample_top_p: float = 0.95
+    # End this invocation after this step (checkpoint written) as if interrupted; the
+    # schedule still spans train.steps. Resume later with --checkpoint.resume True.
+    stop_at_step: int | None = None
 
 
 @dataclass
@@ -203,6 +209,11 @@ def _validate(cfg: JobConfig) -> None:
     _check(0 <= t.beta2 < 1, "train.beta2", t.beta2, "must be in [0, 1)")
     _check(t.eps > 0, "train.eps", t.eps, "must be > 0")
     _check(t.peak_flops > 0, "train.peak_flops", t.peak_flops, "must be > 0")
+    _check(t.sample_temperature >= 0, "train.sample_temperature", t.sample_temperature, "must be >= 0 (0 = greedy)")
+    _check(0 < t.sample_top_p <= 1, "train.sample_top_p", t.sample_top_p, "must be in (0, 1]")
+    if t.stop_at_step is not None:
+        _check(1 <= t.stop_at_step <= t.steps, "train.stop_at_step", t.stop_at_step,
+               f"must be in [1, train.steps = {t.steps}]")
     _check(0 <= d.heldout_fraction < 1, "data.heldout_fraction", d.heldout_fraction, "must be in [0, 1)")
     if d.max_documents is not None:
         _check(d.max_documents >= 1, "data.max_documents", d.max_documents, "must be >= 1")
