@@ -73,8 +73,9 @@ class MoE(nn.Module):
         self.load_since_update.zero_()
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [T, d] -> (probs [T, E] float32 rows summing to 1, topk_idx [T, k], gates [T, k] float32)."""
-        logits = self.router(x).float()
+        """x [T, d] -> (probs [T, E] rows summing to 1, topk_idx [T, k], gates [T, k]); scores in >= float32."""
+        logits = self.router(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.cfg.score_func == "softmax":
             scores = logits.softmax(dim=-1)
             probs = scores

@@ -144,6 +144,14 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
+    def _apply(self, fn, recurse=True):
+        # `to_empty` / `to` from meta replace each module's parameters one by one, which would
+        # give the embedding and the head two separate tensors: tie them again.
+        out = super()._apply(fn, recurse)
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return out
+
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
                 document_ids: Tensor | None = None) -> Tensor:
         """tokens [B, S] -> logits [B, S, V].
