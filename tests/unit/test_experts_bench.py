@@ -1,0 +1,61 @@
+"""`moetrain bench moe` smoke test on a tiny override: JSON schema, saved bytes vs the closed form
+(bytes only, never time), the granularity sweep outputs, and one-line errors for bad options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moetrain.bench import moe as bench_moe
+from moetrain.cli import main as cli_main
+from moetrain.config import ConfigError
+
+TINY = ["--tokens", "64", "--hidden", "32", "--intermediate", "8", "--n_experts", "8", "--top_k", "2",
+        "--warmup", "0", "--repeats", "5"]
+
+
+def test_bench_json_schema_and_saved_bytes_match_formula(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench_moe.main(["--preset", "fine", *TINY, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["preset"] == "fine"
+    assert report["config"]["tokens"] == 64 and report["config"]["n_experts"] == 8
+    by_impl = {r["impl"]: r for r in report["results"]}
+    assert set(by_impl) == {"loop", "grouped", "memory_efficient"}
+    for r in report["results"]:
+        assert isinstance(r["saved_bytes"], int) and r["saved_bytes"] > 0
+        assert r["fwd_bwd_ms"] > 0
+    mem = by_impl["memory_efficient"]
+    assert abs(mem["saved_bytes"] - mem["formula_bytes"]) <= 0.05 * mem["formula_bytes"]
+    # closed form recomputed here: X + H (2n wide) + scores (fp32) + token indices (int64) + counts (int64)
+    tokens, hidden, inner, experts, top_k = 64, 32, 8, 8, 2
+    assert mem["formula_bytes"] == (tokens * hidden * 4 + tokens * top_k * 2 * inner * 4 + tokens * top_k * 4
+                                    + tokens * top_k * 8 + experts * 8)
+    # the standard-autograd paths keep the gathered input and expert outputs: strictly more
+    assert by_impl["grouped"]["saved_bytes"] > 2 * mem["saved_bytes"]
+    assert {r["backend"] for r in report["backend_comparison"]} == {"segment_loop", "torch_grouped_mm"}
+    assert "memory_efficient formula" in capsys.readouterr().out
+
+
+def test_bench_sweep_writes_plot_and_keeps_memory_efficient_bytes_flat(tmp_path):
+    args = ["--tokens", "16", "--hidden", "16", "--warmup", "0", "--repeats", "5", "--no-backend-comparison"]
+    assert bench_moe.main([*args, "--sweep", "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "bench_moe_granularity.png").stat().st_size > 0
+    rows = json.loads((tmp_path / "bench_moe_granularity.json").read_text())["sweep"]
+    assert [(r["n_experts"], r["top_k"], r["intermediate"]) for r in rows] == list(bench_moe.GRANULARITY_SWEEP)
+    for r in rows:
+        assert abs(r["memory_efficient_saved_bytes"] - r["formula_bytes"]) <= 0.05 * r["formula_bytes"]
+    # the standard path grows with top_k (gathered X and Y are tokens*top_k x hidden)
+    grouped = [r["grouped_saved_bytes"] for r in rows]
+    assert grouped == sorted(grouped) and grouped[-1] > grouped[0]
+
+
+def test_bench_bad_options_are_config_errors(capsys):
+    with pytest.raises(ConfigError, match="--preset = 'huge' is invalid: valid presets are fine, coarse"):
+        bench_moe.main(["--preset", "huge"])
+    with pytest.raises(ConfigError, match="--repeats = 3 is invalid"):
+        bench_moe.main([*TINY[:-2], "--repeats", "3"])
+    assert cli_main(["bench", "moe", "--top_k", "99"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--top_k = 99" in err[0]
