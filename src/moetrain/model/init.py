@@ -267,11 +267,12 @@ def _megatron() -> Scheme:
     """Megatron-LM: `init_method_normal(0.02)` everywhere, `scaled_init_method_normal` 0.02/sqrt(2L) for outputs.
 
     Sources: NVIDIA/Megatron-LM megatron/core/transformer/moe/router.py @7d231ef578680f55d7e8b4c158bd9c9fffd23bf7
-    (router weight [E, d] initialised by `config.init_method`); megatron/core/transformer/transformer_config.py
-    @d2c5e8b4f4fa0062d8cd9cbe18a7fca7cf1f99a3 (init_method_std 0.02; init_method = init_method_normal(std);
-    output_layer_init_method = scaled_init_method_normal(std, num_layers) = normal(std/sqrt(2·num_layers)),
-    applied to the attention projection and fc2 of each block, including expert fc2). Embeddings and the
-    untied output layer use init_method. Plain normals; biases zeros. On moetrain's bias-free,
+    (router weight [E, d] initialised by `config.init_method`); `init_method_normal(sigma)` = normal(sigma) and
+    `scaled_init_method_normal(sigma, num_layers)` = normal(sigma/sqrt(2·num_layers)) with init_method_std 0.02
+    and output_layer_init_method defaulting to the scaled one in TransformerConfig (read as excerpts of
+    megatron/core/utils.py and transformer_config.py copies; commit not pinned). The scaled init covers the
+    attention projection and fc2 of each block (expert fc2 included); embeddings and the untied output layer
+    use init_method. Plain normals; biases zeros. On moetrain's bias-free,
     position-embedding-free model this table coincides with `gpt2` (GPT-2 in HF cites Megatron for it).
     """
     return _gpt2_like("megatron", _megatron.__doc__ or "")
