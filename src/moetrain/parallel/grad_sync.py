@@ -1,0 +1,195 @@
+"""Gradient accumulation under FSDP2/HSDP: sync policies, global token count, clipping.
+
+A sync policy is data: for each microbatch position (not last / last) the two FSDP
+flags, `requires_gradient_sync` (reduce-scatter over the shard dim at all) and
+`requires_all_reduce` (all-reduce over the replicate dim). `accumulation()` walks the
+microbatches and sets both flags on every FSDP unit before each one, so a training
+loop cannot forget or mis-order them. `count_global_tokens` makes the one all-reduce
+per step that the token-weighted loss needs, and `clip_grad_norm_` clips by the norm
+of the full (sharded and replicated) gradient. This module decides when gradients
+move; it must not compute losses or step optimizers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from moetrain.config import ConfigError, ParallelConfig
+from moetrain.parallel.mesh import mesh_shape
+from moetrain.parallel.shard import fsdp_modules
+from moetrain.train.loss import IGNORE_INDEX
+
+Microbatch = TypeVar("Microbatch")
+
+
+@dataclass(frozen=True)
+class SyncFlags:
+    requires_gradient_sync: bool
+    requires_all_reduce: bool
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    name: str
+    not_last: SyncFlags
+    last: SyncFlags
+
+    def flags(self, is_last: bool) -> SyncFlags:
+        return self.last if is_last else self.not_last
+
+
+_FULL_SYNC = SyncFlags(requires_gradient_sync=True, requires_all_reduce=True)
+
+# The whole policy space. Every policy syncs fully on the last microbatch, so the
+# gradients after a step are identical; they differ in when communication happens
+# and how much unsharded gradient memory is held in between.
+SYNC_POLICIES: dict[str, SyncPolicy] = {
+    # Reduce-scatter and replicate all-reduce after every microbatch (FSDP2 default).
+    "every_microbatch": SyncPolicy("every_microbatch", not_last=_FULL_SYNC, last=_FULL_SYNC),
+    # Reduce-scatter every microbatch (gradient memory stays sharded); the replicate
+    # all-reduce waits for the last one, so replica groups synchronise once per step.
+    "delayed_all_reduce": SyncPolicy(
+        "delayed_all_reduce",
+        not_last=SyncFlags(requires_gradient_sync=True, requires_all_reduce=False),
+        last=_FULL_SYNC),
+    # No collective until the last microbatch; unsharded gradients are held meanwhile.
+    "final_only": SyncPolicy(
+        "final_only",
+        not_last=SyncFlags(requires_gradient_sync=False, requires_all_reduce=False),
+        last=_FULL_SYNC),
+}
+
+
+def resolve_sync_policy(parallel: ParallelConfig, mesh: DeviceMesh | None, grad_accum: int) -> SyncPolicy:
+    """The configured policy; "auto" = delayed_all_reduce when gradients are replicated
+    (dp_replicate > 1: HSDP or pure replication) and accumulated, else every_microbatch."""
+    name = parallel.sync_policy
+    if name == "auto":
+        replicate, _ = mesh_shape(mesh)
+        name = "delayed_all_reduce" if replicate > 1 and grad_accum > 1 else "every_microbatch"
+    if name not in SYNC_POLICIES:
+        raise ConfigError(f"parallel.sync_policy = {name!r} is invalid: use auto or one of {sorted(SYNC_POLICIES)}")
+    return SYNC_POLICIES[name]
+
+
+def set_sync_flags(model: nn.Module, flags: SyncFlags) -> None:
+    """Set both FSDP flags on every unit of the model (no-op for an unsharded model)."""
+    for unit in fsdp_modules(model):
+        # Order matters: set_requires_gradient_sync sets the all-reduce flag too.
+        unit.set_requires_gradient_sync(flags.requires_gradient_sync, recurse=False)
+        unit.set_requires_all_reduce(flags.requires_all_reduce, recurse=False)
+
+
+def accumulation(
+    model: nn.Module, microbatches: Iterable[Microbatch], policy: SyncPolicy
+) -> Iterator[tuple[Microbatch, bool]]:
+    """Yield (microbatch, is_last), with the policy's FSDP flags set for that microbatch.
+
+    Run forward and backward of each microbatch inside the loop body: the flags are
+    read by FSDP during that backward. Works on any iterable (one microbatch of
+    lookahead finds the last). On exit, even an early one, the model is left fully
+    synchronising so that a later forward/backward outside the loop is not silently
+    left unreduced.
+    """
+    iterator = iter(microbatches)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    try:
+        while True:
+            try:
+                following = next(iterator)
+                is_last = False
+            except StopIteration:
+                is_last = True
+            set_sync_flags(model, policy.flags(is_last))
+            yield current, is_last
+            if is_last:
+                return
+            current = following
+    finally:
+        set_sync_flags(model, _FULL_SYNC)
+
+
+def _targets_of(microbatch: Any) -> torch.Tensor:
+    if isinstance(microbatch, torch.Tensor):
+        return microbatch
+    if isinstance(microbatch, Mapping):
+        return microbatch["targets"]
+    if isinstance(microbatch, tuple | list) and len(microbatch) == 2:
+        return microbatch[1]
+    targets = getattr(microbatch, "targets", None)
+    if targets is None:
+        raise TypeError(f"cannot find targets in a microbatch of type {type(microbatch).__name__}: "
+                        "pass a targets tensor, a mapping with 'targets', an (inputs, targets) pair, "
+                        "or an object with .targets")
+    return targets
+
+
+def count_global_tokens(
+    microbatches: Iterable[Any], group: dist.ProcessGroup | None = None, ignore_index: int = IGNORE_INDEX
+) -> int:
+    """Valid targets (!= ignore_index) over all microbatches of this rank and all ranks of `group`.
+
+    Exactly one all-reduce (None = the default group; no process group = local count).
+    Every rank must call it, also a rank whose microbatches hold no valid target.
+    A microbatch is a targets tensor, a mapping with "targets", an (inputs, targets)
+    pair or an object with `.targets`.
+    """
+    local = 0
+    device = torch.device("cpu")
+    for microbatch in microbatches:
+        targets = _targets_of(microbatch)
+        device = targets.device
+        local += int((targets != ignore_index).sum().item())
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.tensor([local], dtype=torch.int64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return int(total.item())
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """Norm of the full gradient, identical on every rank (a float32 scalar, local tensor).
+
+    DTensor gradients (FSDP: Shard on dp_shard, Replicate on dp_replicate) reduce their
+    partial norms over the shard dim only, so replicas are not double counted.
+    """
+    grads = _grads(model)
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=None)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    return total.float()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm`; return the norm before clipping.
+
+    `max_norm <= 0` or infinite only measures. A non-finite norm is returned as is and
+    gradients are left untouched, so the caller's NaN policy can decide (skip/stop).
+    """
+    total = grad_norm(model, norm_type)
+    if max_norm <= 0 or math.isinf(max_norm) or not torch.isfinite(total):
+        return total
+    grads = _grads(model)
+    torch.nn.utils.clip_grads_with_norm_(
+        [p for p in model.parameters() if p.grad is not None], max_norm, total.to(grads[0].device))
+    return total

@@ -1,0 +1,139 @@
+"""FSDP2 sharding of a model: fully_shard units, mixed precision, SUM reductions, dtype guard.
+
+`apply_fsdp` wraps each transformer block, then the embedding and the LM head, then
+the root, with `fully_shard` on the data-parallel mesh (1-D for FSDP, 2-D for HSDP
+and for pure replication). It configures every unit to reduce gradients with plain
+SUM collectives and no divide factor: the loss is already divided by the global
+token count (see `moetrain.train.loss`), so FSDP's own averaging must be undone, and
+PREMUL_SUM (which gloo cannot run and which has silently zeroed bf16 gradients on
+some NCCL builds) must never be chosen. It also installs the uniform-gradient-dtype
+guard. This module changes how a model is distributed; it must not change what the
+model computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from moetrain.config import ConfigError, ParallelConfig
+from moetrain.parallel.mesh import data_parallel_mesh
+
+_GUARD_MARK = "_moetrain_grad_dtype_guard"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def mixed_precision_policy(parallel: ParallelConfig) -> MixedPrecisionPolicy:
+    """MixedPrecisionPolicy from config. Sharded (master) parameters keep their own dtype."""
+    output = DTYPES[parallel.output_dtype] if parallel.output_dtype is not None else None
+    return MixedPrecisionPolicy(param_dtype=DTYPES[parallel.param_dtype],
+                                reduce_dtype=DTYPES[parallel.reduce_dtype], output_dtype=output)
+
+
+def fsdp_modules(model: nn.Module) -> Iterator[FSDPModule]:
+    """Every FSDP unit of a model (root included), in module order."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            yield module
+
+
+@dataclass
+class _GradDtypeGuard:
+    """Keeps every gradient that FSDP will reduce in one dtype, the reduce dtype.
+
+    FSDP2 flattens a unit's gradients into one reduce-scatter buffer and asserts they
+    share a dtype. They do not when a kernel hands back fp32 gradients for bf16
+    parameters (an unsharded parameter whose `grad_dtype` is None or float32), or
+    when, under accumulation without sync, FSDP has already upcast earlier gradients
+    to the reduce dtype and a parameter gets its first gradient on the last
+    microbatch in the parameter dtype. Casting each gradient to the reduce dtype as
+    soon as autograd accumulates it makes every member of the group agree; FSDP would
+    copy it into a reduce-dtype buffer anyway, so no precision is lost.
+
+    The unsharded parameters only exist once FSDP all-gathers (and are then reused),
+    so a forward pre-hook, which runs after FSDP's own (prepended) pre-forward,
+    registers a post-accumulate-grad hook once per unsharded parameter.
+    """
+
+    reduce_dtype: torch.dtype
+
+    def cast_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None and param.grad.dtype != self.reduce_dtype:
+            # grad_dtype must allow the new dtype before .grad can be reassigned; it
+            # also makes autograd cast later incoming gradients itself.
+            param.grad_dtype = self.reduce_dtype
+            param.grad = param.grad.to(self.reduce_dtype)
+
+    def before_forward(self, module: nn.Module, args: tuple) -> None:
+        for param in module.parameters():
+            # DTensors are sharded parameters of other (not yet gathered) units.
+            if not param.requires_grad or isinstance(param, DTensor):
+                continue
+            # The mark lives on the parameter itself (tensors cannot sit in weak sets:
+            # their == is elementwise), so the hook is registered once per parameter.
+            if getattr(param, _GUARD_MARK, None) is self:
+                continue
+            param.grad_dtype = self.reduce_dtype
+            param.register_post_accumulate_grad_hook(self.cast_grad)
+            setattr(param, _GUARD_MARK, self)
+
+
+def _shard_units(model: nn.Module) -> list[nn.Module]:
+    units: list[nn.Module] = []
+    layers = getattr(model, "layers", None)
+    if layers is not None:
+        units.extend(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    # Embedding and head as their own units so the largest matrices are gathered only
+    # around their use. A tied head shares the embedding weight: it must live in one
+    # unit, so it stays with the root.
+    embedding = getattr(model, "tok_embeddings", None)
+    head = getattr(model, "output", None)
+    tied = embedding is not None and head is not None and getattr(head, "weight", None) is getattr(
+        embedding, "weight", None)
+    if embedding is not None and not tied:
+        units.append(embedding)
+    if head is not None and not tied:
+        units.append(head)
+    return units
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    parallel: ParallelConfig,
+    *,
+    grad_dtype_guard: bool = True,
+) -> nn.Module:
+    """Shard `model` in place with FSDP2 on `mesh` and return it.
+
+    `mesh` is the ("dp_replicate", "dp_shard") mesh from `build_mesh`; None (a one-rank
+    world without a process group) leaves the model unsharded, which is only
+    allowed in full float32. `grad_dtype_guard=False` exists so tests can reproduce
+    the crash the guard prevents; training never turns it off.
+    """
+    if mesh is None:
+        if (parallel.param_dtype, parallel.reduce_dtype) != ("float32", "float32"):
+            raise ConfigError(f"parallel.param_dtype = {parallel.param_dtype!r} / parallel.reduce_dtype = "
+                              f"{parallel.reduce_dtype!r} need a process group: call init_distributed first")
+        return model
+    dp_mesh = data_parallel_mesh(mesh)
+    policy = mixed_precision_policy(parallel)
+    for unit in _shard_units(model):
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward)
+    # The root's parameters (final norm, tied weights) are needed as soon as backward
+    # starts, so FSDP's default for the root (keep them gathered) is kept.
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    guard = _GradDtypeGuard(DTYPES[parallel.reduce_dtype])
+    for unit in fsdp_modules(model):
+        # Plain SUM over ranks with no division: the loss carries 1 / N_global.
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(1.0)
+        if grad_dtype_guard:
+            unit.register_forward_pre_hook(guard.before_forward)
+    return model
