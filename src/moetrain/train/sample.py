@@ -1,0 +1,124 @@
+"""Text generation from a trained model: greedy or temperature + nucleus (top-p) sampling.
+
+`generate` works on a plain or an FSDP-sharded model; with several ranks every rank
+must call it (each forward gathers parameters) and rank 0's choice of each token is
+broadcast so all ranks extend the same text. `main` is `moetrain sample`: it reads
+the config a training run saved in its run directory, loads the newest complete
+checkpoint's model weights in one process and prints a continuation of the prompt.
+There is no KV cache: each new token reruns the (short) context, which is fine for
+the small models this is meant for. Nothing here changes the model or checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetrain.config import ConfigError, JobConfig, from_dict
+from moetrain.data.tokenizer import Tokenizer, build_tokenizer
+
+CONFIG_FILE = "config.json"
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero all but the smallest set of most likely tokens whose mass reaches top_p; renormalise.
+
+    probs: [V] summing to 1. The most likely token is always kept.
+    """
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(descending=True)
+    mass_before = sorted_probs.cumsum(0) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep_sorted[0] = True
+    kept = torch.zeros_like(probs)
+    kept[order[keep_sorted]] = probs[order[keep_sorted]]
+    return kept / kept.sum()
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Choose a token from last-position logits [V]: argmax when temperature == 0."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    probs = top_p_filter(probs, top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, device: torch.device | str = "cpu", max_context: int = 512) -> str:
+    """Continue `prompt` (as a fresh document: BOS first) until EOS or max_new_tokens."""
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    context = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
+    new_tokens: list[int] = []
+    broadcast = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    try:
+        for _ in range(max_new_tokens):
+            window = torch.tensor([context[-max_context:]], dtype=torch.long, device=device)
+            logits = model(window)[0, -1].float().cpu()
+            token = next_token(logits, temperature, top_p, generator)
+            if broadcast:
+                chosen = torch.tensor([token], dtype=torch.long, device=device)
+                dist.broadcast(chosen, src=0)
+                token = int(chosen.item())
+            if token == tokenizer.eos_id:
+                break
+            context.append(token)
+            new_tokens.append(token)
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(new_tokens)
+
+
+def load_run_config(run_dir: str | Path) -> JobConfig:
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"--run {str(run_dir)!r} has no {CONFIG_FILE}; pass the logging.run_dir of a training run")
+    try:
+        return from_dict(json.loads(path.read_text())).validate()
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+
+
+def main(argv: list[str]) -> int:
+    from moetrain.model.transformer import Transformer
+    from moetrain.train.checkpoint import latest_complete, load_model_weights
+
+    parser = argparse.ArgumentParser(prog="moetrain sample", description="Generate text from a run's checkpoint.")
+    parser.add_argument("--run", required=True, help="run directory of a training job (its logging.run_dir)")
+    parser.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    parser.add_argument("--max-tokens", type=int, default=200, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sampling")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens = {args.max_tokens} is invalid: must be >= 1")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature = {args.temperature} is invalid: must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p = {args.top_p} is invalid: must be in (0, 1]")
+    cfg = load_run_config(args.run)
+    ref = latest_complete(Path(args.run) / "checkpoints")
+    if ref is None:
+        raise ConfigError(f"--run {args.run!r} has no complete checkpoint under {args.run}/checkpoints")
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=cfg.train.seed)  # fills non-checkpointed buffers; weights come from the checkpoint
+    load_model_weights(ref, model)
+    text = generate(model, tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
+                    max_context=cfg.data.seq_len)
+    how = "greedy" if args.temperature == 0 else f"T={args.temperature} top-p={args.top_p}"
+    print(f"# {args.run} step {ref.step}, {how}")
+    print(args.prompt + text)
+    return 0
