@@ -56,6 +56,8 @@ class BenchConfig:
     warmup: int = 2
     repeats: int = 7
     seed: int = 0
+    # CPU threads for torch (0 = torch's default); 1 gives steadier ratios on a shared, busy machine.
+    threads: int = 0
     # Grouped GEMM backend for the main table; "auto" = moetrain's per-device choice.
     backend: str = "auto"
 
@@ -76,6 +78,7 @@ def _validate(cfg: BenchConfig) -> None:
     check(cfg.top_k <= cfg.n_experts, "top_k", f"must be <= n_experts ({cfg.n_experts})")
     check(cfg.repeats >= 5, "repeats", "must be >= 5 (the median needs at least 5 samples)")
     check(cfg.warmup >= 0, "warmup", "must be >= 0")
+    check(cfg.threads >= 0, "threads", "must be >= 0 (0 = torch default)")
     check(cfg.activation in ACTIVATIONS, "activation", f"valid: {', '.join(ACTIVATIONS)}")
     check(cfg.dtype in DTYPES, "dtype", f"valid: {', '.join(DTYPES)}")
     check(cfg.backend in ("auto", *BACKENDS), "backend", f"valid: auto, {', '.join(BACKENDS)}")
@@ -304,6 +307,8 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     cfg = config_from_args(args)
     torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     report = run_preset(cfg, compare_backends=not args.no_backend_comparison and cfg.device == "cpu"
                         and cfg.dtype != "float64")
     report = {"preset": args.preset, **report}

@@ -106,16 +106,13 @@ def activation_backward(h: Tensor, grad_a: Tensor, activation: str) -> Tensor:
     h_c, grad_c = h.to(compute_dtype), grad_a.to(compute_dtype)
     if activation == "swiglu":
         gate, up = h_c.chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        # d silu(g)/dg = sigma(g) * (1 + g * (1 - sigma(g)))
-        grad_gate = grad_c * up * sig * (1 + gate * (1 - sig))
-        grad_up = grad_c * silu
-        return torch.cat([grad_gate, grad_up], dim=-1).to(h.dtype)
-    # Exact (erf) GELU, matching F.gelu's default: d/dx x*Phi(x) = Phi(x) + x * pdf(x).
-    cdf = 0.5 * (1 + torch.erf(h_c * 0.7071067811865476))
-    pdf = torch.exp(-0.5 * h_c * h_c) * 0.3989422804014327
-    return (grad_c * (cdf + h_c * pdf)).to(h.dtype)
+        grad_h = torch.empty_like(h_c)
+        # dH = [dA * up * silu'(gate) | dA * silu(gate)], written into the two halves without a cat.
+        torch.ops.aten.silu_backward.grad_input(grad_c * up, gate, grad_input=grad_h[:, : gate.shape[1]])
+        torch.mul(grad_c, F.silu(gate), out=grad_h[:, gate.shape[1] :])
+        return grad_h.to(h.dtype)
+    # Exact (erf) GELU, matching F.gelu's default.
+    return torch.ops.aten.gelu_backward(grad_c, h_c).to(h.dtype)
 
 
 def check_expert_shapes(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str) -> None:
@@ -196,6 +193,14 @@ def grouped_mm(a: Tensor, b: Tensor, counts: Tensor, backend: Backend, counts_ho
         out = torch._grouped_mm(a, b, offs=_offsets(counts))
         return _ContiguousGrad.apply(out)
     sizes = counts.tolist() if counts_host is None else counts_host
+    if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+        # No autograd (e.g. inside the memory-efficient Function): write each segment's product
+        # straight into its rows of one output instead of concatenating pieces (saves an N x m copy).
+        out = a.new_empty(a.shape[0], b.shape[2])
+        for seg, b_e, out_seg in zip(a.split(sizes, dim=0), b.unbind(0), out.split(sizes, dim=0), strict=True):
+            if seg.shape[0]:
+                torch.mm(seg, b_e, out=out_seg)
+        return out
     # unbind, not b[e]: each select's backward would materialise a zero [E,k,m] gradient per expert.
     pieces = [seg @ b_e for seg, b_e, size in zip(a.split(sizes, dim=0), b.unbind(0), sizes, strict=True) if size]
     if not pieces:
@@ -219,10 +224,14 @@ def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backen
             out = out.masked_fill((counts == 0).view(-1, 1, 1), 0)
             return out.to(out_dtype)
     sizes = counts.tolist() if counts_host is None else counts_host
-    out = torch.zeros(n_experts, a.shape[1], g.shape[1], dtype=out_dtype, device=a.device)
-    for e, (a_seg, g_seg) in enumerate(zip(a.split(sizes, dim=0), g.split(sizes, dim=0), strict=True)):
-        if sizes[e]:
-            out[e] = (a_seg.t() @ g_seg).to(out_dtype)
+    out = torch.empty(n_experts, a.shape[1], g.shape[1], dtype=out_dtype, device=a.device)
+    for a_seg, g_seg, out_e in zip(a.split(sizes, dim=0), g.split(sizes, dim=0), out.unbind(0), strict=True):
+        if a_seg.shape[0] == 0:
+            out_e.zero_()
+        elif out_dtype == a.dtype:
+            torch.mm(a_seg.t(), g_seg, out=out_e)
+        else:
+            out_e.copy_(a_seg.t() @ g_seg)
     return out
 
 
