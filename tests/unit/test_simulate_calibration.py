@@ -1,0 +1,33 @@
+"""How `bench sync` calibrates and compares against the simulator: overhead fit and paired bootstrap."""
+
+import numpy as np
+import pytest
+
+from moetrain.bench.simulate import CommModel, Link, Workload, simulate_step_times
+from moetrain.bench.sync import SyncBenchOptions, bootstrap_ratio_ci, fit_per_call_overhead
+
+
+def test_per_call_overhead_is_recovered_from_zero_variance_steps():
+    opts = SyncBenchOptions(replicate=2, shard=2, accum=4, layers=3)
+    comm = CommModel(intra=Link(2e-4, 1e9), inter=Link(2e-4, 1e9), ranks_per_node=4)
+    workload = Workload(layers=3, grad_bytes=3e5, overlap="blocking")
+    true = Workload(layers=3, grad_bytes=3e5, overlap="blocking", per_call_overhead_s=2.5e-3)
+    calibration = []
+    for mode in ("fsdp", "hsdp", "hsdp-delayed", "hsdp-final-only"):
+        compute = np.full((1, 4, 2), 0.03)
+        calibration.append((mode, float(simulate_step_times(compute, 2, 2, mode, true, comm)[0]), 0.03))
+    assert fit_per_call_overhead(opts, calibration, workload, comm) == pytest.approx(2.5e-3)
+
+
+def test_paired_bootstrap_keeps_pairs_together():
+    rng = np.random.default_rng(0)
+    reference = rng.uniform(0.5, 2.0, 40)  # large step-to-step spread ...
+    steps = {"hsdp-delayed": reference, "hsdp": 1.2 * reference}  # ... but a constant paired ratio
+    ci = bootstrap_ratio_ci(steps, "hsdp-delayed", 500, seed=0)
+    point, low, high = ci["hsdp"]
+    assert point == pytest.approx(1.2) and low == pytest.approx(1.2) and high == pytest.approx(1.2)
+    assert ci["hsdp-delayed"] == (1.0, 1.0, 1.0)
+    # Unpaired noise widens the interval around the true ratio.
+    noisy = {"hsdp-delayed": reference, "hsdp": 1.2 * reference * rng.uniform(0.9, 1.1, 40)}
+    point, low, high = bootstrap_ratio_ci(noisy, "hsdp-delayed", 500, seed=0)["hsdp"]
+    assert low < point < high and low < 1.2 < high
