@@ -86,7 +86,7 @@ def test_depth_dependence_of_the_schemes_in_closed_form(tiny_cfg):
 
 def test_truncated_std_formula_and_cutoff_against_sampling():
     rule = Rule("trunc_normal", "1", lambda d: 1.0, cutoff_sigmas=1.0)
-    values = _draw_rows(rule, Dims(1, 1), (400, 1000), 0, 400, seed=0, name="x", label="")
+    values = _draw_rows(rule, Dims(1, 1), (200, 1000), 0, 200, seed=0, name="x", label="")
     assert values.abs().max() <= 1.0
     # independent reference: numerically integrate x^2 phi(x) over [-1, 1], divided by the mass
     x = torch.linspace(-1, 1, 200_001, dtype=torch.float64)
@@ -147,3 +147,15 @@ def test_init_report_text_and_cli_error_path(capsys):
     assert cli_main(["init-report", "--config", str(TINY), "--scheme", "nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moetrain: error: init scheme 'nope' is unknown")
+
+
+@pytest.mark.parametrize("scheme, sigma", [("llama", 256 ** -0.5), ("gpt2", 0.02), ("olmo-mitchell", 256 ** -0.5),
+                                           ("neox", math.sqrt(2 / (5 * 256)))])
+def test_tied_weight_follows_the_source(scheme, sigma):
+    cfg = load(TINY).model
+    cfg.tie_embeddings = True
+    model = build_initialised(cfg, scheme)
+    assert model.output.weight is model.tok_embeddings.weight
+    row = next(r for r in report_rows(model, scheme) if r["name"] == "tok_embeddings.weight")
+    assert row["sigma"] == pytest.approx(sigma)
+    assert abs(row["measured_std"] / row["target_std"] - 1) < 0.05
