@@ -188,3 +188,14 @@ def test_model_trains_on_random_tokens(dense):
         assert model.aux_loss().item() > 0
     else:
         assert model.aux_loss().item() == 0.0
+
+
+def test_init_weights_materialises_a_meta_model_like_to_empty_then_init():
+    cfg = tiny_cfg()
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.init_weights(seed=4, scheme="neox")
+    reference = build(cfg, seed=4, scheme="neox")
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name

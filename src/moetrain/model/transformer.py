@@ -196,8 +196,15 @@ class Transformer(nn.Module):
         for moe in self.moe_layers():
             moe.update_expert_bias(all_reduce)
 
-    def init_weights(self, seed: int = 0, scheme: str | None = None) -> None:
-        """Initialise every parameter and buffer in place with a named scheme (default cfg.init_scheme)."""
+    def init_weights(self, seed: int = 0, scheme: str | None = None,
+                     device: torch.device | str | None = None) -> None:
+        """Initialise every parameter and buffer in place with a named scheme (default cfg.init_scheme).
+
+        A model still on the meta device is first materialised with `to_empty(device)` (CPU when
+        `device` is None); plain and FSDP-sharded (DTensor) parameters are both handled.
+        """
         from moetrain.model.init import init_model
 
+        if any(t.is_meta for t in (*self.parameters(), *self.buffers())):
+            self.to_empty(device=device or "cpu")
         init_model(self, scheme or self.cfg.init_scheme, seed=seed)
