@@ -11,12 +11,14 @@ def test_per_call_overhead_is_recovered_from_zero_variance_steps():
     opts = SyncBenchOptions(replicate=2, shard=2, accum=4, layers=3)
     comm = CommModel(intra=Link(2e-4, 1e9), inter=Link(2e-4, 1e9), ranks_per_node=4)
     workload = Workload(layers=3, grad_bytes=3e5, overlap="blocking")
-    true = Workload(layers=3, grad_bytes=3e5, overlap="blocking", per_call_overhead_s=2.5e-3)
+    true_overhead = {"fsdp": 4e-3, "hsdp": 2.5e-3, "hsdp-delayed": 2.5e-3, "hsdp-final-only": 2.5e-3}
     calibration = []
-    for mode in ("fsdp", "hsdp", "hsdp-delayed", "hsdp-final-only"):
+    for mode, overhead in true_overhead.items():
+        true = Workload(layers=3, grad_bytes=3e5, overlap="blocking", per_call_overhead_s=overhead)
         compute = np.full((1, 4, 2), 0.03)
         calibration.append((mode, float(simulate_step_times(compute, 2, 2, mode, true, comm)[0]), 0.03))
-    assert fit_per_call_overhead(opts, calibration, workload, comm) == pytest.approx(2.5e-3)
+    fitted = fit_per_call_overhead(opts, calibration, workload, comm)
+    assert fitted == pytest.approx({"1d": 4e-3, "2d": 2.5e-3})
 
 
 def test_paired_bootstrap_keeps_pairs_together():

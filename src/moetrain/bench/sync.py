@@ -35,7 +35,7 @@ from typing import Literal
 import numpy as np
 
 from moetrain.bench.costs import CostSpec, as_batch_sizes, draw_costs, replica_group_of
-from moetrain.bench.simulate import CommModel, Link, Workload, parse_options, simulate_step_times
+from moetrain.bench.simulate import MODES, CommModel, Link, Workload, parse_options, simulate_step_times
 from moetrain.config import ConfigError
 
 RESULTS_DIR = Path("benchmarks/results")
@@ -424,22 +424,31 @@ def costs_in_seconds(opts: SyncBenchOptions, costs: np.ndarray, compute: dict) -
     return compute["intercept_s"] + compute["slope_s_per_unit"] * units
 
 
-def fit_per_call_overhead(opts: SyncBenchOptions, calibration: list, workload: Workload, comm: CommModel) -> float:
-    """Seconds of FSDP bookkeeping per collective call, from the zero-variance calibration steps.
+def fit_per_call_overhead(opts: SyncBenchOptions, calibration: list, workload: Workload,
+                          comm: CommModel) -> dict[str, float]:
+    """Seconds of FSDP bookkeeping per collective call, per mesh, from the zero-variance calibration steps.
 
     With equal costs the simulated step is linear in the per-call overhead o:
-    t_mode = t_mode(o=0) + calls_mode · o. Least squares over all modes and repeats.
+    t_mode = t_mode(o=0) + calls_mode · o. Least squares over the modes of one mesh
+    ("1d": fsdp over the whole world, "2d": the HSDP modes) and their repeats; separate
+    because a collective over every process of an oversubscribed host costs more than
+    one over a pair, beyond what the alpha-beta terms say.
     """
-    calls, excess = [], []
+    calls: dict[str, list[float]] = {}
+    excess: dict[str, list[float]] = {}
     for mode, step_s, compute_per_microbatch in calibration:
         compute = np.full((1, opts.accum, opts.replicate), compute_per_microbatch)
         base = simulate_step_times(compute, opts.replicate, opts.shard, mode, workload, comm)[0]
         with_one = simulate_step_times(compute, opts.replicate, opts.shard, mode,
                                        replace(workload, per_call_overhead_s=1.0), comm)[0]
-        calls.append(with_one - base)
-        excess.append(step_s - base)
-    calls_arr, excess_arr = np.asarray(calls), np.asarray(excess)
-    return max(0.0, float(calls_arr @ excess_arr / max(calls_arr @ calls_arr, 1e-12)))
+        mesh = MODES[mode].mesh
+        calls.setdefault(mesh, []).append(with_one - base)
+        excess.setdefault(mesh, []).append(step_s - base)
+    fitted = {}
+    for mesh in calls:
+        x, y = np.asarray(calls[mesh]), np.asarray(excess[mesh])
+        fitted[mesh] = max(0.0, float(x @ y / max(x @ x, 1e-12)))
+    return fitted
 
 
 def summarise(opts: SyncBenchOptions, raw: dict) -> dict:
@@ -464,10 +473,11 @@ def summarise(opts: SyncBenchOptions, raw: dict) -> dict:
     workload = Workload(layers=opts.layers, grad_bytes=raw["param_bytes"], overlap="blocking",
                         reshard_after_forward=True, forward_fraction=1 / 3)
     overhead = fit_per_call_overhead(opts, raw["overhead_calibration"], workload, comm)
-    workload = replace(workload, per_call_overhead_s=overhead)
+    workloads = {m: replace(workload, per_call_overhead_s=overhead[MODES[m].mesh]) for m in modes}
     drawn_seconds = costs_in_seconds(opts, costs, raw["compute"])
-    predicted = {m: simulate_step_times(drawn_seconds, opts.replicate, opts.shard, m, workload, comm) for m in modes}
-    from_trace = {m: simulate_step_times(measured_compute, opts.replicate, opts.shard, m, workload, comm)
+    predicted = {m: simulate_step_times(drawn_seconds, opts.replicate, opts.shard, m, workloads[m], comm)
+                 for m in modes}
+    from_trace = {m: simulate_step_times(measured_compute, opts.replicate, opts.shard, m, workloads[m], comm)
                   for m in modes}
     mean_ci = bootstrap_ratio_ci(step_s, REFERENCE, opts.bootstrap, opts.seed)
     median_ci = bootstrap_ratio_ci(step_s, REFERENCE, opts.bootstrap, opts.seed, stat=np.median)
@@ -522,8 +532,9 @@ def format_report(result: dict) -> str:
     comm = result["calibration"]["comm"]
     lines.append(f"alpha-beta fit on this run's groups: alpha {comm['alpha_s'] * 1e6:.0f} us, "
                  f"bandwidth {comm['bandwidth'] / 1e6:.0f} MB/s (relative rms error {comm['rel_rms_error']:.2f}); "
-                 f"FSDP overhead per collective call {result['calibration']['per_call_overhead_s'] * 1e3:.2f} ms "
-                 "(fitted on zero-variance steps)")
+                 "FSDP overhead per collective call (fitted on zero-variance steps): "
+                 + ", ".join(f"{mesh} mesh {o * 1e3:.2f} ms"
+                             for mesh, o in result['calibration']['per_call_overhead_s'].items()))
     header = (f"{'mode':<16} {'median s':>9} {'p90 s':>8} {'samples/s':>10} {'coll wait':>9} "
               f"{'mean / delayed [95% CI]':>26} {'pred':>6} {'median / delayed [95% CI]':>27} {'pred med s':>10}")
     lines.append(header)
