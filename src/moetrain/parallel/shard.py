@@ -6,18 +6,21 @@ and for pure replication). It configures every unit to reduce gradients with pla
 SUM collectives and no divide factor: the loss is already divided by the global
 token count (see `moetrain.train.loss`), so FSDP's own averaging must be undone, and
 PREMUL_SUM (which gloo cannot run and which has silently zeroed bf16 gradients on
-some NCCL builds) must never be chosen. It also installs the uniform-gradient-dtype
-guard. This module changes how a model is distributed; it must not change what the
+some NCCL builds) must never be chosen. It also installs the gradient guard
+(uniform gradient dtype and membership). This module changes how a model is distributed; it must not change what the
 model computes.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -43,22 +46,47 @@ def fsdp_modules(model: nn.Module) -> Iterator[FSDPModule]:
             yield module
 
 
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, tuple | list):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
+
+
 @dataclass
-class _GradDtypeGuard:
-    """Keeps every gradient that FSDP will reduce in one dtype, the reduce dtype.
+class _UnitParams:
+    """The unsharded (gathered) parameters a unit owns, captured at its last forward."""
 
-    FSDP2 flattens a unit's gradients into one reduce-scatter buffer and asserts they
-    share a dtype. They do not when a kernel hands back fp32 gradients for bf16
-    parameters (an unsharded parameter whose `grad_dtype` is None or float32), or
-    when, under accumulation without sync, FSDP has already upcast earlier gradients
-    to the reduce dtype and a parameter gets its first gradient on the last
-    microbatch in the parameter dtype. Casting each gradient to the reduce dtype as
-    soon as autograd accumulates it makes every member of the group agree; FSDP would
-    copy it into a reduce-dtype buffer anyway, so no precision is lost.
+    params: list[torch.Tensor] = field(default_factory=list)
 
-    The unsharded parameters only exist once FSDP all-gathers (and are then reused),
-    so a forward pre-hook, which runs after FSDP's own (prepended) pre-forward,
-    registers a post-accumulate-grad hook once per unsharded parameter.
+
+@dataclass
+class _GradientGuard:
+    """Makes every gradient FSDP reduces exist and share one dtype: the reduce dtype.
+
+    FSDP2 flattens a unit's gradients into one reduce-scatter buffer. It asserts one
+    dtype, which breaks when a kernel hands back fp32 gradients for bf16 parameters
+    (an unsharded parameter whose `grad_dtype` is None or float32), or when, under
+    accumulation without sync, FSDP has already upcast earlier gradients to the reduce
+    dtype and a parameter gets its first gradient on the last microbatch. And the
+    buffer's layout depends on which parameters have a gradient, so a parameter
+    without one on some microbatch or rank breaks the delayed all-reduce (FSDP adds
+    flat buffers of different sizes) or mismatches ranks' reduce-scatters.
+
+    Two hooks fix both, without touching FSDP internals:
+    - at the unit's pre-backward (a grad hook on its forward outputs), every owned
+      parameter without a gradient gets a reduce-dtype zero gradient and
+      `grad_dtype = reduce_dtype`, so autograd casts what arrives and accumulates into it;
+    - a post-accumulate-grad hook casts any gradient that still arrives in another
+      dtype (a layer that resets its weight's grad_dtype during forward).
+    FSDP copies gradients into a reduce-dtype buffer anyway, so no precision is lost;
+    the cost is one zero-filled reduce-dtype gradient per parameter of the unit being
+    back-propagated. The unsharded parameters only exist once FSDP all-gathers (then
+    they are reused), so a forward pre-hook, which runs after FSDP's own (prepended)
+    pre-forward, finds them.
     """
 
     reduce_dtype: torch.dtype
@@ -70,18 +98,26 @@ class _GradDtypeGuard:
             param.grad_dtype = self.reduce_dtype
             param.grad = param.grad.to(self.reduce_dtype)
 
-    def before_forward(self, module: nn.Module, args: tuple) -> None:
-        for param in module.parameters():
-            # DTensors are sharded parameters of other (not yet gathered) units.
-            if not param.requires_grad or isinstance(param, DTensor):
-                continue
+    def fill_missing_grads(self, unit: _UnitParams) -> None:
+        for param in unit.params:
+            param.grad_dtype = self.reduce_dtype
+            if param.grad is None:
+                param.grad = torch.zeros(param.shape, dtype=self.reduce_dtype, device=param.device)
+
+    def before_forward(self, unit: _UnitParams, module: nn.Module, args: tuple) -> None:
+        # DTensors are sharded parameters of other (not yet gathered) units.
+        unit.params = [p for p in module.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        for param in unit.params:
             # The mark lives on the parameter itself (tensors cannot sit in weak sets:
             # their == is elementwise), so the hook is registered once per parameter.
-            if getattr(param, _GUARD_MARK, None) is self:
-                continue
-            param.grad_dtype = self.reduce_dtype
-            param.register_post_accumulate_grad_hook(self.cast_grad)
-            setattr(param, _GUARD_MARK, self)
+            if getattr(param, _GUARD_MARK, None) is not self:
+                param.register_post_accumulate_grad_hook(self.cast_grad)
+                setattr(param, _GUARD_MARK, self)
+
+    def after_forward(self, unit: _UnitParams, module: nn.Module, args: tuple, output: Any) -> None:
+        outputs = [t for t in _tensors_in(output) if t.requires_grad]
+        if torch.is_grad_enabled() and outputs and unit.params:
+            register_multi_grad_hook(outputs, lambda grads: self.fill_missing_grads(unit), mode="any")
 
 
 def _shard_units(model: nn.Module) -> list[nn.Module]:
@@ -108,14 +144,14 @@ def apply_fsdp(
     mesh: DeviceMesh | None,
     parallel: ParallelConfig,
     *,
-    grad_dtype_guard: bool = True,
+    gradient_guard: bool = True,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 on `mesh` and return it.
 
     `mesh` is the ("dp_replicate", "dp_shard") mesh from `build_mesh`; None (a one-rank
     world without a process group) leaves the model unsharded, which is only
-    allowed in full float32. `grad_dtype_guard=False` exists so tests can reproduce
-    the crash the guard prevents; training never turns it off.
+    allowed in full float32. `gradient_guard=False` exists so tests can reproduce
+    the crashes the guard prevents (see `_GradientGuard`); training never turns it off.
     """
     if mesh is None:
         if (parallel.param_dtype, parallel.reduce_dtype) != ("float32", "float32"):
@@ -129,11 +165,13 @@ def apply_fsdp(
     # The root's parameters (final norm, tied weights) are needed as soon as backward
     # starts, so FSDP's default for the root (keep them gathered) is kept.
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
-    guard = _GradDtypeGuard(DTYPES[parallel.reduce_dtype])
+    guard = _GradientGuard(DTYPES[parallel.reduce_dtype])
     for unit in fsdp_modules(model):
         # Plain SUM over ranks with no division: the loss carries 1 / N_global.
         unit.set_force_sum_reduction_for_comms(True)
         unit.set_gradient_divide_factor(1.0)
-        if grad_dtype_guard:
-            unit.register_forward_pre_hook(guard.before_forward)
+        if gradient_guard:
+            owned = _UnitParams()
+            unit.register_forward_pre_hook(functools.partial(guard.before_forward, owned))
+            unit.register_forward_hook(functools.partial(guard.after_forward, owned))
     return model
