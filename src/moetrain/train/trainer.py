@@ -387,8 +387,7 @@ def _run(trainer: Trainer) -> dict[str, Any]:
         (trainer.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
         if trainer.resume_from is None and (trainer.run_dir / "metrics.jsonl").exists():
             (trainer.run_dir / "metrics.jsonl").unlink()  # no checkpoint: nothing of that run can continue
-    setup_logging(all_ranks_to_console=False,
-                  log_dir=trainer.run_dir / "logs" if cfg.logging.all_ranks_to_files else None)
+    _setup_logging(trainer.run_dir / "logs" if cfg.logging.all_ranks_to_files else None)
     writer = MetricsWriter(trainer.run_dir, enabled=is_rank0, tensorboard=cfg.logging.tensorboard)
     data = trainer.data
     start_record = {
@@ -499,9 +498,19 @@ def _finish(trainer: Trainer, writer: MetricsWriter, wall_s: float, steps_this_r
     return final
 
 
+def _setup_logging(log_dir: Path | None = None) -> None:
+    import logging
+
+    logger = setup_logging(log_dir=log_dir)
+    if not logger.handlers:
+        # Ranks other than 0 have no console handler; without any handler Python's
+        # last-resort handler would print their warnings unformatted.
+        logger.addHandler(logging.NullHandler())
+
+
 def main(argv: list[str]) -> int:
     cfg = parse_job_args(argv, prog="moetrain train")
-    setup_logging()
+    _setup_logging()
     try:
         run(cfg)
     except TrainingDiverged as err:
