@@ -217,7 +217,9 @@ def test_weight_grad_backends_agree_with_empty_groups():
 def test_grouped_mm_backend_choice():
     assert experts.grouped_mm_backend(torch.device("cpu"), torch.float64) == "segment_loop"
     assert experts.grouped_mm_backend(torch.device("cuda"), torch.bfloat16) == "torch_grouped_mm"
-    assert experts.grouped_mm_backend(torch.device("cpu"), torch.float32) == experts.CPU_GROUPED_MM_BACKEND
+    for impl in ("grouped", "memory_efficient"):
+        chosen = experts.grouped_mm_backend(torch.device("cpu"), torch.float32, impl)
+        assert chosen == experts.CPU_GROUPED_MM_BACKEND[impl]
     # misaligned rows (3 floats = 12 bytes) fall back to the segment loop instead of failing
     a, b = torch.randn(4, 3), torch.randn(2, 3, 5)
     out = grouped_mm(a, b, torch.tensor([1, 3]), "torch_grouped_mm")

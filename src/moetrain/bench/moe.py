@@ -174,37 +174,45 @@ def time_variants(inputs: Inputs, cfg: BenchConfig, variants: list[tuple[str, st
     return {v: statistics.median(s) for v, s in samples.items()}
 
 
+def _backend_for(cfg: BenchConfig, impl: str) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return grouped_mm_backend(torch.device(cfg.device), DTYPES[cfg.dtype], impl)
+
+
 def run_preset(cfg: BenchConfig, compare_backends: bool) -> dict[str, Any]:
     inputs = make_inputs(cfg)
-    chosen = grouped_mm_backend(torch.device(cfg.device), DTYPES[cfg.dtype]) if cfg.backend == "auto" else cfg.backend
-    variants = [(impl, chosen) for impl in IMPLS]
+    chosen = {impl: _backend_for(cfg, impl) for impl in IMPLS}
+    variants = [(impl, chosen[impl]) for impl in IMPLS]
     if compare_backends:
-        variants += [(impl, other) for other in BACKENDS if other != chosen for impl in ("grouped", "memory_efficient")]
+        variants += [(impl, other) for impl in ("grouped", "memory_efficient") for other in BACKENDS
+                     if other != chosen[impl]]
     times = time_variants(inputs, cfg, variants)
     results = []
-    grouped_bytes = saved_bytes(inputs, cfg, "grouped", chosen)
-    grouped_ms = times[("grouped", chosen)]
+    grouped_bytes = saved_bytes(inputs, cfg, "grouped", chosen["grouped"])
+    grouped_ms = times[("grouped", chosen["grouped"])]
     for impl in IMPLS:
-        nbytes = saved_bytes(inputs, cfg, impl, chosen)
+        nbytes = saved_bytes(inputs, cfg, impl, chosen[impl])
         entry: dict[str, Any] = {
             "impl": impl,
-            "backend": "per-expert matmuls" if impl == "loop" else chosen,
+            "backend": "per-expert matmuls" if impl == "loop" else chosen[impl],
             "saved_bytes": nbytes,
             "saved_mib": nbytes / 2**20,
-            "fwd_bwd_ms": times[(impl, chosen)],
+            "fwd_bwd_ms": times[(impl, chosen[impl])],
             "saved_ratio_to_grouped": nbytes / grouped_bytes,
-            "time_ratio_to_grouped": times[(impl, chosen)] / grouped_ms,
+            "time_ratio_to_grouped": times[(impl, chosen[impl])] / grouped_ms,
         }
         if impl == "memory_efficient":
             entry["formula_bytes"] = formula_bytes(cfg)
             entry["saved_over_formula"] = nbytes / entry["formula_bytes"]
         results.append(entry)
-    report: dict[str, Any] = {"config": dataclasses.asdict(cfg), "chosen_backend": chosen, "results": results,
+    report: dict[str, Any] = {"config": dataclasses.asdict(cfg), "chosen_backends": chosen, "results": results,
                               "torch": torch.__version__, "threads": torch.get_num_threads()}
     if compare_backends:
         report["backend_comparison"] = [
-            {"impl": impl, "backend": backend, "fwd_bwd_ms": ms, "time_ratio_to_chosen_grouped": ms / grouped_ms}
-            for (impl, backend), ms in times.items() if impl != "loop"
+            {"impl": impl, "backend": backend, "fwd_bwd_ms": ms, "time_ratio_to_chosen_grouped": ms / grouped_ms,
+             "chosen": backend == chosen[impl]}
+            for (impl, backend), ms in sorted(times.items()) if impl != "loop"
         ]
     return report
 
@@ -215,12 +223,10 @@ def run_sweep(base: BenchConfig) -> list[dict[str, Any]]:
     for n_experts, top_k, intermediate in GRANULARITY_SWEEP:
         cfg = dataclasses.replace(base, n_experts=n_experts, top_k=top_k, intermediate=intermediate)
         inputs = make_inputs(cfg)
-        backend = grouped_mm_backend(torch.device(cfg.device), DTYPES[cfg.dtype]) if cfg.backend == "auto" \
-            else cfg.backend
         row: dict[str, Any] = {"n_experts": n_experts, "top_k": top_k, "intermediate": intermediate,
                                "formula_bytes": formula_bytes(cfg)}
         for impl in IMPLS:
-            row[f"{impl}_saved_bytes"] = saved_bytes(inputs, cfg, impl, backend)
+            row[f"{impl}_saved_bytes"] = saved_bytes(inputs, cfg, impl, _backend_for(cfg, impl))
         rows.append(row)
     return rows
 
@@ -263,7 +269,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append("grouped GEMM backends (same run):")
         for r in report["backend_comparison"]:
             lines.append(f"  {r['impl']:18s} {r['backend']:18s} {r['fwd_bwd_ms']:9.2f} ms "
-                         f"({r['time_ratio_to_chosen_grouped']:.3f} x chosen grouped)")
+                         f"({r['time_ratio_to_chosen_grouped']:.3f} x grouped){'  <- chosen' if r['chosen'] else ''}")
     return "\n".join(lines)
 
 

@@ -37,9 +37,9 @@ ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")
 IMPLS: tuple[str, ...] = ("loop", "grouped", "memory_efficient")
 BACKENDS: tuple[str, ...] = ("torch_grouped_mm", "segment_loop")
 
-# Measured by `moetrain bench moe --backends` on this project's CPU machine (docs/bench_moe.md):
-# the loop over contiguous expert segments beat torch._grouped_mm on CPU for both presets.
-CPU_GROUPED_MM_BACKEND: Backend = "segment_loop"
+# CPU backend per implementation, chosen by measurement: `moetrain bench moe` times both backends
+# side by side for the grouped and memory-efficient paths (numbers and commands in docs/bench_moe.md).
+CPU_GROUPED_MM_BACKEND: dict[str, Backend] = {"grouped": "torch_grouped_mm", "memory_efficient": "segment_loop"}
 
 
 @dataclass
@@ -135,16 +135,18 @@ def check_expert_shapes(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, act
 # Grouped GEMMs over contiguous expert segments
 # ---------------------------------------------------------------------------------------------
 
-def grouped_mm_backend(device: torch.device, dtype: torch.dtype) -> Backend:
+def grouped_mm_backend(device: torch.device, dtype: torch.dtype, impl: str = "memory_efficient") -> Backend:
     """The grouped GEMM backend for a device: `_grouped_mm` on CUDA, the measured winner on CPU.
 
     float64 is not supported by `_grouped_mm` on any device, so it always takes the segment loop.
+    On CUDA, `_grouped_mm` runs a CUTLASS grouped kernel for bf16 on sm90/sm100 and a per-group
+    fallback otherwise; it needs 16-byte aligned strides (checked per call, else segment loop).
     """
     if dtype == torch.float64:
         return "segment_loop"
     if device.type == "cuda":
         return "torch_grouped_mm"
-    return CPU_GROUPED_MM_BACKEND
+    return CPU_GROUPED_MM_BACKEND.get(impl, "segment_loop")
 
 
 def _grouped_mm_usable(*mats: Tensor) -> bool:
@@ -289,7 +291,7 @@ def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activati
     # Weights kept in a wider dtype than the activations (e.g. fp32 master weights, bf16 compute) are
     # cast differentiably here, so every implementation sees one dtype.
     w1, w2 = w1.to(x.dtype), w2.to(x.dtype)
-    chosen = grouped_mm_backend(x.device, x.dtype) if backend is None else backend
+    chosen = grouped_mm_backend(x.device, x.dtype, impl) if backend is None else backend
     if impl == "loop":
         return _experts_loop(x, routing, w1, w2, activation)
     if impl == "grouped":
