@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from moetrain.config import ConfigError
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"moetrain: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `moetrain ... | head` closed the pipe: not an error; keep Python from complaining at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
