@@ -125,6 +125,9 @@ class TrainConfig:
     # End this invocation after this step (checkpoint written) as if interrupted; the
     # schedule still spans train.steps. Resume later with --checkpoint.resume True.
     stop_at_step: int | None = None
+    # torch intra-op threads per process; 0 = torch's default (one per core, or
+    # OMP_NUM_THREADS). On a shared, oversubscribed machine 1 avoids OpenMP spin-waits.
+    num_threads: int = 0
 
 
 @dataclass
@@ -185,6 +188,7 @@ def _validate(cfg: JobConfig) -> None:
         "model.moe.aux_loss_coef": moe.aux_loss_coef, "model.moe.bias_update_rate": moe.bias_update_rate,
         "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
         "train.grad_clip": t.grad_clip, "train.eval_every": t.eval_every, "train.sample_tokens": t.sample_tokens,
+        "train.num_threads": t.num_threads,
     }
     for name, value in nonneg.items():
         _check(value >= 0, name, value, "must be >= 0")

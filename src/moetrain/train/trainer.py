@@ -190,6 +190,8 @@ class Trainer:
 
         self.cfg = cfg
         self.data = data
+        if cfg.train.num_threads > 0:
+            torch.set_num_threads(cfg.train.num_threads)
         self.owns_process_group = not (dist.is_available() and dist.is_initialized())
         self.rank, self.world, self.device = init_distributed(cfg.parallel)
         self.mesh = build_mesh(cfg.parallel, self.world, self.device.type)
