@@ -39,7 +39,8 @@ def test_bench_json_schema_and_saved_bytes_match_formula(tmp_path, capsys):
 
 
 def test_bench_sweep_writes_plot_and_keeps_memory_efficient_bytes_flat(tmp_path):
-    args = ["--tokens", "16", "--hidden", "16", "--warmup", "0", "--repeats", "5", "--no-backend-comparison"]
+    args = ["--tokens", "16", "--hidden", "16", "--warmup", "0", "--repeats", "5", "--no-backend-comparison",
+            "--sweep-bytes-only"]
     assert bench_moe.main([*args, "--sweep", "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "bench_moe_granularity.png").stat().st_size > 0
     rows = json.loads((tmp_path / "bench_moe_granularity.json").read_text())["sweep"]

@@ -217,8 +217,9 @@ def run_preset(cfg: BenchConfig, compare_backends: bool) -> dict[str, Any]:
     return report
 
 
-def run_sweep(base: BenchConfig) -> list[dict[str, Any]]:
-    """Saved bytes per implementation across granularity at constant top_k * intermediate."""
+def run_sweep(base: BenchConfig, timed: bool = True) -> list[dict[str, Any]]:
+    """Saved bytes per implementation (and fwd+bwd time of grouped vs memory_efficient) across
+    granularity at constant top_k * intermediate."""
     rows = []
     for n_experts, top_k, intermediate in GRANULARITY_SWEEP:
         cfg = dataclasses.replace(base, n_experts=n_experts, top_k=top_k, intermediate=intermediate)
@@ -227,6 +228,12 @@ def run_sweep(base: BenchConfig) -> list[dict[str, Any]]:
                                "formula_bytes": formula_bytes(cfg)}
         for impl in IMPLS:
             row[f"{impl}_saved_bytes"] = saved_bytes(inputs, cfg, impl, _backend_for(cfg, impl))
+        if timed:
+            variants = [(impl, _backend_for(cfg, impl)) for impl in ("grouped", "memory_efficient")]
+            for (impl, _), ms in time_variants(inputs, cfg, variants).items():
+                row[f"{impl}_fwd_bwd_ms"] = ms
+            ratio = row["memory_efficient_fwd_bwd_ms"] / row["grouped_fwd_bwd_ms"]
+            row["time_ratio_memory_efficient_to_grouped"] = ratio
         rows.append(row)
     return rows
 
@@ -274,12 +281,20 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def format_sweep(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'E':>4s} {'k':>3s} {'n':>5s} " + " ".join(f"{impl + ' MiB':>22s}" for impl in IMPLS)
-             + f" {'formula MiB':>12s}"]
+    timed = "grouped_fwd_bwd_ms" in rows[0]
+    header = f"{'E':>4s} {'k':>3s} {'n':>5s} " + " ".join(f"{impl + ' MiB':>22s}" for impl in IMPLS) \
+        + f" {'formula MiB':>12s}"
+    if timed:
+        header += f" {'grouped ms':>11s} {'mem_eff ms':>11s} {'ratio':>6s}"
+    lines = [header]
     for r in rows:
-        lines.append(f"{r['n_experts']:4d} {r['top_k']:3d} {r['intermediate']:5d} "
-                     + " ".join(f"{r[f'{impl}_saved_bytes'] / 2**20:22.2f}" for impl in IMPLS)
-                     + f" {r['formula_bytes'] / 2**20:12.2f}")
+        line = f"{r['n_experts']:4d} {r['top_k']:3d} {r['intermediate']:5d} " \
+            + " ".join(f"{r[f'{impl}_saved_bytes'] / 2**20:22.2f}" for impl in IMPLS) \
+            + f" {r['formula_bytes'] / 2**20:12.2f}"
+        if timed:
+            line += (f" {r['grouped_fwd_bwd_ms']:11.2f} {r['memory_efficient_fwd_bwd_ms']:11.2f}"
+                     f" {r['time_ratio_memory_efficient_to_grouped']:6.3f}")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -294,6 +309,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="also sweep granularity at constant top_k*intermediate; writes PNG + JSON to --out-dir")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
                         help="where the sweep writes (default %(default)s)")
+    parser.add_argument("--sweep-bytes-only", action="store_true", help="do not time the sweep, only measure bytes")
     parser.add_argument("--no-backend-comparison", action="store_true",
                         help="skip timing the non-chosen grouped GEMM backend")
     return parser
@@ -323,7 +339,7 @@ def main(argv: list[str]) -> int:
           f"{cfg.device} threads={torch.get_num_threads()} (median of {cfg.repeats} after {cfg.warmup} warm-up)")
     print(format_table(report))
     if args.sweep:
-        rows = run_sweep(cfg)
+        rows = run_sweep(cfg, timed=not args.sweep_bytes_only)
         report["sweep"] = rows
         args.out_dir.mkdir(parents=True, exist_ok=True)
         png, sweep_json = args.out_dir / "bench_moe_granularity.png", args.out_dir / "bench_moe_granularity.json"
