@@ -29,8 +29,6 @@ from torch import Tensor
 
 from moetrain.config import ConfigError
 
-Activation = Literal["swiglu", "gelu"]
-Impl = Literal["loop", "grouped", "memory_efficient"]
 Backend = Literal["torch_grouped_mm", "segment_loop"]
 
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")
@@ -69,17 +67,23 @@ def routing_from_topk(topk_idx: Tensor, topk_scores: Tensor, n_experts: int) -> 
     if topk_idx.dim() != 2 or topk_idx.shape != topk_scores.shape:
         raise ValueError(f"topk_idx {tuple(topk_idx.shape)} and topk_scores {tuple(topk_scores.shape)} "
                          "must both be [tokens, top_k]")
-    if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= n_experts):
+    # The friendly range check reads values on the host; on an accelerator that would stall the
+    # stream every layer, so there an out-of-range index fails in the counting kernel instead.
+    if topk_idx.device.type == "cpu" and topk_idx.numel() and (int(topk_idx.min()) < 0
+                                                                or int(topk_idx.max()) >= n_experts):
         raise ValueError(f"expert indices must lie in [0, {n_experts}); got range "
                          f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
     top_k = topk_idx.shape[1]
     flat_expert = topk_idx.reshape(-1)
     # Stable sort keeps assignments of one expert in token order (flat index = token * k + slot).
     order = torch.argsort(flat_expert, stable=True)
+    # index_add_ into a fixed-size count vector (unlike bincount, no host sync to size the output).
+    counts = torch.zeros(n_experts, dtype=torch.long, device=topk_idx.device)
+    counts.index_add_(0, flat_expert, torch.ones_like(flat_expert))
     return Routing(
         token_index=torch.div(order, top_k, rounding_mode="floor"),
         scores=topk_scores.reshape(-1)[order],
-        counts=torch.bincount(flat_expert, minlength=n_experts),
+        counts=counts,
     )
 
 
