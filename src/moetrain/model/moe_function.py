@@ -10,7 +10,9 @@ again, and gets the router-score gradient as dS = <dO W2^T, A> = <dA', A> (never
     dH   = dA * phi'(H)              dW2_e = sum (S A)^T dO[token]
     dW1_e = sum X[token]^T dH        dX = scatter-add over assignments of dH W1_e^T
 
-All GEMMs are grouped over contiguous expert segments (backend from `experts.grouped_mm_backend`).
+GEMMs run over contiguous expert segments, in one of two forms chosen by the backend
+(`experts.grouped_mm_backend`): whole-tensor `torch._grouped_mm` calls (CUDA), or on CPU a
+per-expert pipeline that gathers, multiplies and scatters one expert at a time.
 Reductions that feed a low-precision result (dS, the token scatter-adds) accumulate in float32.
 The score gradient is returned to autograd, so it reaches the router through ordinary autograd.
 This module holds no parameters and no distributed code; the caller's weights may be FSDP-unsharded
