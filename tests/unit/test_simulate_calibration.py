@@ -33,3 +33,18 @@ def test_paired_bootstrap_keeps_pairs_together():
     noisy = {"hsdp-delayed": reference, "hsdp": 1.2 * reference * rng.uniform(0.9, 1.1, 40)}
     point, low, high = bootstrap_ratio_ci(noisy, "hsdp-delayed", 500, seed=0)["hsdp"]
     assert low < point < high and low < 1.2 < high
+
+
+def test_packed_microbatches_keep_the_token_count_while_document_length_varies():
+    from moetrain.bench.sync import items_per_microbatch, packed_shape, work_units
+
+    opts = SyncBenchOptions(cost_model="packed", packed_tokens=1024)
+    costs = np.array([1.0, 63.6, 64.0, 300.0, 1024.0, 5000.0])
+    documents, length = packed_shape(opts, costs)
+    assert length.tolist() == [1, 64, 64, 300, 1024, 1024]
+    assert documents.tolist() == [1024, 16, 16, 3, 1, 1]
+    tokens = items_per_microbatch(opts, costs)
+    assert np.all(tokens <= 1024) and np.all(tokens > 1024 - length)  # about the same tokens, whatever the mix
+    np.testing.assert_array_equal(work_units(opts, costs), length.astype(float))
+    batch = SyncBenchOptions(cost_model="batch")
+    np.testing.assert_array_equal(items_per_microbatch(batch, np.array([0.2, 3.6])), [1, 4])

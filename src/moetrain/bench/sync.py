@@ -53,8 +53,9 @@ REFERENCE = "hsdp-delayed"
 class SyncBenchOptions:
     """Compare fsdp / hsdp / hsdp-delayed / hsdp-final-only step times on identical drawn microbatch costs."""
 
-    cost_model: Literal["sleep", "batch"] = "sleep"
-    # sleep: seconds of compute per microbatch; batch: samples per microbatch (rounded, >= 1).
+    cost_model: Literal["sleep", "batch", "packed"] = "sleep"
+    # sleep: seconds of compute per microbatch; batch: samples per microbatch (rounded, >= 1);
+    # packed: tokens per document of the microbatch's packed sequence (rounded, >= 1).
     cost: CostSpec = field(default_factory=lambda: CostSpec("bimodal", 0.04, 4.0, 0.5))
     replicate: int = 2  # replica groups (dp_replicate)
     shard: int = 2  # ranks per replica group (dp_shard)
@@ -67,6 +68,8 @@ class SyncBenchOptions:
     hidden: int = 256  # MLP hidden width
     seq_len: int = 16  # tokens per sample
     microbatch_size: int = 2  # samples per microbatch in the sleep model
+    packed_tokens: int = 2048  # packed: tokens per microbatch (documents x document length, about this many)
+    heads: int = 2  # packed: attention heads of the moetrain Transformer
     seed: int = 0
     bootstrap: int = 2000  # paired bootstrap resamples for confidence intervals
     json: str | None = None
@@ -76,13 +79,15 @@ class SyncBenchOptions:
 
 def _validate(opts: SyncBenchOptions) -> None:
     for name in ("replicate", "shard", "accum", "steps", "layers", "dim", "hidden", "seq_len", "microbatch_size",
-                 "bootstrap"):
+                 "packed_tokens", "heads", "bootstrap"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
     if opts.warmup_steps < 0:
         raise ConfigError(f"warmup_steps = {opts.warmup_steps!r} is invalid: must be >= 0")
-    if opts.cost_model not in ("sleep", "batch"):
-        raise ConfigError(f"cost_model = {opts.cost_model!r} is invalid: valid are ('sleep', 'batch')")
+    if opts.cost_model not in ("sleep", "batch", "packed"):
+        raise ConfigError(f"cost_model = {opts.cost_model!r} is invalid: valid are ('sleep', 'batch', 'packed')")
+    if opts.cost_model == "packed" and (opts.dim % opts.heads or (opts.dim // opts.heads) % 2):
+        raise ConfigError(f"heads = {opts.heads} is invalid: dim / heads must be an even integer (dim = {opts.dim})")
     unknown = [m for m in opts.modes if m not in MODE_SETUP]
     if unknown or not opts.modes:
         raise ConfigError(f"modes {list(opts.modes)} are invalid: choose from {tuple(MODE_SETUP)}")
@@ -166,11 +171,38 @@ def _timed_block_functions():
     return Enter, Leave, Sleep
 
 
+PACKED_VOCAB = 259
+
+
+def build_packed_model(opts: SyncBenchOptions, clock: ComputeClock, seed: int):
+    """moetrain's Transformer (dense blocks: the MoE router would add its own cost noise), instrumented.
+
+    The clock enters at the input of each block's attention norm (after FSDP's all-gather)
+    and leaves at the output of its feed-forward (before FSDP's post-forward); in
+    backward the same two points bracket the block's math, with FSDP's pre-backward
+    all-gather before and its reduce-scatter after.
+    """
+    from moetrain.config import ModelConfig
+    from moetrain.model.transformer import Transformer
+
+    cfg = ModelConfig(vocab_size=PACKED_VOCAB, dim=opts.dim, n_layers=opts.layers, n_heads=opts.heads,
+                      ffn_hidden=opts.hidden, n_dense_layers=opts.layers, max_seq_len=opts.packed_tokens)
+    model = Transformer(cfg)
+    model.init_weights(seed=seed)
+    enter, leave, _ = _timed_block_functions()
+    for layer in model.layers:
+        layer.attention_norm.register_forward_pre_hook(lambda module, args: (enter.apply(args[0], clock),))
+        layer.feed_forward.register_forward_hook(lambda module, args, out: leave.apply(out, clock))
+    return model
+
+
 def build_model(opts: SyncBenchOptions, clock: ComputeClock, seed: int):
-    """An MLP stack with `.layers` (one FSDP unit each), instrumented by `clock`."""
+    """The cost model's network with `.layers` (one FSDP unit each), instrumented by `clock`."""
     import torch
     from torch import nn
 
+    if opts.cost_model == "packed":
+        return build_packed_model(opts, clock, seed)
     enter, leave, sleep = _timed_block_functions()
 
     class Block(nn.Module):
@@ -224,7 +256,9 @@ def calibrate_comm(groups: dict[str, tuple], unit_bytes: float, reps: int = 5) -
     import torch.distributed as dist
 
     rows, measured = [], []
-    sizes = sorted({max(64.0, unit_bytes / 16), unit_bytes, unit_bytes * 4})
+    # The unit's own sizes, plus one large message so the bandwidth term is resolved even when
+    # latency dominates at the unit's sizes.
+    sizes = sorted({max(64.0, unit_bytes / 16), unit_bytes, unit_bytes * 4, max(unit_bytes * 16, 4e6)})
     for name, (group, n) in groups.items():
         if n <= 1:
             continue
@@ -259,9 +293,43 @@ def calibrate_comm(groups: dict[str, tuple], unit_bytes: float, reps: int = 5) -
 # ----------------------------------------------------------------------------- the ranks
 
 
+def packed_shape(opts: SyncBenchOptions, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(documents, tokens per document) of packed microbatches whose documents are `cost` tokens long.
+
+    Every document of one microbatch has the drawn length, so the microbatch is a
+    [documents, length] batch with causal attention inside each row: exactly a packed
+    sequence with document masking, at about `packed_tokens` tokens whatever the mix,
+    but with attention cost growing with the document length.
+    """
+    length = np.minimum(as_batch_sizes(np.asarray(cost)), opts.packed_tokens)
+    return np.maximum(opts.packed_tokens // length, 1), length
+
+
+def work_units(opts: SyncBenchOptions, costs: np.ndarray) -> np.ndarray:
+    """What a microbatch's compute scales with: seconds (sleep), samples (batch), document length (packed)."""
+    if opts.cost_model == "batch":
+        return as_batch_sizes(costs).astype(float)
+    if opts.cost_model == "packed":
+        return packed_shape(opts, costs)[1].astype(float)
+    return np.asarray(costs, dtype=float)
+
+
+def items_per_microbatch(opts: SyncBenchOptions, costs: np.ndarray) -> np.ndarray:
+    """Throughput units per rank and microbatch: samples (sleep, batch) or tokens (packed)."""
+    if opts.cost_model == "batch":
+        return as_batch_sizes(costs)
+    if opts.cost_model == "packed":
+        documents, length = packed_shape(opts, costs)
+        return documents * length
+    return np.full(np.shape(costs), opts.microbatch_size)
+
+
 def _microbatch_inputs(opts: SyncBenchOptions, cost: float, device, generator):
     import torch
 
+    if opts.cost_model == "packed":
+        documents, length = packed_shape(opts, np.array(cost))
+        return torch.randint(0, PACKED_VOCAB, (int(documents), int(length)), generator=generator).to(device)
     samples = int(as_batch_sizes(np.array(cost))) if opts.cost_model == "batch" else opts.microbatch_size
     # requires_grad: the first block's backward (and its share of the sleep) must run too.
     return torch.randn(samples, opts.seq_len, opts.dim, generator=generator).to(device).requires_grad_(True)
@@ -297,7 +365,8 @@ def _calibrate_compute(model, opts: SyncBenchOptions, clock: ComputeClock, devic
     from moetrain.parallel.grad_sync import SYNC_POLICIES, accumulation
 
     spec = opts.cost
-    probe_costs = sorted({spec.short, spec.mean(), spec.long} if spec.distribution != "lognormal"
+    # Probe the costs the run will draw (bimodal), else around the mean; three distinct values for the fit.
+    probe_costs = sorted({spec.short, spec.mean(), spec.long} if spec.distribution == "bimodal" and spec.ratio > 1
                          else {spec.short / 2, spec.short, spec.short * 2})
     probes, seconds = [], []
     for _ in range(3):
@@ -311,7 +380,7 @@ def _calibrate_compute(model, opts: SyncBenchOptions, clock: ComputeClock, devic
                 probes.append(cost)
                 seconds.append(clock.busy_s - before)
             model.zero_grad(set_to_none=True)
-    x_units = np.asarray(as_batch_sizes(np.asarray(probes)) if opts.cost_model == "batch" else probes, float)
+    x_units = work_units(opts, np.asarray(probes))
     slope, intercept = np.polyfit(x_units, np.asarray(seconds), 1)
     return {"intercept_s": float(intercept), "slope_s_per_unit": float(slope),
             "probes": [[float(p), float(s)] for p, s in zip(x_units, seconds)]}
@@ -420,8 +489,7 @@ def bootstrap_ratio_ci(step_s: dict[str, np.ndarray], reference: str, resamples:
 
 
 def costs_in_seconds(opts: SyncBenchOptions, costs: np.ndarray, compute: dict) -> np.ndarray:
-    units = as_batch_sizes(costs).astype(float) if opts.cost_model == "batch" else costs
-    return compute["intercept_s"] + compute["slope_s_per_unit"] * units
+    return compute["intercept_s"] + compute["slope_s_per_unit"] * work_units(opts, costs)
 
 
 def fit_per_call_overhead(opts: SyncBenchOptions, calibration: list, workload: Workload,
@@ -456,7 +524,6 @@ def summarise(opts: SyncBenchOptions, raw: dict) -> dict:
     step_s = {m: np.zeros(steps) for m in modes}
     wait_s = {m: np.zeros(steps) for m in modes}
     measured_compute = np.zeros((steps, opts.accum, opts.replicate))
-    samples = np.zeros(steps)
     for k, mode, gathered in raw["records"]:
         step_s[mode][k] = gathered[:, 0].max()  # the step ends when its last rank does
         wait_s[mode][k] = float(np.mean(gathered[:, 0] - gathered[:, 1]))
@@ -464,9 +531,7 @@ def summarise(opts: SyncBenchOptions, raw: dict) -> dict:
             per_rank = gathered[:, 2:]  # [world, accum]
             measured_compute[k] = per_rank.reshape(opts.replicate, opts.shard, opts.accum).mean(axis=1).T
     costs = raw["costs"]
-    per_microbatch = as_batch_sizes(costs) if opts.cost_model == "batch" else np.full(costs.shape,
-                                                                                        opts.microbatch_size)
-    samples = per_microbatch.sum(axis=(1, 2)) * opts.shard
+    samples = items_per_microbatch(opts, costs).sum(axis=(1, 2)) * opts.shard
     comm = CommModel(intra=Link(raw["comm"]["alpha_s"], raw["comm"]["bandwidth"]),
                      inter=Link(raw["comm"]["alpha_s"], raw["comm"]["bandwidth"]),
                      ranks_per_node=raw["world_size"], algorithm="ring")
@@ -530,12 +595,14 @@ def format_report(result: dict) -> str:
         lines.append(f"note: {env['world_size']} ranks share {env['cpu_cores']} cores: real compute contends, "
                      "so a waiting rank lends its core to the others.")
     comm = result["calibration"]["comm"]
+    bandwidth = f"{comm['bandwidth'] / 1e6:.0f} MB/s" if comm["bandwidth"] < 1e12 else "unresolved (latency-bound)"
     lines.append(f"alpha-beta fit on this run's groups: alpha {comm['alpha_s'] * 1e6:.0f} us, "
-                 f"bandwidth {comm['bandwidth'] / 1e6:.0f} MB/s (relative rms error {comm['rel_rms_error']:.2f}); "
+                 f"bandwidth {bandwidth} (relative rms error {comm['rel_rms_error']:.2f}); "
                  "FSDP overhead per collective call (fitted on zero-variance steps): "
                  + ", ".join(f"{mesh} mesh {o * 1e3:.2f} ms"
                              for mesh, o in result['calibration']['per_call_overhead_s'].items()))
-    header = (f"{'mode':<16} {'median s':>9} {'p90 s':>8} {'samples/s':>10} {'coll wait':>9} "
+    unit = "tokens/s" if opts["cost_model"] == "packed" else "samples/s"
+    header = (f"{'mode':<16} {'median s':>9} {'p90 s':>8} {unit:>10} {'coll wait':>9} "
               f"{'mean / delayed [95% CI]':>26} {'pred':>6} {'median / delayed [95% CI]':>27} {'pred med s':>10}")
     lines.append(header)
     for row in result["modes"]:
