@@ -131,6 +131,15 @@ def test_command_line_writes_json_and_rejects_bad_values(tmp_path, capsys):
     ratios = {m["mode"]: m["ratio_to_reference"] for m in data["modes"]}
     assert ratios["hsdp-delayed"] == 1.0 and ratios["hsdp"] > 1.0
     assert "hsdp-delayed" in capsys.readouterr().out
+    # The figure sweeps replica groups and cost CV; at CV 0 and one group delaying gains (almost) nothing.
+    png = tmp_path / "sim.png"
+    assert main(["--replicate", "4", "--shard", "2", "--accum", "4", "--samples", "50", "--figure", str(png),
+                 "--group-counts", "1", "4", "--cvs", "0", "1", "--json", str(out)]) == 0
+    sweep = json.loads(out.read_text())["figure"]
+    assert png.stat().st_size > 0
+    for key in ("speedup_by_groups", "speedup_by_cv"):
+        assert sweep[key][0] == pytest.approx(1.0, abs=0.01)
+        assert sweep[key][1] > 1.05
     # A measured trace replaces the drawn costs.
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"costs_s": np.full((3, 4, 4), 0.1).tolist()}))
