@@ -192,7 +192,6 @@ class Trainer:
         self.data = data
         if cfg.train.num_threads > 0:
             torch.set_num_threads(cfg.train.num_threads)
-        self.owns_process_group = not (dist.is_available() and dist.is_initialized())
         self.rank, self.world, self.device = init_distributed(cfg.parallel)
         self.mesh = build_mesh(cfg.parallel, self.world, self.device.type)
         self.resume_from = check_run_dir(cfg)
@@ -371,11 +370,12 @@ def _console_line(record: dict[str, Any], total_steps: int) -> str:
 def run(cfg: JobConfig) -> dict[str, Any]:
     """Train per `cfg`; return the final record (rank 0's view)."""
     data = prepare_data(cfg)
-    trainer = Trainer(cfg, data)
+    owns_process_group = not (dist.is_available() and dist.is_initialized())
     try:
-        return _run(trainer)
+        return _run(Trainer(cfg, data))
     finally:
-        if trainer.owns_process_group and dist.is_initialized():
+        # Also when the Trainer could not be built (e.g. a mesh that does not fit the world).
+        if owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -1,0 +1,65 @@
+"""NaN/inf loss: `skip` drops that update and counts it; `stop` ends with one line and writes no checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moetrain import cli
+from moetrain.config import parse_job_args
+from moetrain.model.transformer import Transformer
+from moetrain.train import loss as loss_module
+from moetrain.train.checkpoint import latest_complete, list_complete, load_checkpoint
+from moetrain.train.optim import build_optimizer
+
+
+@pytest.fixture
+def poison_step_3(monkeypatch):
+    """Make the first microbatch loss of step 3 NaN (grad_accum = 2: calls 5 and 6 belong to step 3)."""
+    real = loss_module.token_loss_sum
+    calls = {"n": 0}
+
+    def token_loss_sum(logits, targets, ignore_index=-100):
+        calls["n"] += 1
+        loss_sum, n_valid = real(logits, targets, ignore_index)
+        return (loss_sum * float("nan") if calls["n"] == 5 else loss_sum), n_valid
+
+    monkeypatch.setattr(loss_module, "token_loss_sum", token_loss_sum)
+
+
+def test_skip_policy_drops_the_update_and_counts_it(job_args, tmp_path, poison_step_3):
+    run_dir = tmp_path / "skip"
+    argv = job_args(run_dir, train__steps=4, checkpoint__every=2, train__eval_every=0,
+                    data__heldout_fraction=0, train__nan_policy="skip")
+    assert cli.main(["train", *argv]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if r.get("event") == "skipped_step"]
+    assert [(r["step"], r["skipped_steps"]) for r in skipped] == [(3, 1)]
+    final = records[-1]
+    assert final["kind"] == "final" and final["skipped_steps"] == 1
+    # Four steps ran but the optimizer stepped three times: AdamW's own step counter says so.
+    cfg = parse_job_args(argv)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=1)
+    optimizer = build_optimizer(model, cfg.train)
+    state = load_checkpoint(latest_complete(run_dir / "checkpoints"), model, optimizer)
+    assert state["step"] == 4 and state["skipped_steps"] == 1
+    assert {float(s["step"]) for s in optimizer.state.values()} == {3.0}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_stop_policy_ends_with_one_line_and_keeps_the_last_good_checkpoint(job_args, tmp_path, poison_step_3,
+                                                                           capsys):
+    run_dir = tmp_path / "stop"
+    argv = job_args(run_dir, train__steps=4, checkpoint__every=2, train__eval_every=0,
+                    data__heldout_fraction=0, train__nan_policy="stop")
+    assert cli.main(["train", *argv]) == 1
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moetrain: error:")]
+    assert len(err_lines) == 1
+    assert "step 3: loss nan" in err_lines[0] and "newest complete checkpoint: step 2" in err_lines[0]
+    assert [r.step for r in list_complete(run_dir / "checkpoints")] == [2]
+    assert not any(p.name.startswith(".tmp-") for p in (run_dir / "checkpoints").iterdir())
