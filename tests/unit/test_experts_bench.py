@@ -57,6 +57,8 @@ def test_bench_bad_options_are_config_errors(capsys):
         bench_moe.main(["--preset", "huge"])
     with pytest.raises(ConfigError, match="--repeats = 3 is invalid"):
         bench_moe.main([*TINY[:-2], "--repeats", "3"])
+    with pytest.raises(ConfigError, match="argument --tokens: invalid int value: 'many'"):
+        bench_moe.main(["--tokens", "many"])
     assert cli_main(["bench", "moe", "--top_k", "99"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--top_k = 99" in err[0]

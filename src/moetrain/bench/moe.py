@@ -298,12 +298,23 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Argument errors become ConfigError, which the CLI prints as one line with exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (run `moetrain bench moe --help` for options)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moetrain bench moe", description=__doc__.split("\n\n")[0])
+    parser = _OneLineErrorParser(prog="moetrain bench moe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="fine", help=f"one of {', '.join(PRESETS)} (default fine)")
     for field in dataclasses.fields(BenchConfig):
-        parser.add_argument(f"--{field.name}", type=type(field.default), default=None,
-                            help=f"override the preset (default {field.default!r})")
+        if field.name in PRESETS["fine"]:
+            per_preset = ", ".join(f"{name}: {values[field.name]}" for name, values in PRESETS.items())
+            help_text = f"override the preset ({per_preset})"
+        else:
+            help_text = f"default {field.default!r}"
+        parser.add_argument(f"--{field.name}", type=type(field.default), default=None, help=help_text)
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep granularity at constant top_k*intermediate; writes PNG + JSON to --out-dir")
