@@ -241,3 +241,18 @@ def test_routed_experts_rejects_bad_arguments():
     with pytest.raises(ValueError, match="routing has 3 experts"):
         bad = Routing(routing.token_index, routing.scores, torch.tensor([1, 2, 0]))
         routed_experts(x, bad, w1, w2, "swiglu", "loop")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_assignments_gives_zero_output_and_zero_not_none_gradients(impl, backend):
+    """Token rounding can drop every assignment of a small batch; every weight must still get a
+    (zero) gradient so sharded gradient reduction stays uniform across ranks."""
+    x = torch.randn(5, 16, requires_grad=True)
+    w1, w2 = make_weights(3, 16, 8, "swiglu", torch.float32)
+    scores = torch.zeros(0, requires_grad=True)
+    routing = Routing(torch.zeros(0, dtype=torch.long), scores, torch.zeros(3, dtype=torch.long))
+    out = routed_experts(x, routing, w1, w2, "swiglu", impl, backend=backend)
+    grads = torch.autograd.grad(out, (x, w1, w2, scores), torch.randn(5, 16))
+    assert torch.count_nonzero(out) == 0
+    assert all(g is not None and torch.count_nonzero(g) == 0 for g in grads)

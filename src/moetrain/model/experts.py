@@ -208,10 +208,10 @@ def grouped_mm(a: Tensor, b: Tensor, counts: Tensor, backend: Backend, counts_ho
                 torch.mm(seg, b_e, out=out_seg)
         return out
     # unbind, not b[e]: each select's backward would materialise a zero [E,k,m] gradient per expert.
-    pieces = [seg @ b_e for seg, b_e, size in zip(a.split(sizes, dim=0), b.unbind(0), sizes, strict=True) if size]
-    if not pieces:
-        return a.new_zeros(a.shape[0], b.shape[2])
-    return torch.cat(pieces, dim=0)
+    # Empty segments are multiplied too (a free [0,k] @ [k,m]) so the output stays connected to
+    # every weight even when no token is routed at all: gradients are zeros, never None, which
+    # keeps FSDP's per-parameter gradient reduction uniform across ranks.
+    return torch.cat([seg @ b_e for seg, b_e in zip(a.split(sizes, dim=0), b.unbind(0), strict=True)], dim=0)
 
 
 def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backend,
@@ -259,14 +259,12 @@ def _experts_loop(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activatio
     """Reference: one expert at a time, plain matmuls, standard autograd."""
     sizes = routing.counts.tolist()
     pieces = []
+    # Empty experts run too (zero-row matmuls) so every weight gets a zero gradient, never None.
     for tokens, scores, w1_e, w2_e in zip(routing.token_index.split(sizes), routing.scores.split(sizes),
                                           w1.unbind(0), w2.unbind(0), strict=True):
-        if tokens.numel() == 0:
-            continue
         expert_out = activation_forward(x[tokens] @ w1_e, activation) @ w2_e
         pieces.append(expert_out * scores.unsqueeze(1).to(expert_out.dtype))
-    contrib = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])
-    return _scatter_to_tokens(contrib, routing.token_index, x.shape[0])
+    return _scatter_to_tokens(torch.cat(pieces), routing.token_index, x.shape[0])
 
 
 def _experts_grouped(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str,
