@@ -206,7 +206,8 @@ def run_preset(cfg: BenchConfig, compare_backends: bool) -> dict[str, Any]:
             entry["formula_bytes"] = formula_bytes(cfg)
             entry["saved_over_formula"] = nbytes / entry["formula_bytes"]
         results.append(entry)
-    report: dict[str, Any] = {"config": dataclasses.asdict(cfg), "chosen_backends": chosen, "results": results,
+    report: dict[str, Any] = {"config": dataclasses.asdict(cfg), "results": results,
+                              "chosen_backends": {impl: chosen[impl] for impl in ("grouped", "memory_efficient")},
                               "torch": torch.__version__, "threads": torch.get_num_threads()}
     if compare_backends:
         report["backend_comparison"] = [
