@@ -189,7 +189,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     total = grad_norm(model, norm_type)
     if max_norm <= 0 or math.isinf(max_norm) or not torch.isfinite(total):
         return total
-    grads = _grads(model)
-    torch.nn.utils.clip_grads_with_norm_(
-        [p for p in model.parameters() if p.grad is not None], max_norm, total.to(grads[0].device))
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total.to(with_grad[0].grad.device))
     return total

@@ -1,4 +1,4 @@
-"""FSDP2 sharding of a model: fully_shard units, mixed precision, SUM reductions, dtype guard.
+"""FSDP2 sharding of a model: fully_shard units, mixed precision, SUM reductions, gradient guard.
 
 `apply_fsdp` wraps each transformer block, then the embedding and the LM head, then
 the root, with `fully_shard` on the data-parallel mesh (1-D for FSDP, 2-D for HSDP
@@ -6,9 +6,9 @@ and for pure replication). It configures every unit to reduce gradients with pla
 SUM collectives and no divide factor: the loss is already divided by the global
 token count (see `moetrain.train.loss`), so FSDP's own averaging must be undone, and
 PREMUL_SUM (which gloo cannot run and which has silently zeroed bf16 gradients on
-some NCCL builds) must never be chosen. It also installs the gradient guard
-(uniform gradient dtype and membership). This module changes how a model is distributed; it must not change what the
-model computes.
+some NCCL builds) must never be chosen. It also installs the gradient guard (every
+reduced gradient exists and has the reduce dtype). This module changes how a model
+is distributed; it must not change what the model computes.
 """
 
 from __future__ import annotations
