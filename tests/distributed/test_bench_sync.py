@@ -33,6 +33,15 @@ def test_smoke_four_ranks_writes_schema_and_chart(tmp_path, capsys):
     assert png.stat().st_size > 0
     printed = capsys.readouterr().out
     assert "isolates synchronisation" in printed and "hsdp-delayed" in printed
+    # The summary over runs quotes the run's own measured and predicted ratios.
+    summary_png = tmp_path / "summary.png"
+    assert main(["--summarize", str(out), "--figure", str(summary_png)]) == 0
+    table = capsys.readouterr().out
+    hsdp = next(row for row in result["modes"] if row["mode"] == "hsdp")
+    assert f"| hsdp | {hsdp['ratio_mean_to_ref']:.3f}" in table
+    assert summary_png.stat().st_size > 0
+    with pytest.raises(ConfigError, match="does not exist"):
+        main(["--summarize", str(tmp_path / "missing.json")])
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -40,7 +49,7 @@ def test_smoke_four_ranks_writes_schema_and_chart(tmp_path, capsys):
     (["--modes", "hsdp", "fsdp"], "hsdp-delayed"),
     (["--modes", "ddp"], "modes"),
     (["--cost.p-long", "2"], "p_long"),
-    (["--cost-model", "packed"], "cost"),
+    (["--cost-model", "varlen"], "cost"),
     (["--accum", "two"], "accum"),
 ])
 def test_bad_options_fail_with_one_line_before_spawning(argv, match):

@@ -75,6 +75,9 @@ class SyncBenchOptions:
     json: str | None = None
     figure: str | None = "auto"  # PNG path; "auto" = benchmarks/results/sync_<model>_<dist>_<R>x<S>_acc<A>.png; "none"
     timeout_s: float = 1200.0  # spawned ranks only: fail instead of hanging
+    # Instead of running: read these bench JSON files, print a markdown table of measured vs
+    # predicted ratios and draw them into --figure (default benchmarks/results/sync_summary.png).
+    summarize: tuple[str, ...] = ()
 
 
 def _validate(opts: SyncBenchOptions) -> None:
@@ -671,8 +674,71 @@ def report(opts: SyncBenchOptions, raw: dict) -> dict:
     return result
 
 
+def _setting_label(result: dict) -> str:
+    opts, cost = result["options"], result["options"]["cost"]
+    shape = {"bimodal": f"bimodal {cost['short']:g}/{cost['short'] * cost['ratio']:g} p={cost['p_long']:g}",
+             "lognormal": f"lognormal mean {cost['short']:g} cv {cost['cv']:g}",
+             "constant": f"constant {cost['short']:g}"}[cost["distribution"]]
+    return f"{opts['cost_model']} {shape}, {opts['replicate']}x{opts['shard']}, acc {opts['accum']}"
+
+
+def summarize_runs(paths: tuple[str, ...], figure: str | None) -> str:
+    """Markdown table (and chart) of measured vs predicted step-time ratios over several bench runs."""
+    results = []
+    for path in paths:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"summarize: {path!r} does not exist")
+        try:
+            results.append(json.loads(file.read_text()))
+        except ValueError as err:
+            raise ConfigError(f"summarize: {path!r} is not JSON ({err})") from None
+    lines = ["| setting | mode | measured / hsdp-delayed [95% CI] | simulator | error |",
+             "|---|---|---|---|---|"]
+    labels, measured, low, high, predicted = [], [], [], [], []
+    for result in results:
+        for row in result["modes"]:
+            if row["mode"] == REFERENCE:
+                continue
+            lo, hi = row["ratio_mean_ci95"]
+            error = row["predicted_ratio_mean_to_ref"] / row["ratio_mean_to_ref"] - 1
+            lines.append(f"| {_setting_label(result)} | {row['mode']} | {row['ratio_mean_to_ref']:.3f} "
+                         f"[{lo:.3f}, {hi:.3f}] | {row['predicted_ratio_mean_to_ref']:.3f} | {error:+.1%} |")
+            if row["mode"] == "hsdp":
+                labels.append(_setting_label(result).replace(", ", "\n").replace(" ", "\n", 1))
+                measured.append(row["ratio_mean_to_ref"])
+                low.append(row["ratio_mean_to_ref"] - lo)
+                high.append(hi - row["ratio_mean_to_ref"])
+                predicted.append(row["predicted_ratio_mean_to_ref"])
+    if figure and figure != "none" and labels:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(labels)), 4.8))
+        xs = np.arange(len(labels))
+        ax.bar(xs, measured, yerr=[low, high], capsize=5, color="#6d9dc5", label="measured (95% paired bootstrap CI)")
+        ax.scatter(xs, predicted, color="#c0392b", marker="D", zorder=3, label="simulator, same drawn costs")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(xs, labels, fontsize=7)
+        ax.set_ylabel("speedup of hsdp-delayed over hsdp\n(mean step time hsdp / hsdp-delayed)")
+        ax.set_ylim(max(0.0, min(measured + predicted) - 0.15), None)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        Path(figure).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(figure, dpi=120)
+        plt.close(fig)
+        lines.append(f"\nfigure: {figure}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     opts: SyncBenchOptions = parse_options(SyncBenchOptions, argv, "moetrain bench sync")
+    if opts.summarize:
+        figure = str(RESULTS_DIR / "sync_summary.png") if opts.figure == "auto" else opts.figure
+        print(summarize_runs(opts.summarize, figure))
+        return 0
     _validate(opts)
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         raw = run_ranks(opts)
