@@ -438,7 +438,7 @@ def run_ranks(opts: SyncBenchOptions) -> dict | None:
     # beyond compute when nobody waits for anybody; fits the per-call FSDP overhead.
     # The first pass of each mode is discarded: it includes FSDP's lazy initialisation.
     overhead_calibration = []
-    for repeat in range(4):
+    for repeat in range(6):
         for mode in opts.modes:
             model, policy = models[MODE_SETUP[mode][0]], SYNC_POLICIES[MODE_SETUP[mode][1]]
             elapsed, busy, _ = _run_step(model, policy, opts, clock, np.full(opts.accum, opts.cost.short), device,
@@ -500,14 +500,19 @@ def fit_per_call_overhead(opts: SyncBenchOptions, calibration: list, workload: W
     """Seconds of FSDP bookkeeping per collective call, per mesh, from the zero-variance calibration steps.
 
     With equal costs the simulated step is linear in the per-call overhead o:
-    t_mode = t_mode(o=0) + calls_mode · o. Least squares over the modes of one mesh
-    ("1d": fsdp over the whole world, "2d": the HSDP modes) and their repeats; separate
-    because a collective over every process of an oversubscribed host costs more than
-    one over a pair, beyond what the alpha-beta terms say.
+    t_mode = t_mode(o=0) + calls_mode · o. Each mode's repeats are reduced to their median
+    (a shared machine throws outliers), then least squares over the modes of one mesh
+    ("1d": fsdp over the whole world, "2d": the HSDP modes); separate because a
+    collective over every process of an oversubscribed host costs more than one over a
+    pair, beyond what the alpha-beta terms say.
     """
+    by_mode: dict[str, list[tuple[float, float]]] = {}
+    for mode, step_s, compute_per_microbatch in calibration:
+        by_mode.setdefault(mode, []).append((step_s, compute_per_microbatch))
     calls: dict[str, list[float]] = {}
     excess: dict[str, list[float]] = {}
-    for mode, step_s, compute_per_microbatch in calibration:
+    for mode, repeats in by_mode.items():
+        step_s, compute_per_microbatch = (float(v) for v in np.median(np.asarray(repeats), axis=0))
         compute = np.full((1, opts.accum, opts.replicate), compute_per_microbatch)
         base = simulate_step_times(compute, opts.replicate, opts.shard, mode, workload, comm)[0]
         with_one = simulate_step_times(compute, opts.replicate, opts.shard, mode,
