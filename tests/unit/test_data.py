@@ -84,7 +84,7 @@ def test_empty_directory_is_one_line_config_error(tmp_path):
         load_corpus(DataConfig(source="dir", path=str(tmp_path / "missing")))
 
 
-def test_non_utf8_file_errors_or_is_skipped_with_a_warning(tmp_path, caplog):
+def test_non_utf8_file_errors_or_is_skipped_with_a_warning(tmp_path):
     _write(tmp_path, {"good.txt": b"fine text", "bad.txt": b"caf\xe9 latin-1"})
     with pytest.raises(ConfigError, match=r"'bad.txt' is not UTF-8 text \(bad byte at offset 3\)") as err:
         load_corpus(DataConfig(source="dir", path=str(tmp_path)))

@@ -156,21 +156,28 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     tput_steps, tput = series(records, "train", "tokens_per_s")
     final = next((r for r in reversed(records) if r.get("kind") == "final"), {})
 
-    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(12, 4.2))
-    ax_loss.plot(train_steps, train_loss, label="train loss (nats/token)", color="tab:blue", linewidth=1)
+    _, train_avg = series(records, "train", "loss_avg")
+    entropy = final.get("unigram_entropy_bits")
+    fig, (ax_loss, ax_bpb, ax_tput) = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax_loss.plot(train_steps, train_loss, color="tab:blue", alpha=0.35, linewidth=0.8, label="train loss (log step)")
+    if len(train_avg) == len(train_steps):
+        ax_loss.plot(train_steps, train_avg, color="tab:blue", label="train loss (mean since last log)")
     if eval_steps:
-        ax_loss.plot(eval_steps, eval_loss, "o-", label="held-out loss (nats/token)", color="tab:orange")
-        ax_bpb = ax_loss.twinx()
-        ax_bpb.plot(eval_steps, eval_bpb, "s--", color="tab:green", label="held-out bits/byte", markersize=4)
-        ax_bpb.set_ylabel("bits per byte")
-        ax_bpb.legend(loc="upper center")
-    if "unigram_entropy_bits" in final:
-        ax_loss.axhline(final["unigram_entropy_bits"] * LN2, color="gray", linestyle=":",
-                        label="unigram byte entropy (nats)")
+        ax_loss.plot(eval_steps, eval_loss, "o-", color="tab:orange", label="held-out loss")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("cross-entropy (nats per token)")
     ax_loss.set_title("loss")
     ax_loss.legend(loc="upper right")
+    if eval_steps:
+        ax_bpb.plot(eval_steps, eval_bpb, "o-", color="tab:green", label="held-out bits per byte")
+    if entropy is not None:
+        ax_bpb.axhline(entropy, color="gray", linestyle=":", label=f"unigram byte entropy ({entropy:.2f})")
+    ax_bpb.set_xlabel("step")
+    ax_bpb.set_ylabel("bits per byte")
+    ax_bpb.set_title("held-out bits per byte")
+    ax_bpb.set_ylim(bottom=0)
+    if eval_steps or entropy is not None:
+        ax_bpb.legend(loc="lower left")
     ax_tput.plot(tput_steps, tput, color="tab:purple")
     ax_tput.set_xlabel("step")
     ax_tput.set_ylabel("tokens / s (global)")

@@ -69,6 +69,7 @@ class TrainingData:
     heldout: PackedSequences | None
     token_bytes: torch.Tensor
     unigram_entropy_bits: float | None
+    train_unigram_entropy_bits: float
     n_train_documents: int
     n_heldout_documents: int
 
@@ -83,7 +84,8 @@ def prepare_data(cfg: JobConfig) -> TrainingData:
     train = pack_documents(corpus.train, tokenizer, cfg.data.seq_len)
     heldout = pack_documents(corpus.heldout, tokenizer, cfg.data.seq_len) if corpus.heldout else None
     entropy = unigram_entropy_bits(byte_histogram(d.text for d in corpus.heldout)) if corpus.heldout else None
-    return TrainingData(tokenizer, train, heldout, tokenizer.token_byte_lengths(), entropy,
+    train_entropy = unigram_entropy_bits(byte_histogram(d.text for d in corpus.train))
+    return TrainingData(tokenizer, train, heldout, tokenizer.token_byte_lengths(), entropy, train_entropy,
                         len(corpus.train), len(corpus.heldout))
 
 
@@ -482,9 +484,10 @@ def _finish(trainer: Trainer, writer: MetricsWriter, wall_s: float, steps_this_r
         writer.write({"kind": "eval", "step": trainer.step, **ev})
         final.update(ev)
         final["unigram_entropy_bits"] = data.unigram_entropy_bits
-        log.info("held-out: loss %.4f nats/token, %.4f bits/byte; unigram byte entropy of the held-out text: "
-                 "%.4f bits/byte (%.4f nats/byte)", ev["heldout_loss"], ev["heldout_bpb"],
-                 data.unigram_entropy_bits, data.unigram_entropy_bits * LN2)
+        final["train_unigram_entropy_bits"] = data.train_unigram_entropy_bits
+        log.info("held-out: loss %.4f nats/token, %.4f bits/byte; unigram byte entropy: held-out text %.4f "
+                 "bits/byte (%.4f nats/byte), training text %.4f bits/byte", ev["heldout_loss"], ev["heldout_bpb"],
+                 data.unigram_entropy_bits, data.unigram_entropy_bits * LN2, data.train_unigram_entropy_bits)
     else:
         log.info("no held-out documents (data.heldout_fraction = 0): no held-out loss")
     if cfg.train.sample_tokens > 0:
