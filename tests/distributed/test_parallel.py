@@ -253,3 +253,15 @@ def test_single_process_without_launcher_env():
     assert (result["rank"], result["world"], result["backend"], result["mesh"]) == (0, 1, "gloo", [1, 1])
     assert result["tokens"] > 0 and result["norm"] > 0
     assert result["grad_err"] <= 1e-5
+
+
+def test_backend_follows_the_device_and_nccl_on_cpu_is_rejected():
+    from moetrain.parallel.mesh import _backend_for, _device_type
+
+    assert _backend_for("cpu", ParallelConfig()) == "gloo"
+    assert _backend_for("cuda", ParallelConfig()) == "nccl"
+    # an existing group decides the device: the gloo harness means CPU tensors even on a GPU machine
+    assert _device_type(ParallelConfig(), "gloo") == "cpu" and _device_type(ParallelConfig(), "nccl") == "cuda"
+    assert _device_type(ParallelConfig(backend="gloo"), None) == "cpu"
+    with pytest.raises(ConfigError, match="parallel.backend = 'nccl'"):
+        _backend_for("cpu", ParallelConfig(backend="nccl"))
