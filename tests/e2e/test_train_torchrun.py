@@ -12,15 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from moetrain.testing import free_port
-
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 
 
 def _torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
-               str(free_port()), "-m", "moetrain", "train", *args]
+    # --standalone: torchrun's own rendezvous on a port it picks, so no port can be raced for.
+    command = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "-m", "moetrain", "train", *args]
     # Own session, so a hang kills torchrun and every rank it started, not just torchrun.
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
