@@ -212,7 +212,6 @@ class Trainer:
         self.skipped_steps = 0
         self.tokens_seen = 0
         self.moe_layers = self.model.moe_layers()
-        self.aux_free = any(m.cfg.load_balance == "aux_free" for m in self.moe_layers)
 
     # ---- state
 
