@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.model.experts import routed_experts, routing_from_topk
-from moetrain.model.moe_function import MemoryEfficientExperts
+from moetrain.model.moe_function import ExpertChunk, MemoryEfficientExperts, memory_efficient_experts, plan_chunks
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: round-to-nearest relative error <= 2^-8
 
@@ -119,6 +119,29 @@ def test_function_returns_no_gradient_for_integer_metadata():
     x, w1, w2, grad_out, scores, idx = make_problem(5, 16, 8, 3, 2, "swiglu", torch.float64)
     routing = routing_from_topk(idx, scores.requires_grad_(), 3)
     out = MemoryEfficientExperts.apply(x, routing.scores, w1, w2, routing.token_index, routing.counts, "swiglu",
-                                       "segment_loop")
+                                       "segment_loop", 0)
     (grad_scores,) = torch.autograd.grad(out, routing.scores, grad_out)
     assert grad_scores.shape == routing.scores.shape
+
+
+def test_plan_chunks_covers_every_expert_and_row_once():
+    counts = [3, 0, 5, 1, 0, 0, 4, 2]
+    assert plan_chunks(None, 8, 15, 4) == [ExpertChunk(0, 8, 0, 15)]
+    assert plan_chunks(counts, 8, 15, 4) == [ExpertChunk(0, 3, 0, 8), ExpertChunk(3, 7, 8, 13),
+                                             ExpertChunk(7, 8, 13, 15)]
+    per_expert = plan_chunks(counts, 8, 15, 0)
+    # 0: one expert with rows per chunk (empty experts ride along with the next one)
+    assert [(c.first_expert, c.end_expert) for c in per_expert] == [(0, 1), (1, 3), (3, 4), (4, 7), (7, 8)]
+    assert plan_chunks(counts, 8, 15, 10**9) == [ExpertChunk(0, 8, 0, 15)]
+
+
+@pytest.mark.parametrize("chunk_rows", [0, 7, 10**9])
+def test_chunk_size_does_not_change_results(chunk_rows):
+    x, w1, w2, grad_out, scores, idx = make_problem(20, 16, 8, 6, 3, "swiglu", torch.float64)
+    want = grads_of("loop", x, w1, w2, grad_out, scores, idx, "swiglu")
+    x, w1, w2, scores = (t.clone().requires_grad_() for t in (x, w1, w2, scores))
+    out = memory_efficient_experts(x, routing_from_topk(idx, scores, 6), w1, w2, "swiglu", "segment_loop",
+                                   chunk_rows=chunk_rows)
+    got = (out, *torch.autograd.grad(out, (x, scores, w1, w2), grad_out))
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-12

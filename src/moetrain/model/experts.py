@@ -189,20 +189,22 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_mm(a: Tensor, b: Tensor, counts: Tensor, backend: Backend, counts_host: list[int] | None = None) -> Tensor:
+def grouped_mm(a: Tensor, b: Tensor, counts: Tensor, backend: Backend, counts_host: list[int] | None = None,
+               out: Tensor | None = None) -> Tensor:
     """Rows of `a` [N,k] grouped by `counts` [E], each group times its `b[e]` [k,m] -> [N,m].
 
     Differentiable under standard autograd for both backends (used by the `grouped` impl), and
-    immune to the stride-0 gradient bug of `_grouped_mm`.
+    immune to the stride-0 gradient bug of `_grouped_mm`. `out` (only without autograd) receives
+    the result in place.
     """
     if backend == "torch_grouped_mm" and _grouped_mm_usable(a, b):
-        out = torch._grouped_mm(a, b, offs=_offsets(counts))
-        return _ContiguousGrad.apply(out)
+        result = _ContiguousGrad.apply(torch._grouped_mm(a, b, offs=_offsets(counts)))
+        return result if out is None else out.copy_(result)
     sizes = counts.tolist() if counts_host is None else counts_host
     if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
         # No autograd (e.g. inside the memory-efficient Function): write each segment's product
         # straight into its rows of one output instead of concatenating pieces (saves an N x m copy).
-        out = a.new_empty(a.shape[0], b.shape[2])
+        out = a.new_empty(a.shape[0], b.shape[2]) if out is None else out
         for seg, b_e, out_seg in zip(a.split(sizes, dim=0), b.unbind(0), out.split(sizes, dim=0), strict=True):
             if seg.shape[0]:
                 torch.mm(seg, b_e, out=out_seg)
@@ -215,26 +217,26 @@ def grouped_mm(a: Tensor, b: Tensor, counts: Tensor, backend: Backend, counts_ho
 
 
 def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backend,
-                           counts_host: list[int] | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+                           counts_host: list[int] | None = None, out: Tensor | None = None) -> Tensor:
     """Per-expert a_e^T g_e for rows grouped by `counts`: a [N,k], g [N,m] -> [E,k,m] (zeros for empty experts).
 
-    Used only inside the memory-efficient backward (no autograd through it).
+    Used only inside the memory-efficient backward (no autograd through it); `out` [E,k,m], if
+    given, receives the result in place.
     """
     n_experts = counts.numel()
-    out_dtype = out_dtype or a.dtype
     if backend == "torch_grouped_mm" and _grouped_mm_usable(a, g):
         a_t = a.t()  # [k, N] view with unit row stride: the 2d x 2d form groups along the shared N dim
         if _grouped_mm_usable(a_t, g) and a.shape[0] > 0:
-            out = torch._grouped_mm(a_t, g, offs=_offsets(counts))
+            result = torch._grouped_mm(a_t, g, offs=_offsets(counts))
             # Groups with no rows are left untouched by some kernels; zero them explicitly.
-            out = out.masked_fill((counts == 0).view(-1, 1, 1), 0)
-            return out.to(out_dtype)
+            result = result.masked_fill((counts == 0).view(-1, 1, 1), 0)
+            return result if out is None else out.copy_(result)
     sizes = counts.tolist() if counts_host is None else counts_host
-    out = torch.empty(n_experts, a.shape[1], g.shape[1], dtype=out_dtype, device=a.device)
+    out = torch.empty(n_experts, a.shape[1], g.shape[1], dtype=a.dtype, device=a.device) if out is None else out
     for a_seg, g_seg, out_e in zip(a.split(sizes, dim=0), g.split(sizes, dim=0), out.unbind(0), strict=True):
         if a_seg.shape[0] == 0:
             out_e.zero_()
-        elif out_dtype == a.dtype:
+        elif out_e.dtype == a.dtype:
             torch.mm(a_seg.t(), g_seg, out=out_e)
         else:
             out_e.copy_(a_seg.t() @ g_seg)

@@ -10,9 +10,10 @@ again, and gets the router-score gradient as dS = <dO W2^T, A> = <dA', A> (never
     dH   = dA * phi'(H)              dW2_e = sum (S A)^T dO[token]
     dW1_e = sum X[token]^T dH        dX = scatter-add over assignments of dH W1_e^T
 
-GEMMs run over contiguous expert segments, in one of two forms chosen by the backend
-(`experts.grouped_mm_backend`): whole-tensor `torch._grouped_mm` calls (CUDA), or on CPU a
-per-expert pipeline that gathers, multiplies and scatters one expert at a time.
+GEMMs run over contiguous expert segments with the backend from `experts.grouped_mm_backend`:
+on accelerators one `torch._grouped_mm` call per projection over all experts; on CPU the experts
+are processed in cache-sized chunks (gather, GEMMs, elementwise work and scatter per chunk), so
+not even a transient tokens*top_k x hidden tensor is formed.
 Reductions that feed a low-precision result (dS, the token scatter-adds) accumulate in float32.
 The score gradient is returned to autograd, so it reaches the router through ordinary autograd.
 This module holds no parameters and no distributed code; the caller's weights may be FSDP-unsharded
@@ -20,6 +21,8 @@ tensors.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -34,19 +37,9 @@ from moetrain.model.experts import (
     grouped_mm_weight_grad,
 )
 
-# Gradients of (x, scores, w1, w2); None where autograd did not ask for one.
-Grads = tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]
-
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def _scatter_add_rows(rows: Tensor, token_index: Tensor, n_tokens: int) -> Tensor:
-    acc = torch.zeros(n_tokens, rows.shape[1], dtype=_accumulate_dtype(rows.dtype), device=rows.device)
-    # index_put_(accumulate=True) measured faster than index_add_ on CPU for N x d rows.
-    acc.index_put_((token_index,), rows.to(acc.dtype), accumulate=True)
-    return acc.to(rows.dtype)
 
 
 def _scale_rows(rows: Tensor, scores: Tensor) -> Tensor:
@@ -55,141 +48,120 @@ def _scale_rows(rows: Tensor, scores: Tensor) -> Tensor:
     return (rows.to(acc) * scores.to(acc).unsqueeze(1)).to(rows.dtype)
 
 
+# On CPU the experts are processed in chunks of consecutive experts holding about this many routed
+# rows: each chunk's gathered rows stay cache-resident while its GEMMs and elementwise ops use them
+# (the CPU analogue of SonicMoE fusing the gather into the GEMM), and elementwise work is batched
+# over a whole chunk rather than issued per expert. Chosen by measurement (docs/bench_moe.md).
+CPU_CHUNK_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class ExpertChunk:
+    """Experts [first_expert, end_expert) own rows [first_row, end_row) of the grouped layout."""
+
+    first_expert: int
+    end_expert: int
+    first_row: int
+    end_row: int
+
+
+def plan_chunks(counts_host: list[int] | None, n_experts: int, n_rows: int, chunk_rows: int) -> list[ExpertChunk]:
+    """Group consecutive experts until a chunk holds >= chunk_rows rows (0: one non-empty expert each).
+
+    Without host counts (accelerators, where reading them would stall the stream) everything is
+    one chunk: one grouped GEMM call per projection.
+    """
+    if counts_host is None:
+        return [ExpertChunk(0, n_experts, 0, n_rows)]
+    chunks, first_expert, first_row, row = [], 0, 0, 0
+    for expert, count in enumerate(counts_host):
+        row += count
+        if row - first_row >= max(chunk_rows, 1) or expert == n_experts - 1:
+            chunks.append(ExpertChunk(first_expert, expert + 1, first_row, row))
+            first_expert, first_row = expert + 1, row
+    return chunks
+
+
 class MemoryEfficientExperts(torch.autograd.Function):
     """out = scatter_add_t( S * phi(X[t] W1_e) W2_e ), saving X, H, S, indices and counts only."""
 
     @staticmethod
     def forward(ctx, x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
-                activation: str, backend: Backend) -> Tensor:  # noqa: D102
-        if backend == "segment_loop":
-            # Host copy of the counts, read once and reused by backward.
-            ctx.counts_host = counts.tolist()
-            out, hidden = _forward_per_expert(x, scores, w1, w2, token_index, ctx.counts_host, activation)
-        else:
-            ctx.counts_host = None
-            out, hidden = _forward_grouped(x, scores, w1, w2, token_index, counts, activation, backend)
+                activation: str, backend: Backend, chunk_rows: int) -> Tensor:  # noqa: D102
+        # The segment loop needs the counts on the host: read them once, reuse them in backward.
+        counts_host = counts.tolist() if backend == "segment_loop" else None
+        chunks = plan_chunks(counts_host, counts.numel(), token_index.numel(), chunk_rows)
+        acc = _accumulate_dtype(x.dtype)
+        out = torch.zeros(x.shape, dtype=acc, device=x.device)
+        # One chunk writes H directly; several fill row slices of one preallocated H.
+        hidden = x.new_empty(token_index.numel(), w1.shape[2]) if len(chunks) > 1 else None
+        for chunk in chunks:
+            rows = slice(chunk.first_row, chunk.end_row)
+            experts = slice(chunk.first_expert, chunk.end_expert)
+            counts_c = counts[experts]
+            counts_host_c = None if counts_host is None else counts_host[experts]
+            tokens = token_index[rows]
+            # Gathered rows are a chunk-sized temporary; backward gathers X again rather than keep them.
+            hidden_c = grouped_mm(x.index_select(0, tokens), w1[experts], counts_c, backend, counts_host_c,
+                                  out=None if hidden is None else hidden[rows])
+            # Scaling A (rows x n) by S before W2 is cheaper than scaling Y (rows x d), equal by linearity.
+            weighted_act = _scale_rows(activation_forward(hidden_c, activation), scores[rows])
+            out.index_add_(0, tokens, grouped_mm(weighted_act, w2[experts], counts_c, backend, counts_host_c).to(acc))
+        hidden = hidden_c if hidden is None else hidden
         ctx.save_for_backward(x, hidden, scores, token_index, counts, w1, w2)
-        ctx.activation = activation
-        ctx.backend = backend
-        return out
+        ctx.activation, ctx.backend, ctx.counts_host, ctx.chunks = activation, backend, counts_host, chunks
+        return out.to(x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):  # noqa: D102
         x, hidden, scores, token_index, counts, w1, w2 = ctx.saved_tensors
+        activation, backend, counts_host = ctx.activation, ctx.backend, ctx.counts_host
+        need_x, need_scores, need_w1, need_w2 = ctx.needs_input_grad[:4]
         # An expanded (stride-0) gradient, e.g. from out.sum(), would trip `_grouped_mm`; make it dense.
         grad_out = grad_out.contiguous()
-        needs = ctx.needs_input_grad[:4]
-        if ctx.backend == "segment_loop":
-            grads = _backward_per_expert(grad_out, x, hidden, scores, token_index, ctx.counts_host, w1, w2,
-                                         ctx.activation, needs)
-        else:
-            grads = _backward_grouped(grad_out, x, hidden, scores, token_index, counts, w1, w2, ctx.activation,
-                                      ctx.backend, needs)
-        return (*grads, None, None, None, None)
-
-
-# ---------------------------------------------------------------------------------------------
-# Whole-tensor form: one grouped GEMM call per projection (`torch._grouped_mm`, e.g. on CUDA).
-# The gathered N x d operands exist only as temporaries inside forward or backward.
-# ---------------------------------------------------------------------------------------------
-
-def _forward_grouped(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
-                     activation: str, backend: Backend) -> tuple[Tensor, Tensor]:
-    gathered = x.index_select(0, token_index)
-    hidden = grouped_mm(gathered, w1, counts, backend)
-    del gathered  # backward gathers X again instead of keeping N x d bytes alive
-    # Scaling A (N x n) by S before W2 is cheaper than scaling Y (N x d), and equal by linearity.
-    weighted_act = _scale_rows(activation_forward(hidden, activation), scores)
-    out = _scatter_add_rows(grouped_mm(weighted_act, w2, counts, backend), token_index, x.shape[0])
-    return out, hidden
-
-
-def _backward_grouped(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token_index: Tensor, counts: Tensor,
-                      w1: Tensor, w2: Tensor, activation: str, backend: Backend, needs: tuple[bool, ...]) -> Grads:
-    need_x, need_scores, need_w1, need_w2 = needs
-    act = activation_forward(hidden, activation)  # recomputed from H, never saved
-    grad_out_rows = grad_out.index_select(0, token_index)  # dO[token] per assignment, N x d
-    # dA' = dO W2^T: W2^T is a transposed view, no copy.
-    grad_act_unscaled = grouped_mm(grad_out_rows, w2.transpose(1, 2), counts, backend)
-    grad_scores = grad_w1 = grad_w2 = grad_x = None
-    if need_scores:
-        acc = _accumulate_dtype(act.dtype)
-        grad_scores = (grad_act_unscaled.to(acc) * act.to(acc)).sum(dim=1).to(scores.dtype)
-    if need_w2:
-        grad_w2 = grouped_mm_weight_grad(_scale_rows(act, scores), grad_out_rows, counts, backend, out_dtype=w2.dtype)
-    del grad_out_rows, act
-    if need_x or need_w1:
-        grad_hidden = activation_backward(hidden, _scale_rows(grad_act_unscaled, scores), activation)
-        del grad_act_unscaled
-        if need_w1:
-            grad_w1 = grouped_mm_weight_grad(x.index_select(0, token_index), grad_hidden, counts, backend,
-                                             out_dtype=w1.dtype)
+        acc = _accumulate_dtype(x.dtype)
+        grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if need_x else None
+        grad_scores = torch.empty_like(scores) if need_scores else None
+        # Every expert's slice is written (zeros for empty experts) by grouped_mm_weight_grad.
+        grad_w1 = torch.empty_like(w1) if need_w1 else None
+        grad_w2 = torch.empty_like(w2) if need_w2 else None
+        for chunk in ctx.chunks:
+            rows = slice(chunk.first_row, chunk.end_row)
+            experts = slice(chunk.first_expert, chunk.end_expert)
+            counts_c = counts[experts]
+            counts_host_c = None if counts_host is None else counts_host[experts]
+            tokens, scores_c, hidden_c = token_index[rows], scores[rows], hidden[rows]
+            grad_out_rows = grad_out.index_select(0, tokens)  # dO[token] per assignment
+            # dA' = dO W2^T (a transposed view of W2, no copy)
+            grad_act_unscaled = grouped_mm(grad_out_rows, w2[experts].transpose(1, 2), counts_c, backend,
+                                           counts_host_c)
+            act = activation_forward(hidden_c, activation)  # recomputed from H, never saved
+            if need_scores:  # dS = <dA', A>, reduced in float32 for low-precision inputs
+                grad_scores[rows] = (grad_act_unscaled.to(acc) * act.to(acc)).sum(dim=1).to(scores.dtype)
+            if need_w2:  # dW2_e = (S A)^T dO
+                grouped_mm_weight_grad(_scale_rows(act, scores_c), grad_out_rows, counts_c, backend, counts_host_c,
+                                       out=grad_w2[experts])
+            del grad_out_rows, act
+            if need_x or need_w1:
+                grad_hidden = activation_backward(hidden_c, _scale_rows(grad_act_unscaled, scores_c), activation)
+                del grad_act_unscaled
+                if need_w1:  # dW1_e = X[token]^T dH, X gathered again
+                    grouped_mm_weight_grad(x.index_select(0, tokens), grad_hidden, counts_c, backend, counts_host_c,
+                                           out=grad_w1[experts])
+                if need_x:  # dX = scatter-add of dH W1^T
+                    grad_rows = grouped_mm(grad_hidden, w1[experts].transpose(1, 2), counts_c, backend, counts_host_c)
+                    grad_x.index_add_(0, tokens, grad_rows.to(acc))
         if need_x:
-            grad_rows = grouped_mm(grad_hidden, w1.transpose(1, 2), counts, backend)
-            grad_x = _scatter_add_rows(grad_rows, token_index, x.shape[0])
-    return grad_x, grad_scores, grad_w1, grad_w2
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-expert form (CPU segment loop): gather, GEMMs and scatter one expert at a time, so every
-# gathered block is small (N_e x d) and used while still in cache -- the CPU analogue of
-# SonicMoE fusing the gather into the GEMM. No N x d tensor exists even transiently.
-# ---------------------------------------------------------------------------------------------
-
-def _forward_per_expert(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts_host: list[int],
-                        activation: str) -> tuple[Tensor, Tensor]:
-    acc = _accumulate_dtype(x.dtype)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
-    width = w1.shape[2]
-    hidden = x.new_empty(token_index.shape[0], width)
-    for tokens, s_e, w1_e, w2_e, hidden_e in zip(token_index.split(counts_host), scores.split(counts_host),
-                                                 w1.unbind(0), w2.unbind(0), hidden.split(counts_host), strict=True):
-        if tokens.numel() == 0:
-            continue
-        torch.mm(x.index_select(0, tokens), w1_e, out=hidden_e)
-        weighted_act = _scale_rows(activation_forward(hidden_e, activation), s_e)
-        out.index_add_(0, tokens, (weighted_act @ w2_e).to(acc))
-    return out.to(x.dtype), hidden
-
-
-def _backward_per_expert(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token_index: Tensor,
-                         counts_host: list[int], w1: Tensor, w2: Tensor, activation: str,
-                         needs: tuple[bool, ...]) -> Grads:
-    need_x, need_scores, need_w1, need_w2 = needs
-    acc = _accumulate_dtype(x.dtype)
-    grad_x = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device) if need_x else None
-    grad_scores = torch.zeros_like(scores) if need_scores else None
-    grad_w1 = torch.zeros_like(w1) if need_w1 else None
-    grad_w2 = torch.zeros_like(w2) if need_w2 else None
-    start = 0
-    for e, (tokens, s_e, hidden_e) in enumerate(zip(token_index.split(counts_host), scores.split(counts_host),
-                                                    hidden.split(counts_host), strict=True)):
-        rows = slice(start, start + tokens.numel())
-        start = rows.stop
-        if tokens.numel() == 0:
-            continue
-        grad_out_e = grad_out.index_select(0, tokens)
-        grad_act_unscaled = grad_out_e @ w2[e].t()  # dA' = dO W2^T
-        act = activation_forward(hidden_e, activation)  # recomputed from H
-        if need_scores:
-            grad_scores[rows] = (grad_act_unscaled.to(acc) * act.to(acc)).sum(dim=1).to(scores.dtype)
-        if need_w2:
-            torch.mm(_scale_rows(act, s_e).t(), grad_out_e, out=grad_w2[e])
-        if need_x or need_w1:
-            grad_hidden = activation_backward(hidden_e, _scale_rows(grad_act_unscaled, s_e), activation)
-            if need_w1:
-                torch.mm(x.index_select(0, tokens).t(), grad_hidden, out=grad_w1[e])
-            if need_x:
-                grad_x.index_add_(0, tokens, (grad_hidden @ w1[e].t()).to(acc))
-    return (grad_x.to(x.dtype) if need_x else None), grad_scores, grad_w1, grad_w2
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None
 
 
 def memory_efficient_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str,
-                             backend: Backend) -> Tensor:
+                             backend: Backend, chunk_rows: int | None = None) -> Tensor:
     """Entry point used by `experts.routed_experts(impl="memory_efficient")` (shapes already checked)."""
     # Integer metadata must be contiguous int64 for index_select/index_add and the offsets cumsum.
     token_index = routing.token_index.to(torch.long).contiguous()
     counts = routing.counts.to(torch.long).contiguous()
     return MemoryEfficientExperts.apply(x.contiguous(), routing.scores.contiguous(), w1, w2, token_index, counts,
-                                        activation, backend)
+                                        activation, backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows)
