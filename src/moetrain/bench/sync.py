@@ -11,13 +11,15 @@ from `moetrain.parallel.grad_sync` (the one place the project sets them).
 
 Cost models: `sleep` (a small MLP plus a sleep of the drawn seconds, spread over the
 units' forward and backward like real compute: isolates synchronisation from CPU
-contention), `batch` (real compute; the drawn cost is the microbatch's sample count).
-Each rank also times its own compute (the sleep and layer math, not FSDP's
-collectives), so "collective wait" = step time - own compute.
+contention), `batch` (real compute; the drawn cost is the microbatch's sample count),
+`packed` (moetrain's Transformer on equal-token microbatches whose document length is
+the drawn cost). Each rank also times its own compute (the sleep and layer math, not
+FSDP's collectives), so "collective wait" = step time - own compute.
 
 The same run calibrates the simulator: an alpha-beta fit of gloo/NCCL all-reduce,
-reduce-scatter and all-gather timings on the bench's own process groups, and the
-compute seconds of a microbatch as a function of its cost. `predicted` is
+reduce-scatter and all-gather timings on the bench's own process groups, the compute
+seconds of a microbatch as a function of its cost, and a per-call FSDP overhead from
+zero-variance steps interleaved with the measured ones. `predicted` is
 `moetrain.bench.simulate` on exactly the drawn costs. Started without torchrun it
 spawns its own ranks. This module measures; it must not change how training syncs.
 """
@@ -64,9 +66,9 @@ class SyncBenchOptions:
     warmup_steps: int = 1  # extra draws run first in every mode and discarded
     modes: tuple[str, ...] = tuple(MODE_SETUP)
     layers: int = 4  # FSDP units of the benchmark MLP
-    dim: int = 64  # MLP width (sleep); batch uses it too
-    hidden: int = 256  # MLP hidden width
-    seq_len: int = 16  # tokens per sample
+    dim: int = 64  # model width
+    hidden: int = 256  # MLP / feed-forward hidden width
+    seq_len: int = 16  # tokens per sample (sleep, batch)
     microbatch_size: int = 2  # samples per microbatch in the sleep model
     packed_tokens: int = 2048  # packed: tokens per microbatch (documents x document length, about this many)
     heads: int = 2  # packed: attention heads of the moetrain Transformer
@@ -434,33 +436,39 @@ def run_ranks(opts: SyncBenchOptions) -> dict | None:
     generator = torch.Generator().manual_seed(opts.seed * 1000 + rank)
 
     group = replica_group_of(rank, opts.shard)
-    # Zero-variance calibration steps (every group the short cost): what each mode costs
-    # beyond compute when nobody waits for anybody; fits the per-call FSDP overhead.
-    # The first pass of each mode is discarded: it includes FSDP's lazy initialisation.
-    overhead_calibration = []
-    for repeat in range(6):
-        for mode in opts.modes:
-            model, policy = models[MODE_SETUP[mode][0]], SYNC_POLICIES[MODE_SETUP[mode][1]]
-            elapsed, busy, _ = _run_step(model, policy, opts, clock, np.full(opts.accum, opts.cost.short), device,
-                                         generator)
-            gathered = _gather_floats([elapsed, busy], world_size, device)
-            if repeat > 0:
-                overhead_calibration.append((mode, float(gathered[:, 0].max()),
-                                             float(gathered[:, 1].mean() / opts.accum)))
+    zero_variance = np.full(opts.accum, opts.cost.short)
+
+    def run(mode: str, costs: np.ndarray) -> tuple[float, float, list[float]]:
+        model, policy = models[MODE_SETUP[mode][0]], SYNC_POLICIES[MODE_SETUP[mode][1]]
+        return _run_step(model, policy, opts, clock, costs, device, generator)
+
+    for mode in opts.modes:  # absorbs FSDP's lazy initialisation
+        run(mode, zero_variance)
     compute = _calibrate_compute(models[next(iter(models))], opts, clock, device, generator)
     all_costs = draw_costs(opts.cost, opts.seed, opts.warmup_steps + opts.steps, opts.accum, opts.replicate)
     n_modes = len(opts.modes)
+    # Zero-variance steps (every group the short cost: nobody waits for anybody) fit the
+    # per-call FSDP overhead. They are spread over the measured blocks, cycling through the
+    # modes, so they see the same load of a shared machine as the measurement; at least
+    # three per mode.
+    calibration_modes = [opts.modes[i % n_modes] for i in range(max(opts.steps, 3 * n_modes))]
+    per_block = math.ceil(len(calibration_modes) / opts.steps)
     records = []  # (step, mode, [per rank: step s, compute s, compute s per microbatch...])
+    overhead_calibration = []  # (mode, step s, own compute s per microbatch)
     for k, costs in enumerate(all_costs):
         order = [opts.modes[(k + i) % n_modes] for i in range(n_modes)]  # rotate: no mode always runs first
         for mode in order:
-            model = models[MODE_SETUP[mode][0]]
-            policy = SYNC_POLICIES[MODE_SETUP[mode][1]]
-            elapsed, busy, per_microbatch = _run_step(model, policy, opts, clock, costs[:, group], device,
-                                                      generator)
+            elapsed, busy, per_microbatch = run(mode, costs[:, group])
             gathered = _gather_floats([elapsed, busy, *per_microbatch], world_size, device)
             if k >= opts.warmup_steps:
                 records.append((k - opts.warmup_steps, mode, gathered))
+        if k < opts.warmup_steps:
+            continue
+        block = k - opts.warmup_steps
+        for mode in calibration_modes[block * per_block:(block + 1) * per_block]:
+            elapsed, busy, _ = run(mode, zero_variance)
+            gathered = _gather_floats([elapsed, busy], world_size, device)
+            overhead_calibration.append((mode, float(gathered[:, 0].max()), float(gathered[:, 1].mean() / opts.accum)))
     if rank != 0:
         return None
     return {"records": records, "costs": all_costs[opts.warmup_steps:], "comm": comm, "compute": compute,
