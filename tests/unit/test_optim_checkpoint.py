@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 from torch import nn
@@ -96,7 +94,7 @@ def test_poisoned_state_is_refused_and_nothing_is_written(tmp_path):
     with pytest.raises(PoisonedStateError, match="refusing to save step 2"):
         save_checkpoint(tmp_path, 2, model, opt, {}, {}, keep_last=3)
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
-    assert pickle.loads(pickle.dumps(latest_complete(tmp_path))).step == 1
+    assert latest_complete(tmp_path).step == 1
 
 
 def test_restoring_rng_state_restores_python_random():
