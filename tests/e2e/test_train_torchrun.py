@@ -1,4 +1,4 @@
-"""torchrun on CPU: HSDP 2x2 with the delayed all-reduce trains, and its checkpoint resumes on 2 ranks (DCP reshard)."""
+"""torchrun on CPU: HSDP 2x2 with the delayed all-reduce trains; its checkpoint reshards to 1 and 2 ranks (DCP)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from moetrain.train import trainer
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 
@@ -46,6 +48,17 @@ def test_hsdp_2x2_delayed_all_reduce_then_resume_on_2_ranks(job_args, read_train
     assert len(train[2]["wait_s_per_rank"]) == 4 and len(train[2]["tokens_per_s_per_rank"]) == 4
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in train.values())
     assert (run_dir / "checkpoints" / "step_00000002" / "meta.json").is_file()
+
+    # Resharded weights compute the same function: one process loading the 4-rank checkpoint
+    # (resume with nothing left to train, so only the final evaluation runs) gets the held-out
+    # loss the 4 ranks measured at step 2 on the same evaluation set.
+    eval_4_ranks = [r for r in records if r["kind"] == "eval" and r["step"] == 2]
+    assert trainer.main(job_args(run_dir, train__steps=2, checkpoint__resume=True)) == 0
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final_1_rank = lines[-1]
+    assert final_1_rank["kind"] == "final" and final_1_rank["step"] == 2
+    assert final_1_rank["heldout_tokens"] == eval_4_ranks[0]["heldout_tokens"]
+    assert final_1_rank["heldout_loss"] == pytest.approx(eval_4_ranks[0]["heldout_loss"], rel=1e-5)
 
     # The 4-rank (2x2) checkpoint loads into a 2-rank FSDP mesh: DCP reshards model and optimizer.
     resumed = _torchrun(2, job_args(run_dir, train__steps=4, checkpoint__every=2, train__eval_every=2,

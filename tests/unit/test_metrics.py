@@ -55,3 +55,16 @@ def test_writer_only_writes_when_enabled_and_tensorboard_is_optional(tmp_path, m
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ConfigError, match="needs the `tensorboard` package"):
         MetricsWriter(tmp_path / "tb", enabled=True, tensorboard=True)
+
+
+def test_evaluation_set_is_the_same_for_every_world_size_and_split_evenly():
+    from moetrain.train.trainer import eval_indices
+
+    reference = [(i * 1000) // 32 for i in range(32)]  # 32 evenly spaced of 1000
+    for world in (1, 2, 4, 8):
+        shares = [eval_indices(1000, 32, rank, world) for rank in range(world)]
+        assert sorted(i for share in shares for i in share) == reference
+        assert {len(share) for share in shares} == {32 // world}
+    # Fewer sequences than wanted: all of them; fewer than ranks: one each, repeating.
+    assert eval_indices(5, 32, 0, 1) == [0, 1, 2, 3, 4]
+    assert [eval_indices(3, 32, r, 4) for r in range(4)] == [[0], [0], [1], [2]]

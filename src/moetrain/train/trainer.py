@@ -150,9 +150,16 @@ def _all_gather_floats(values: list[float]) -> list[list[float]]:
     return [t.tolist() for t in out]
 
 
-def eval_indices(n_sequences: int, per_rank: int, rank: int, world: int) -> list[int]:
-    """Evenly spaced held-out sequences, the same set every time; rank r takes every world-th one."""
-    total = per_rank * world
+def eval_indices(n_sequences: int, wanted: int, rank: int, world: int) -> list[int]:
+    """This rank's share of `wanted` evenly spaced held-out sequences, the same set at every evaluation.
+
+    The total is rounded down to a multiple of the world size (at least one per rank,
+    repeating sequences only when there are fewer than ranks) so every rank runs the same
+    number of forwards, which FSDP's collectives require. For the usual wanted (a power
+    of two) and world sizes the set does not depend on the world size, so held-out numbers
+    are comparable across meshes.
+    """
+    total = max(world, (min(wanted, n_sequences) // world) * world)
     chosen = [(i * n_sequences) // total for i in range(total)]
     return chosen[rank::world]
 
@@ -222,7 +229,6 @@ class Trainer:
         return {"loader": self.loader.state_dict(), "rng": ckpt.capture_rng_state()}
 
     def restore(self, ref: ckpt.CheckpointRef) -> None:
-        ckpt.remove_partial(self.checkpoint_dir)
         state = ckpt.load_checkpoint(ref, self.model, self.optimizer)
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
@@ -305,8 +311,7 @@ class Trainer:
         heldout = self.data.heldout
         assert heldout is not None
         mb = self.cfg.train.microbatch_size
-        per_rank = max(1, min(self.cfg.train.eval_batches * mb, len(heldout) // self.world))
-        indices = eval_indices(len(heldout), per_rank, self.rank, self.world)
+        indices = eval_indices(len(heldout), self.cfg.train.eval_batches * mb, self.rank, self.world)
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid targets, bytes
         self.model.eval()
         try:
@@ -387,6 +392,7 @@ def _run(trainer: Trainer) -> dict[str, Any]:
     is_rank0 = trainer.rank == 0
     if is_rank0:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_partial(trainer.checkpoint_dir)  # writes interrupted in an earlier run, never complete
         (trainer.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
         if trainer.resume_from is None and (trainer.run_dir / "metrics.jsonl").exists():
             (trainer.run_dir / "metrics.jsonl").unlink()  # no checkpoint: nothing of that run can continue
