@@ -377,11 +377,18 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     """Train per `cfg`; return the final record (rank 0's view)."""
     data = prepare_data(cfg)
     owns_process_group = not (dist.is_available() and dist.is_initialized())
+    completed = False
     try:
-        return _run(Trainer(cfg, data))
+        result = _run(Trainer(cfg, data))
+        completed = True
+        return result
     finally:
         # Also when the Trainer could not be built (e.g. a mesh that does not fit the world).
         if owns_process_group and dist.is_initialized():
+            if completed and dist.get_world_size() > 1:
+                # Without it a rank that finishes first tears down its gloo connections while
+                # a peer is still in its last collective, and the peer aborts at exit.
+                dist.barrier()
             dist.destroy_process_group()
 
 
