@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# Resume is on so that a second `make train` continues (or just reports) the same run
+# instead of refusing to overwrite its checkpoints.
 train: $(STAMP)
-	$(BIN)/moetrain train --config $(CONFIG) $(ARGS)
+	$(BIN)/moetrain train --config $(CONFIG) --checkpoint.resume True $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests

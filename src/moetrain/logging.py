@@ -61,6 +61,9 @@ def setup_logging(
         file_handler.setFormatter(formatter)
         file_handler.addFilter(_RankFilter())
         logger.addHandler(file_handler)
+    if not logger.handlers:
+        # A silent rank still needs a handler, or Python's last-resort handler prints its warnings.
+        logger.addHandler(logging.NullHandler())
     return logger
 
 

@@ -41,9 +41,16 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}")
         result = fn(*args, **kwargs)
-        conn.send(("ok", result))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         conn.send(("error", traceback.format_exc()))
+    else:
+        try:
+            # Tearing down gloo while a peer is still inside its last collective can abort
+            # that peer ("terminate called without an active exception"): leave together.
+            dist.barrier()
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - a peer failed; its own error is the real one
+            conn.send(("peer_lost", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -76,6 +83,7 @@ def run_on_ranks(
         results: list[Any] = [None] * world_size
         pending = set(range(world_size))
         deadline = time.monotonic() + timeout
+        peer_lost: str | None = None  # a rank that lost a peer; wait briefly for the peer's own error
         while pending:
             for rank in sorted(pending):
                 conn = pipes[rank]
@@ -86,13 +94,18 @@ def run_on_ranks(
                         raise RankFailure(f"rank {rank} died (exit code {procs[rank].exitcode})") from None
                     if status == "error":
                         raise RankFailure(f"rank {rank} raised:\n{payload}")
+                    if status == "peer_lost":
+                        peer_lost = f"rank {rank} lost a peer after finishing:\n{payload}"
+                        deadline = min(deadline, time.monotonic() + 5.0)
                     results[rank] = payload
                     pending.discard(rank)
                 elif not procs[rank].is_alive() and not conn.poll(0):
                     raise RankFailure(f"rank {rank} died (exit code {procs[rank].exitcode})")
             if pending and time.monotonic() > deadline:
-                raise RankFailure(f"ranks {sorted(pending)} did not finish within {timeout:.0f} s "
+                raise RankFailure(peer_lost or f"ranks {sorted(pending)} did not finish within {timeout:.0f} s "
                                   "(hung collective?)")
+        if peer_lost:
+            raise RankFailure(peer_lost)
         for proc in procs:
             proc.join(timeout=10)
         return results
