@@ -654,9 +654,7 @@ def draw_chart(result: dict, path: str) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(xs, names)
     ax.set_ylabel("mean step time / hsdp-delayed")
-    opts, cost = result["options"], result["options"]["cost"]
-    ax.set_title(f"bench sync: {opts['cost_model']} {cost['distribution']}, {opts['replicate']}x{opts['shard']} "
-                 f"ranks, accum {opts['accum']}", fontsize=10)
+    ax.set_title(f"bench sync: {_setting_label(result)} ({result['options']['steps']} steps)", fontsize=10)
     low = min(min(ratios), min(r["predicted_ratio_mean_to_ref"] for r in rows))
     ax.set_ylim(max(0.0, low - 0.15), None)
     ax.legend(fontsize=8)
