@@ -292,21 +292,29 @@ def load(path: str | Path) -> JobConfig:
 
 def apply_overrides(cfg: JobConfig, args: list[str], prog: str = "moetrain train") -> JobConfig:
     """Apply `--section.field value` command-line overrides (typed by tyro) and re-validate."""
-    import tyro
-
     if not args:
         return cfg.validate()
+    return parse_typed_args(JobConfig, args, prog, default=cfg).validate()
+
+
+def parse_typed_args(cls: type, args: list[str], prog: str, default: Any = None) -> Any:
+    """Parse `--field value` arguments into dataclass `cls` with tyro (the project's one CLI parser).
+
+    `--help` prints tyro's help and exits; a bad value becomes a one-line ConfigError.
+    """
+    import tyro
+
+    kwargs: dict[str, Any] = dict(args=args, prog=prog, use_underscores=True, config=(tyro.conf.FlagConversionOff,))
+    if default is not None:
+        kwargs["default"] = default
     if any(a in ("-h", "--help") for a in args):
-        return tyro.cli(JobConfig, default=cfg, args=args, prog=prog, use_underscores=True,
-                        config=(tyro.conf.FlagConversionOff,))
+        return tyro.cli(cls, **kwargs)
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            new = tyro.cli(JobConfig, default=cfg, args=args, prog=prog, use_underscores=True,
-                           config=(tyro.conf.FlagConversionOff,))
+            return tyro.cli(cls, **kwargs)
     except SystemExit:
-        raise ConfigError(f"{_first_message_line(captured.getvalue())} (run `{prog} --help` for fields)") from None
-    return new.validate()
+        raise ConfigError(f"{_first_message_line(captured.getvalue())} (run `{prog} --help` for options)") from None
 
 
 def _first_message_line(text: str) -> str:

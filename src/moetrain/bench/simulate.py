@@ -35,7 +35,7 @@ from typing import Literal
 import numpy as np
 
 from moetrain.bench.costs import CostSpec, draw_costs, expected_max_of_sum_bimodal, expected_sum_of_max_bimodal
-from moetrain.config import ConfigError
+from moetrain.config import ConfigError, parse_typed_args
 
 Mode = Literal["fsdp", "hsdp", "hsdp-delayed", "hsdp-final-only"]
 Overlap = Literal["blocking", "backward", "next_microbatch"]
@@ -286,25 +286,6 @@ class SimulateOptions:
     group_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # replica-group counts of the figure
 
 
-def parse_options(cls: type, argv: list[str], prog: str):
-    """tyro-parse a dataclass of options; a bad value becomes a one-line ConfigError."""
-    import contextlib
-    import io
-
-    import tyro
-
-    from moetrain.config import _first_message_line
-
-    if any(a in ("-h", "--help") for a in argv):
-        return tyro.cli(cls, args=argv, prog=prog, config=(tyro.conf.FlagConversionOff,))
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            return tyro.cli(cls, args=argv, prog=prog, config=(tyro.conf.FlagConversionOff,))
-    except SystemExit:
-        raise ConfigError(f"{_first_message_line(captured.getvalue())} (run `{prog} --help` for options)") from None
-
-
 def load_trace(path: str, replicate: int) -> np.ndarray:
     """Measured compute seconds [steps, accum, replicate] from a JSON file with a "costs_s" array."""
     file = Path(path)
@@ -382,7 +363,7 @@ def format_table(predictions: Sequence[ModePrediction]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    opts: SimulateOptions = parse_options(SimulateOptions, argv, "moetrain simulate")
+    opts: SimulateOptions = parse_typed_args(SimulateOptions, argv, "moetrain simulate")
     _validate(opts)
     if opts.trace:
         compute = load_trace(opts.trace, opts.replicate)

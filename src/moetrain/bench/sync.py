@@ -37,8 +37,8 @@ from typing import Literal
 import numpy as np
 
 from moetrain.bench.costs import CostSpec, as_batch_sizes, draw_costs, replica_group_of
-from moetrain.bench.simulate import MODES, CommModel, Link, Workload, parse_options, simulate_step_times
-from moetrain.config import ConfigError
+from moetrain.bench.simulate import MODES, CommModel, Link, Workload, simulate_step_times
+from moetrain.config import ConfigError, parse_typed_args
 
 RESULTS_DIR = Path("benchmarks/results")
 # bench mode -> (dp_replicate of the mesh it runs on: "R" = the bench's replicate size, or 1; grad_sync policy)
@@ -745,7 +745,7 @@ def summarize_runs(paths: tuple[str, ...], figure: str | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    opts: SyncBenchOptions = parse_options(SyncBenchOptions, argv, "moetrain bench sync")
+    opts: SyncBenchOptions = parse_typed_args(SyncBenchOptions, argv, "moetrain bench sync")
     if opts.summarize:
         figure = str(RESULTS_DIR / "sync_summary.png") if opts.figure == "auto" else opts.figure
         print(summarize_runs(opts.summarize, figure))
