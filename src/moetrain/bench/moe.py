@@ -248,8 +248,11 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
     labels = [f"E={r['n_experts']}\nk={r['top_k']}\nn={r['intermediate']}" for r in rows]
     xs = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for impl, marker in zip(IMPLS, "osD", strict=True):
-        ax.plot(xs, [r[f"{impl}_saved_bytes"] / 2**20 for r in rows], marker=marker, label=impl)
+    # loop is drawn last, dotted and hollow, because it saves exactly what grouped saves and would hide under it.
+    styles = {"grouped": dict(marker="s"), "memory_efficient": dict(marker="D"),
+              "loop": dict(marker="o", linestyle=":", markerfacecolor="none", markersize=10)}
+    for impl in ("grouped", "memory_efficient", "loop"):
+        ax.plot(xs, [r[f"{impl}_saved_bytes"] / 2**20 for r in rows], label=impl, **styles[impl])
     ax.plot(xs, [r["formula_bytes"] / 2**20 for r in rows], linestyle="--", color="gray",
             label="closed-form minimum (X+H+S+idx)")
     ax.set_xticks(xs, labels)
