@@ -10,9 +10,7 @@ by `check_world_size` once the world is known.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -21,12 +19,14 @@ from typing import Any, Literal
 
 import dacite
 
-
-class ConfigError(ValueError):
-    """A user-caused configuration problem; the message is one line."""
-
+from moetrain.args import parse_typed_args, take_option
+from moetrain.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
+# The names of moetrain.model.init's catalog (a test checks the two agree), typed here so
+# that a config is validated without importing the model.
+InitScheme = Literal["llama", "gpt-oss", "depth-total", "olmo-normal", "olmo-mitchell", "olmo-megatron", "gpt2",
+                     "megatron", "neox"]
 
 
 @dataclass
@@ -61,7 +61,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    init_scheme: str = "llama"
+    init_scheme: InitScheme = "llama"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -224,8 +224,8 @@ def _validate(cfg: JobConfig) -> None:
     _check(d.source == "stdlib" or d.path is not None, "data.path", d.path,
            f"a path is required when data.source = {d.source!r}")
     _check(bool(lg.run_dir), "logging.run_dir", lg.run_dir, "must be a non-empty path")
-    _check(m.init_scheme in (names := list(__import__("moetrain.model.init", fromlist=["SCHEMES"]).SCHEMES)),
-           "model.init_scheme", m.init_scheme, f"valid schemes: {', '.join(names)}")
+    schemes = typing.get_args(InitScheme)
+    _check(m.init_scheme in schemes, "model.init_scheme", m.init_scheme, f"valid schemes: {', '.join(schemes)}")
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
@@ -275,6 +275,8 @@ def _ints_to_floats(data: Any, cls: type, prefix: str = "") -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -297,50 +299,8 @@ def apply_overrides(cfg: JobConfig, args: list[str], prog: str = "moetrain train
     return parse_typed_args(JobConfig, args, prog, default=cfg).validate()
 
 
-def parse_typed_args(cls: type, args: list[str], prog: str, default: Any = None) -> Any:
-    """Parse `--field value` arguments into dataclass `cls` with tyro (the project's one CLI parser).
-
-    `--help` prints tyro's help and exits; a bad value becomes a one-line ConfigError.
-    """
-    import tyro
-
-    kwargs: dict[str, Any] = dict(args=args, prog=prog, use_underscores=True, config=(tyro.conf.FlagConversionOff,))
-    if default is not None:
-        kwargs["default"] = default
-    if any(a in ("-h", "--help") for a in args):
-        return tyro.cli(cls, **kwargs)
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            return tyro.cli(cls, **kwargs)
-    except SystemExit:
-        raise ConfigError(f"{_first_message_line(captured.getvalue())} (run `{prog} --help` for options)") from None
-
-
-def _first_message_line(text: str) -> str:
-    # tyro prints a title, a rule, then the message (boxed on a terminal, plain when
-    # captured); join the message paragraph onto one line.
-    paragraphs: list[list[str]] = [[]]
-    for raw in text.splitlines():
-        line = raw.strip().strip("│|╭╮").strip()
-        if raw.lstrip().startswith("╭") or not line or set(line) <= set("-─╰╯+"):
-            if raw.lstrip().startswith("╭"):
-                paragraphs[-1].append(line.strip("─ "))
-            if paragraphs[-1]:
-                paragraphs.append([])
-            continue
-        paragraphs[-1].append(line)
-    paragraphs = [p for p in paragraphs if p]
-    chosen = paragraphs[1] if len(paragraphs) > 1 else (paragraphs or [["bad command-line override"]])[0]
-    return " ".join(chosen)
-
-
 def parse_job_args(argv: list[str], prog: str = "moetrain train") -> JobConfig:
     """`--config PATH [--section.field value ...]` -> validated JobConfig."""
-    import argparse
-
-    pre = argparse.ArgumentParser(prog=prog, add_help=False)
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(argv)
-    cfg = load(known.config) if known.config else JobConfig().validate()
+    config_path, rest = take_option(argv, "config")
+    cfg = load(config_path) if config_path else JobConfig().validate()
     return apply_overrides(cfg, rest, prog=prog)

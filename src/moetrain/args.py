@@ -1,0 +1,88 @@
+"""Command-line parsing for every subcommand: tyro over dataclasses, errors as one line.
+
+Each subcommand describes its options as a dataclass and calls `parse_typed_args`.
+Job configs (`train` and friends) take explicit values for booleans
+(`--checkpoint.resume True`), so a TOML field and its override read alike; small
+command option sets (`init-report --json`, `bench moe --sweep`) keep booleans as
+flags. `--help` prints tyro's help; a bad value raises `ConfigError` whose message is
+the one line of tyro's error box. This module knows nothing about what is parsed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any, TypeVar
+
+import tyro
+
+from moetrain.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def parse_typed_args(cls: type[T], args: list[str], prog: str, default: T | None = None,
+                     bool_flags: bool = False) -> T:
+    """Parse `--field value` arguments into dataclass `cls` (fields of nested dataclasses as `--a.b`).
+
+    `default` supplies the values of fields not given; `bool_flags` turns booleans into
+    `--name` / `--no-name` flags instead of `--name True|False`.
+    """
+    markers = () if bool_flags else (tyro.conf.FlagConversionOff,)
+    kwargs: dict[str, Any] = dict(args=args, prog=prog, use_underscores=True, config=markers)
+    if default is not None:
+        kwargs["default"] = default
+    if any(a in ("-h", "--help") for a in args):
+        return tyro.cli(cls, **kwargs)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            return tyro.cli(cls, **kwargs)
+    except SystemExit:
+        raise ConfigError(f"{first_message_line(captured.getvalue())} (run `{prog} --help` for options)") from None
+
+
+def first_message_line(text: str) -> str:
+    """The message paragraph of tyro's error output joined onto one line.
+
+    tyro prints a title, a rule, then the message (boxed on a terminal, plain when captured).
+    """
+    paragraphs: list[list[str]] = [[]]
+    for raw in text.splitlines():
+        line = raw.strip().strip("│|╭╮").strip()
+        if raw.lstrip().startswith("╭") or not line or set(line) <= set("-─╰╯+"):
+            if raw.lstrip().startswith("╭"):
+                paragraphs[-1].append(line.strip("─ "))
+            if paragraphs[-1]:
+                paragraphs.append([])
+            continue
+        paragraphs[-1].append(line)
+    paragraphs = [p for p in paragraphs if p]
+    chosen = paragraphs[1] if len(paragraphs) > 1 else (paragraphs or [["bad command-line option"]])[0]
+    return " ".join(chosen)
+
+
+def take_option(args: list[str], name: str) -> tuple[str | None, list[str]]:
+    """Remove `--name VALUE` (or `--name=VALUE`) from `args`; return (VALUE or None, the rest).
+
+    Used for the one option that must be read before the others can be typed: a job's
+    `--config FILE`, whose contents are the defaults the other overrides apply to.
+    """
+    flag = f"--{name}"
+    value: str | None = None
+    rest: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if arg == flag:
+            if index + 1 >= len(args) or args[index + 1].startswith("--"):
+                raise ConfigError(f"{flag} needs a value")
+            value = args[index + 1]
+            index += 2
+            continue
+        if arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+        else:
+            rest.append(arg)
+        index += 1
+    return value, rest

@@ -1,0 +1,22 @@
+"""The project's error types, in one place, at the bottom of the import graph.
+
+`ConfigError` is every user-caused problem (a bad config field, a bad file, a bad
+command-line option): its message is one line naming the field or file, the value
+and what would be valid, and the CLI turns it into `moetrain: error: ...` with exit
+status 2. `TrainingDiverged` ends a run whose loss or state became NaN/inf (exit 1).
+This module defines types only; it imports nothing from the project.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration, data or command-line problem; the message is one line."""
+
+
+class TrainingDiverged(RuntimeError):
+    """Loss or gradient norm became NaN/inf under train.nan_policy = 'stop' (one-line message)."""
+
+
+class PoisonedStateError(RuntimeError):
+    """The model or optimizer state to be saved holds NaN or inf; nothing was written."""
