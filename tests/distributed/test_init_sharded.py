@@ -4,7 +4,13 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
+from moetrain.config import load
+from moetrain.model.init_report import build_initialised, report_rows
+from moetrain.model.transformer import Transformer
 from moetrain.testing import run_on_ranks
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.toml"
@@ -12,14 +18,6 @@ SCHEMES = ("llama", "olmo-mitchell")  # fused halves with different stds; a bind
 
 
 def _init_sharded(config_path: str, schemes: tuple[str, ...]):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from moetrain.config import load
-    from moetrain.model.init import build_initialised, report_rows
-    from moetrain.model.transformer import Transformer
-
     cfg = load(config_path).model
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     with torch.device("meta"):

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.model.experts import routed_experts, routing_from_topk
+from moetrain.model.experts import routed_experts
+from moetrain.model.routing import routing_from_topk
 from moetrain.testing import run_on_ranks
 
 N_EXPERTS, DIM, INNER, TOKENS, TOP_K = 4, 16, 8, 12, 2

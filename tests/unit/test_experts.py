@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.config import ConfigError
-from moetrain.model import experts
-from moetrain.model.experts import Routing, grouped_mm, grouped_mm_weight_grad, routed_experts, routing_from_topk
+from moetrain.errors import ConfigError
+from moetrain.model.experts import routed_experts
+from moetrain.model.grouped_mm import CPU_GROUPED_MM_BACKEND, grouped_mm, grouped_mm_backend, grouped_mm_weight_grad
+from moetrain.model.routing import Routing, routing_from_topk
 
 IMPLS = ("loop", "grouped", "memory_efficient")
 BACKENDS = ("segment_loop", "torch_grouped_mm")
@@ -215,11 +216,11 @@ def test_weight_grad_backends_agree_with_empty_groups():
 
 
 def test_grouped_mm_backend_choice():
-    assert experts.grouped_mm_backend(torch.device("cpu"), torch.float64) == "segment_loop"
-    assert experts.grouped_mm_backend(torch.device("cuda"), torch.bfloat16) == "torch_grouped_mm"
+    assert grouped_mm_backend(torch.device("cpu"), torch.float64) == "segment_loop"
+    assert grouped_mm_backend(torch.device("cuda"), torch.bfloat16) == "torch_grouped_mm"
     for impl in ("grouped", "memory_efficient"):
-        chosen = experts.grouped_mm_backend(torch.device("cpu"), torch.float32, impl)
-        assert chosen == experts.CPU_GROUPED_MM_BACKEND[impl]
+        chosen = grouped_mm_backend(torch.device("cpu"), torch.float32, impl)
+        assert chosen == CPU_GROUPED_MM_BACKEND[impl]
     # misaligned rows (3 floats = 12 bytes) fall back to the segment loop instead of failing
     a, b = torch.randn(4, 3), torch.randn(2, 3, 5)
     out = grouped_mm(a, b, torch.tensor([1, 3]), "torch_grouped_mm")

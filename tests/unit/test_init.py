@@ -2,25 +2,18 @@
 
 import json
 import math
+import typing
 from pathlib import Path
 
 import pytest
 import torch
 
 from moetrain.cli import main as cli_main
-from moetrain.config import ConfigError, JobConfig, load
-from moetrain.model.init import (
-    KINDS,
-    SCHEMES,
-    Dims,
-    Rule,
-    _draw_rows,
-    build_initialised,
-    classify,
-    get_scheme,
-    report_main,
-    report_rows,
-)
+from moetrain.config import InitScheme, JobConfig, load
+from moetrain.errors import ConfigError
+from moetrain.model.init import KINDS, SCHEMES, Dims, Rule, _draw_rows, classify, get_scheme
+from moetrain.model.init_report import build_initialised, report_rows
+from moetrain.model.init_report import main as report_main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_moe.toml"
@@ -119,6 +112,11 @@ def test_deterministic_given_a_seed_and_sensitive_to_seed_and_scheme():
     for key in ("tok_embeddings.weight", "layers.0.feed_forward.w3.weight", "output.weight"):
         assert a[key].std() > 1.2 * d[key].std() or d[key].std() > 1.2 * a[key].std(), key
     assert torch.equal(a["layers.1.moe.expert_bias"], torch.zeros(4))
+
+
+def test_config_names_exactly_the_catalog_schemes_in_order():
+    # moetrain.config types model.init_scheme without importing the model; the two lists must agree.
+    assert typing.get_args(InitScheme) == tuple(SCHEMES)
 
 
 def test_unknown_scheme_and_unknown_parameter_are_rejected(tiny_cfg):

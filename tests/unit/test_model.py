@@ -8,13 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.transformer import (
-    Transformer,
-    apply_rope,
-    document_causal_mask,
-    positions_from_documents,
-    rope_cos_sin,
-)
+from moetrain.model.layers import apply_rope, document_causal_mask, positions_from_documents, rope_cos_sin
+from moetrain.model.transformer import Transformer
 
 
 def tiny_cfg(**overrides) -> ModelConfig:
@@ -199,3 +194,20 @@ def test_init_weights_materialises_a_meta_model_like_to_empty_then_init():
     assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_expert_load_bookkeeping_is_exposed_by_the_model():
+    model = build(tiny_cfg(n_layers=3, n_dense_layers=1))
+    assert model.tokens_per_expert() is None  # no forward yet
+    model.train()
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens)
+    load = model.tokens_per_expert()
+    moes = model.moe_layers()
+    assert load.shape == (2, 4) and not load.requires_grad
+    assert torch.equal(load, torch.stack([m.tokens_per_expert for m in moes]))
+    assert load.sum(dim=1).tolist() == [2 * 8 * 2] * 2  # tokens x top_k per MoE layer
+    assert all(m.load_since_update.sum() > 0 for m in moes)
+    model.discard_pending_expert_load()
+    assert all(m.load_since_update.sum() == 0 for m in moes)
+    assert build(tiny_cfg(n_layers=1, n_dense_layers=1)).tokens_per_expert() is None  # dense model

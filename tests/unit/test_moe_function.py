@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.model.experts import routed_experts, routing_from_topk
+from moetrain.model.experts import routed_experts
 from moetrain.model.moe_function import ExpertChunk, MemoryEfficientExperts, memory_efficient_experts, plan_chunks
+from moetrain.model.routing import routing_from_topk
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: round-to-nearest relative error <= 2^-8
 

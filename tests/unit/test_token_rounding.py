@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.config import ConfigError
-from moetrain.model.experts import round_routing, routed_experts, routing_from_topk
+from moetrain.errors import ConfigError
+from moetrain.model.experts import routed_experts
+from moetrain.model.routing import round_routing, routing_from_topk
 
 
 def make_routing(tokens=40, n_experts=6, top_k=2, seed=0):

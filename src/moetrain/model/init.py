@@ -14,26 +14,29 @@ overlap its shard (offsets from the DTensor placements) and copies its slice. So
 equals the unsharded one bit for bit, on any number of ranks, without communication. Costs: at
 most two partly wasted blocks per shard, and a host-to-device copy when parameters live on a GPU.
 
-`report_main` is `moetrain init-report --config C --scheme S [--json]`. This module never builds
-a process group; it only reads DTensor metadata.
+`init_model` is what `Transformer.init_weights` calls. This module works on any module with the
+Transformer's parameter names and `cfg`; it never imports or builds the model (init_report.py
+does, for the `moetrain init-report` command), never builds a process group (it only reads DTensor
+metadata) and has no command-line code. The scheme names are repeated in `moetrain.config.InitScheme`
+so a config validates without importing the model; a test keeps the two in step.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
-import json
 import math
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from moetrain.config import ConfigError, ModelConfig
+from moetrain.config import ModelConfig
+from moetrain.errors import ConfigError
 
 KINDS = ("embedding", "qkv", "attn_out", "ffn_gate", "ffn_up", "ffn_down", "router",
          "expert_gate", "expert_up", "expert_down", "lm_head", "norm")
@@ -416,11 +419,7 @@ def _draw_rows(rule: Rule, dims: Dims, shape: tuple[int, ...], row_start: int, r
 
 def _local_view(param: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, global shape, global offset of the local tensor) for plain or DTensor params."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         local = param.to_local()
         _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         return local, tuple(param.shape), tuple(offset)
@@ -456,7 +455,8 @@ def fill_parameter(param: Tensor, name: str, segments: list[Segment], scheme: Sc
 
 
 @contextlib.contextmanager
-def _single_cpu_thread():
+def single_cpu_thread():
+    """Run the enclosed init or report work on one intra-op thread; the thread count is restored after."""
     # The blocks are small: intra-op threads only add synchronisation, which on a busy machine
     # (more runnable threads than cores) made init + report 4-6x slower than one thread (measured
     # side by side on the 2-core dev machine under load: 0.2-0.26 s vs 0.98-1.38 s for tiny_moe).
@@ -472,7 +472,7 @@ def init_model(model: nn.Module, scheme_name: str, seed: int = 0) -> None:
     """Initialise every parameter of a `Transformer` (plain or FSDP-sharded) and reset its buffers."""
     scheme = get_scheme(scheme_name)
     cfg: ModelConfig = model.cfg
-    with _single_cpu_thread():
+    with single_cpu_thread():
         for name, param in model.named_parameters():
             canonical = canonical_name(name)
             fill_parameter(param, canonical, classify(canonical, cfg), scheme, seed, tied=cfg.tie_embeddings)
@@ -480,94 +480,3 @@ def init_model(model: nn.Module, scheme_name: str, seed: int = 0) -> None:
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
-
-
-# ---------------------------------------------------------------------------------------------
-# Report
-
-
-def report_rows(model: nn.Module, scheme_name: str) -> list[dict]:
-    """Intended vs measured distribution of every parameter (fused expert weights: one row per half)."""
-    scheme = get_scheme(scheme_name)
-    rows = []
-    with _single_cpu_thread():
-        _collect_rows(model, scheme, rows)
-    return rows
-
-
-def _collect_rows(model: nn.Module, scheme: Scheme, rows: list[dict]) -> None:
-    from torch.distributed.tensor import DTensor
-
-    for name, param in model.named_parameters():
-        canonical = canonical_name(name)
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        full = full.detach().to(torch.float64)
-        for seg in classify(canonical, model.cfg):
-            rule = scheme.rule(seg.kind, model.cfg.tie_embeddings)
-            kind = scheme.tied_weight_kind if model.cfg.tie_embeddings and seg.kind == "embedding" else seg.kind
-            values = full if seg.col_start is None else full[..., seg.col_start:seg.col_end]
-            cutoff = rule.cutoff(seg.dims)
-            rows.append({
-                "name": f"{canonical}[{seg.label}]" if seg.label else canonical,
-                "kind": kind,
-                "shape": list(values.shape),
-                "numel": values.numel(),
-                "dist": rule.dist,
-                "rule": rule.describe(seg.dims),
-                "sigma": rule.sigma(seg.dims) if rule.dist in ("normal", "trunc_normal") else 0.0,
-                "cutoff": cutoff,
-                "target_std": rule.target_std(seg.dims),
-                "target_mean": rule.target_mean(),
-                "measured_std": values.std().item() if values.numel() > 1 else 0.0,
-                "measured_mean": values.mean().item(),
-                "max_abs": values.abs().max().item(),
-            })
-
-
-def build_initialised(cfg: ModelConfig, scheme_name: str, seed: int = 0) -> nn.Module:
-    """A `Transformer(cfg)` built on meta, materialised on the CPU and initialised with a scheme."""
-    from moetrain.model.transformer import Transformer
-
-    get_scheme(scheme_name)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed, scheme=scheme_name)
-    return model
-
-
-def _format_table(rows: list[dict], scheme: str) -> str:
-    header = f"{'parameter':44} {'shape':16} {'distribution':44} {'target_std':>10} {'std':>10} {'mean':>10}"
-    lines = [f"init scheme {scheme!r}", header, "-" * len(header)]
-    for row in rows:
-        shape = "x".join(str(s) for s in row["shape"])
-        lines.append(f"{row['name']:44} {shape:16} {row['rule']:44} {row['target_std']:10.5f} "
-                     f"{row['measured_std']:10.5f} {row['measured_mean']:10.5f}")
-    return "\n".join(lines)
-
-
-def report_main(argv: list[str]) -> int:
-    """`moetrain init-report --config C --scheme S [--seed N] [--json]`."""
-    from moetrain.config import JobConfig, load
-
-    parser = argparse.ArgumentParser(prog="moetrain init-report",
-                                     description="Initialise the configured model on the CPU with a scheme "
-                                                 "and print, per parameter, intended vs measured std and mean.")
-    parser.add_argument("--config", help="TOML job config (default: built-in defaults)")
-    parser.add_argument("--scheme", help=f"one of: {', '.join(SCHEMES)} (default: the config's model.init_scheme)")
-    parser.add_argument("--seed", type=int, default=None, help="init seed (default: the config's train.seed)")
-    parser.add_argument("--json", action="store_true", help="print a JSON list of per-parameter objects")
-    args = parser.parse_args(argv)
-    cfg = load(args.config) if args.config else JobConfig().validate()
-    scheme = args.scheme or cfg.model.init_scheme
-    get_scheme(scheme)
-    seed = cfg.train.seed if args.seed is None else args.seed
-    rows = report_rows(build_initialised(cfg.model, scheme, seed), scheme)
-    if args.json:
-        keys = ("name", "shape", "dist", "cutoff", "target_std", "measured_std", "measured_mean", "sigma", "kind",
-                "numel", "max_abs")
-        json.dump([{k: row[k] for k in keys} for row in rows], sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(_format_table(rows, scheme))
-    return 0

@@ -1,17 +1,19 @@
 """MoE feed-forward layer: linear router, top-k selection, routed experts, optional shared expert.
 
-Routing: scores = softmax or sigmoid of the router logits (float32); the top-k experts of each
-token are chosen on the scores (plus a per-expert bias under aux-loss-free balancing, which only
-affects the choice, never the gate values); gate values are the chosen scores, optionally
-renormalised to sum to 1. The routed experts are computed by `moetrain.model.experts.routed_experts`
-(loop / grouped GEMM / memory-efficient, chosen by `MoEConfig.impl`) on stacked weights
-`experts.w1` [E, d, 2n] (gate | up, SwiGLU) or [E, d, n] (GELU) and `experts.w2` [E, n, d].
-A shared expert, when configured, is a dense SwiGLU FFN of width n · n_shared_experts added to
-every token's output.
+Routing: the router is a bias-free linear layer; `routing.select_experts` turns its logits into
+scores (softmax or sigmoid, float32), chooses the top-k experts of each token on the scores (plus a
+per-expert bias under aux-loss-free balancing, which only affects the choice, never the gate values)
+and gives gate values = the chosen scores, optionally renormalised to sum to 1. The routed experts
+are computed by `experts.routed_experts` (loop / grouped GEMM / memory-efficient, chosen by
+`MoEConfig.impl`) on stacked weights `experts.w1` [E, d, 2n] (gate | up, SwiGLU) or [E, d, n] (GELU)
+and `experts.w2` [E, n, d]. A shared expert, when configured, is a dense SwiGLU FFN
+(`layers.FeedForward`) of width n · n_shared_experts added to every token's output.
 
 After each forward the module exposes `aux_loss` (switch-style load-balancing loss of that forward,
 not multiplied by its coefficient) and `tokens_per_expert` (detached, [E]). It holds no
 distributed code: the cross-rank sum of expert loads for the bias update is an injected callable.
+It does not initialise its parameters: init.py does, and calls `reset_buffers` for the balancing state.
+Shape suffixes on local names: T tokens, D model dim, E experts, K top_k.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from moetrain.config import MoEConfig
+from moetrain.model.experts import routed_experts
+from moetrain.model.layers import FeedForward
+from moetrain.model.routing import round_routing, routing_from_topk, select_experts, switch_aux_loss
 
 
 class RoutedExpertWeights(nn.Module):
@@ -34,22 +39,11 @@ class RoutedExpertWeights(nn.Module):
         self.w2 = nn.Parameter(torch.empty(cfg.n_experts, cfg.expert_hidden, dim))
 
 
-def switch_aux_loss(probs: Tensor, counts: Tensor, top_k: int) -> Tensor:
-    """Switch-Transformer load-balancing loss E · Σ_e f_e · P_e (1 when perfectly balanced).
-
-    f_e = share of the T·k assignments that went to expert e (no gradient), P_e = mean router
-    probability of e over the T tokens (probs rows sum to 1).
-    """
-    n_tokens, n_experts = probs.shape
-    fraction = counts.to(probs.dtype) / max(n_tokens * top_k, 1)
-    return n_experts * (fraction * probs.mean(dim=0)).sum()
-
-
 class MoE(nn.Module):
+    """Router + routed experts (+ shared expert) on x [..., d]; keeps the balancing state of its layer."""
+
     def __init__(self, dim: int, cfg: MoEConfig):
         super().__init__()
-        from moetrain.model.transformer import FeedForward
-
         self.cfg = cfg
         self.dim = dim
         self.router = nn.Linear(dim, cfg.n_experts, bias=False)
@@ -74,42 +68,27 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [T, d] -> (probs [T, E] rows summing to 1, topk_idx [T, k], gates [T, k]); scores in >= float32."""
-        logits = self.router(x)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if self.cfg.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
-            probs = scores
-        else:
-            scores = logits.sigmoid()
-            probs = scores / scores.sum(dim=-1, keepdim=True)
-        choice = scores + self.expert_bias if self.cfg.load_balance == "aux_free" else scores
-        topk_idx = choice.topk(self.cfg.top_k, dim=-1).indices
-        gates = scores.gather(-1, topk_idx)
-        if self.cfg.renormalize:
-            gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
-        return probs, topk_idx, gates
+        choice_bias_E = self.expert_bias if self.cfg.load_balance == "aux_free" else None
+        return select_experts(self.router(x), self.cfg.score_func, self.cfg.top_k, self.cfg.renormalize,
+                              choice_bias_E)
 
     def forward(self, x: Tensor) -> Tensor:
-        from moetrain.model.experts import routed_experts, routing_from_topk
-
         shape = x.shape
-        flat = x.reshape(-1, self.dim)
-        probs, topk_idx, gates = self.route(flat)
-        routing = routing_from_topk(topk_idx, gates.to(flat.dtype), self.cfg.n_experts)
+        x_TD = x.reshape(-1, self.dim)
+        probs_TE, topk_idx_TK, gates_TK = self.route(x_TD)
+        routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
         if self.cfg.token_rounding_tile > 1:
-            from moetrain.model.experts import round_routing
-
-            routing, self.rounding_changes = round_routing(probs, routing, self.cfg.token_rounding_tile)
-        out = routed_experts(flat, routing, self.experts.w1, self.experts.w2, self.cfg.activation, self.cfg.impl)
+            routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
+        out_TD = routed_experts(x_TD, routing, self.experts.w1, self.experts.w2, self.cfg.activation, self.cfg.impl)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
-        counts = routing.counts.detach()
-        self.tokens_per_expert = counts
-        self.aux_loss = switch_aux_loss(probs, counts, self.cfg.top_k)
+            out_TD = out_TD + self.shared_expert(x_TD)
+        counts_E = routing.counts.detach()
+        self.tokens_per_expert = counts_E
+        self.aux_loss = switch_aux_loss(probs_TE, counts_E, self.cfg.top_k)
         if self.training:
             with torch.no_grad():
-                self.load_since_update += counts.to(self.load_since_update.dtype)
-        return out.reshape(shape)
+                self.load_since_update += counts_E.to(self.load_since_update.dtype)
+        return out_TD.reshape(shape)
 
     @torch.no_grad()
     def update_expert_bias(self, all_reduce: Callable[[Tensor], object] | None = None) -> None:

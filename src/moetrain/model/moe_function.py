@@ -10,14 +10,15 @@ again, and gets the router-score gradient as dS = <dO W2^T, A> = <dA', A> (never
     dH   = dA * phi'(H)              dW2_e = sum (S A)^T dO[token]
     dW1_e = sum X[token]^T dH        dX = scatter-add over assignments of dH W1_e^T
 
-GEMMs run over contiguous expert segments with the backend from `experts.grouped_mm_backend`:
+GEMMs run over contiguous expert segments with the backend from `grouped_mm.grouped_mm_backend`:
 on accelerators one `torch._grouped_mm` call per projection over all experts; on CPU the experts
 are processed in cache-sized chunks (gather, GEMMs, elementwise work and scatter per chunk), so
 not even a transient tokens*top_k x hidden tensor is formed.
 Reductions that feed a low-precision result (dS, the token scatter-adds) accumulate in float32.
 The score gradient is returned to autograd, so it reaches the router through ordinary autograd.
-This module holds no parameters and no distributed code; the caller's weights may be FSDP-unsharded
-tensors.
+This module holds no parameters, makes no routing decisions and has no distributed code; the
+caller's weights may be FSDP-unsharded tensors. It is called by `experts.routed_experts` and imports
+only the kernels (grouped_mm.py) and the routing record (routing.py), never experts.py.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from moetrain.model.experts import (
+from moetrain.model.grouped_mm import (
     Backend,
-    Routing,
     activation_backward,
     activation_forward,
     grouped_mm,
     grouped_mm_weight_grad,
 )
+from moetrain.model.routing import Routing
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:

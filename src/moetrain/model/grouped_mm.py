@@ -1,0 +1,173 @@
+"""Grouped GEMMs over contiguous expert segments, their per-device backends, and the expert activations.
+
+`grouped_mm` multiplies rows grouped by expert with each expert's weight; `grouped_mm_weight_grad`
+forms the per-expert weight gradients a_e^T g_e. Two backends share that contract:
+``torch_grouped_mm`` (``torch._grouped_mm``, one call over all experts) and ``segment_loop`` (a
+loop of matmuls over the contiguous segments). `grouped_mm_backend` chooses per device:
+``_grouped_mm`` on CUDA, and on CPU whichever of the two `moetrain bench moe` measured faster for
+each implementation (see docs/bench_moe.md). The activations (SwiGLU on a fused [gate | up] input,
+exact GELU) and their derivative are shared by the standard-autograd implementations and the
+memory-efficient backward.
+
+These are kernels only: nothing here knows about routing decisions, parameters or distribution,
+and this module imports no other model module.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moetrain.errors import ConfigError
+
+Backend = Literal["torch_grouped_mm", "segment_loop"]
+
+ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu")
+BACKENDS: tuple[str, ...] = ("torch_grouped_mm", "segment_loop")
+
+# CPU backend per implementation, chosen by measurement: `moetrain bench moe` times both backends
+# side by side for the grouped and memory-efficient paths (numbers and commands in docs/bench_moe.md).
+CPU_GROUPED_MM_BACKEND: dict[str, Backend] = {"grouped": "torch_grouped_mm", "memory_efficient": "segment_loop"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs over contiguous expert segments
+# ---------------------------------------------------------------------------------------------
+
+def grouped_mm_backend(device: torch.device, dtype: torch.dtype, impl: str = "memory_efficient") -> Backend:
+    """The grouped GEMM backend for a device: `_grouped_mm` on CUDA, the measured winner on CPU.
+
+    float64 is not supported by `_grouped_mm` on any device, so it always takes the segment loop.
+    On CUDA, `_grouped_mm` runs a CUTLASS grouped kernel for bf16 on sm90/sm100 and a per-group
+    fallback otherwise; it needs 16-byte aligned strides (checked per call, else segment loop).
+    """
+    if dtype == torch.float64:
+        return "segment_loop"
+    if device.type == "cuda":
+        return "torch_grouped_mm"
+    return CPU_GROUPED_MM_BACKEND.get(impl, "segment_loop")
+
+
+def _grouped_mm_usable(*mats: Tensor) -> bool:
+    """`_grouped_mm` needs one dtype in {fp32, bf16, fp16} and 16-byte aligned strides and pointers."""
+    dtype = mats[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    for mat in mats:
+        if mat.dtype != dtype or mat.data_ptr() % 16:
+            return False
+        # Every non-unit stride (in bytes) must be a multiple of 16.
+        if any(s != 1 and (s * mat.element_size()) % 16 for s in mat.stride()):
+            return False
+    return True
+
+
+def _offsets(counts: Tensor) -> Tensor:
+    # `_grouped_mm` takes int32 cumulative end offsets, one per group, on the operands' device.
+    return torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    torch 2.13's CPU `_grouped_mm` backward rejects a stride-0 gradient (what `out.sum()`
+    produces): "Invalid strides/sizes, got [0, 0]". Placing this right after each `_grouped_mm`
+    hands it a dense gradient instead. It saves nothing for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor) -> Tensor:  # noqa: D102
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: D102
+        return grad.contiguous()
+
+
+def grouped_mm(a: Tensor, b: Tensor, counts: Tensor, backend: Backend, counts_host: list[int] | None = None,
+               out: Tensor | None = None) -> Tensor:
+    """Rows of `a` [N,k] grouped by `counts` [E], each group times its `b[e]` [k,m] -> [N,m].
+
+    Differentiable under standard autograd for both backends (used by the `grouped` impl), and
+    immune to the stride-0 gradient bug of `_grouped_mm`. `out` (only without autograd) receives
+    the result in place.
+    """
+    if backend == "torch_grouped_mm" and _grouped_mm_usable(a, b):
+        result = _ContiguousGrad.apply(torch._grouped_mm(a, b, offs=_offsets(counts)))
+        return result if out is None else out.copy_(result)
+    sizes = counts.tolist() if counts_host is None else counts_host
+    if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+        # No autograd (e.g. inside the memory-efficient Function): write each segment's product
+        # straight into its rows of one output instead of concatenating pieces (saves an N x m copy).
+        out = a.new_empty(a.shape[0], b.shape[2]) if out is None else out
+        for seg, b_e, out_seg in zip(a.split(sizes, dim=0), b.unbind(0), out.split(sizes, dim=0), strict=True):
+            if seg.shape[0]:
+                torch.mm(seg, b_e, out=out_seg)
+        return out
+    # unbind, not b[e]: each select's backward would materialise a zero [E,k,m] gradient per expert.
+    # Empty segments are multiplied too (a free [0,k] @ [k,m]) so the output stays connected to
+    # every weight even when no token is routed at all: gradients are zeros, never None, which
+    # keeps FSDP's per-parameter gradient reduction uniform across ranks.
+    return torch.cat([seg @ b_e for seg, b_e in zip(a.split(sizes, dim=0), b.unbind(0), strict=True)], dim=0)
+
+
+def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backend,
+                           counts_host: list[int] | None = None, out: Tensor | None = None) -> Tensor:
+    """Per-expert a_e^T g_e for rows grouped by `counts`: a [N,k], g [N,m] -> [E,k,m] (zeros for empty experts).
+
+    Used only inside the memory-efficient backward (no autograd through it); `out` [E,k,m], if
+    given, receives the result in place.
+    """
+    n_experts = counts.numel()
+    if backend == "torch_grouped_mm" and _grouped_mm_usable(a, g):
+        a_t = a.t()  # [k, N] view with unit row stride: the 2d x 2d form groups along the shared N dim
+        if _grouped_mm_usable(a_t, g) and a.shape[0] > 0:
+            result = torch._grouped_mm(a_t, g, offs=_offsets(counts))
+            # Groups with no rows are left untouched by some kernels; zero them explicitly.
+            result = result.masked_fill((counts == 0).view(-1, 1, 1), 0)
+            return result if out is None else out.copy_(result)
+    sizes = counts.tolist() if counts_host is None else counts_host
+    out = torch.empty(n_experts, a.shape[1], g.shape[1], dtype=a.dtype, device=a.device) if out is None else out
+    for a_seg, g_seg, out_e in zip(a.split(sizes, dim=0), g.split(sizes, dim=0), out.unbind(0), strict=True):
+        if a_seg.shape[0] == 0:
+            out_e.zero_()
+        elif out_e.dtype == a.dtype:
+            torch.mm(a_seg.t(), g_seg, out=out_e)
+        else:
+            out_e.copy_(a_seg.t() @ g_seg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations and their derivative (shared with the memory-efficient backward)
+# ---------------------------------------------------------------------------------------------
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"moe activation = {activation!r} is invalid: valid activations are {', '.join(ACTIVATIONS)}")
+
+
+def activation_forward(h: Tensor, activation: str) -> Tensor:
+    """A = phi(H). SwiGLU: H = [gate | up] (width 2n), A = silu(gate) * up. GELU: A = gelu(H)."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
+
+
+def activation_backward(h: Tensor, grad_a: Tensor, activation: str) -> Tensor:
+    """dH = dA * phi'(H), computed in float32 for low-precision inputs and returned in H's dtype."""
+    compute_dtype = torch.float32 if h.dtype in (torch.bfloat16, torch.float16) else h.dtype
+    h_c, grad_c = h.to(compute_dtype), grad_a.to(compute_dtype)
+    if activation == "swiglu":
+        gate, up = h_c.chunk(2, dim=-1)
+        grad_h = torch.empty_like(h_c)
+        # dH = [dA * up * silu'(gate) | dA * silu(gate)], written into the two halves without a cat.
+        torch.ops.aten.silu_backward.grad_input(grad_c * up, gate, grad_input=grad_h[:, : gate.shape[1]])
+        torch.mul(grad_c, F.silu(gate), out=grad_h[:, gate.shape[1] :])
+        return grad_h.to(h.dtype)
+    # Exact (erf) GELU, matching F.gelu's default.
+    return torch.ops.aten.gelu_backward(grad_c, h_c).to(h.dtype)
