@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from moetrain.bench.costs import CostSpec, draw_costs
-from moetrain.bench.sync import MODE_SETUP, main
-from moetrain.config import ConfigError
+from moetrain.bench.sync import main
+from moetrain.bench.sync_options import MODE_SETUP
+from moetrain.errors import ConfigError
 
 
 def test_smoke_four_ranks_writes_schema_and_chart(tmp_path, capsys):

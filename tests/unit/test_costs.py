@@ -14,7 +14,7 @@ from moetrain.bench.costs import (
     expected_sum_of_max_bimodal,
     replica_group_of,
 )
-from moetrain.config import ConfigError
+from moetrain.errors import ConfigError
 
 BIMODAL = CostSpec("bimodal", short=0.04, ratio=4.0, p_long=0.5)
 

@@ -9,7 +9,7 @@ import pytest
 
 from moetrain.bench import moe as bench_moe
 from moetrain.cli import main as cli_main
-from moetrain.config import ConfigError
+from moetrain.errors import ConfigError
 
 TINY = ["--tokens", "64", "--hidden", "32", "--intermediate", "8", "--n_experts", "8", "--top_k", "2",
         "--warmup", "0", "--repeats", "5"]
@@ -57,7 +57,7 @@ def test_bench_bad_options_are_config_errors(capsys):
         bench_moe.main(["--preset", "huge"])
     with pytest.raises(ConfigError, match="--repeats = 3 is invalid"):
         bench_moe.main([*TINY[:-2], "--repeats", "3"])
-    with pytest.raises(ConfigError, match="argument --tokens: invalid int value: 'many'"):
+    with pytest.raises(ConfigError, match="Error parsing --tokens: .*'many'"):
         bench_moe.main(["--tokens", "many"])
     assert cli_main(["bench", "moe", "--top_k", "99"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -8,7 +8,7 @@ import pytest
 
 from moetrain.bench.costs import CostSpec, draw_costs, expected_max_of_sum_bimodal, expected_sum_of_max_bimodal
 from moetrain.bench.simulate import MODES, CommModel, Link, Workload, collective_times, main, simulate_step_times
-from moetrain.config import ConfigError
+from moetrain.errors import ConfigError
 
 FREE = CommModel(intra=Link(0.0, math.inf), inter=Link(0.0, math.inf))
 BIMODAL = CostSpec("bimodal", short=0.04, ratio=4.0, p_long=0.5)

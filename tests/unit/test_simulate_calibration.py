@@ -4,7 +4,10 @@ import numpy as np
 import pytest
 
 from moetrain.bench.simulate import CommModel, Link, Workload, simulate_step_times
-from moetrain.bench.sync import SyncBenchOptions, bootstrap_ratio_ci, fit_per_call_overhead
+from moetrain.bench.sync_calibration import fit_per_call_overhead
+from moetrain.bench.sync_model import items_per_microbatch, packed_shape, work_units
+from moetrain.bench.sync_options import SyncBenchOptions
+from moetrain.bench.sync_report import bootstrap_ratio_ci
 
 
 def test_per_call_overhead_is_recovered_from_zero_variance_steps():
@@ -36,8 +39,6 @@ def test_paired_bootstrap_keeps_pairs_together():
 
 
 def test_packed_microbatches_keep_the_token_count_while_document_length_varies():
-    from moetrain.bench.sync import items_per_microbatch, packed_shape, work_units
-
     opts = SyncBenchOptions(cost_model="packed", packed_tokens=1024)
     costs = np.array([1.0, 63.6, 64.0, 300.0, 1024.0, 5000.0])
     documents, length = packed_shape(opts, costs)

@@ -1,11 +1,17 @@
-"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync`."""
+"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync`.
+
+`main` dispatches `moetrain bench NAME` to the benchmark's own `main`, importing that module
+only when it is asked for (as moetrain.cli does for subcommands), so `moetrain bench --help`
+and importing `moetrain.bench.costs` or `simulate` do not load torch. Benchmarks measure and
+report; nothing here may change how training runs.
+"""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-from moetrain.config import ConfigError
+from moetrain.errors import ConfigError
 
 BENCHMARKS = {
     "moe": ("expert implementations side by side: saved bytes and fwd+bwd time", "moetrain.bench.moe:main"),

@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from moetrain.config import ConfigError
+from moetrain.errors import ConfigError
 
 Distribution = Literal["bimodal", "lognormal", "constant"]
 DISTRIBUTIONS: tuple[str, ...] = ("bimodal", "lognormal", "constant")

@@ -6,15 +6,18 @@ Function) it measures the bytes saved for backward (unique storages seen by
 (median over repeats after warm-up, implementations interleaved so machine noise hits all alike),
 and reports ratios to the grouped path. On CPU it also times both grouped GEMM backends
 (`torch._grouped_mm` and the loop over contiguous expert segments), which is how the CPU backend
-in `moetrain.model.experts` was chosen. `--sweep` varies granularity at constant top_k *
+in `moetrain.model.grouped_mm` was chosen. `--sweep` varies granularity at constant top_k *
 intermediate and plots saved MiB (PNG + JSON under benchmarks/results/).
+
+Options: `--preset` (read first) sets the defaults of the shape options, every `BenchConfig`
+field can be overridden (`--tokens`, `--top_k` or `--top-k`, ...), and booleans are flags
+(`--sweep`, `--no-backend-comparison`).
 
 This is a benchmark, not a test: it asserts nothing about time. User errors raise ConfigError.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -23,18 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib
+import matplotlib.pyplot as plt
 import torch
 
-from moetrain.config import ConfigError
-from moetrain.model.experts import (
-    ACTIVATIONS,
-    BACKENDS,
-    IMPLS,
-    Routing,
-    grouped_mm_backend,
-    routed_experts,
-    routing_from_topk,
-)
+from moetrain.args import parse_typed_args, take_option
+from moetrain.errors import ConfigError
+from moetrain.model.experts import IMPLS, routed_experts
+from moetrain.model.grouped_mm import ACTIVATIONS, BACKENDS, grouped_mm_backend
+from moetrain.model.routing import Routing, routing_from_topk
+
+matplotlib.use("Agg")  # the sweep plot goes to a file only; never needs a display
+
+PROG = "moetrain bench moe"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 RESULTS_DIR = Path("benchmarks/results")
@@ -240,11 +244,6 @@ def run_sweep(base: BenchConfig, timed: bool = True) -> list[dict[str, Any]]:
 
 
 def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = [f"E={r['n_experts']}\nk={r['top_k']}\nn={r['intermediate']}" for r in rows]
     xs = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -302,70 +301,63 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """Argument errors become ConfigError, which the CLI prints as one line with exit status 2."""
+@dataclass
+class MoeBenchOptions(BenchConfig):
+    """Expert implementations side by side: saved bytes for backward and fwd+bwd time, same inputs."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message} (run `moetrain bench moe --help` for options)")
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(prog="moetrain bench moe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="fine", help=f"one of {', '.join(PRESETS)} (default fine)")
-    for field in dataclasses.fields(BenchConfig):
-        if field.name in PRESETS["fine"]:
-            per_preset = ", ".join(f"{name}: {values[field.name]}" for name, values in PRESETS.items())
-            help_text = f"override the preset ({per_preset})"
-        else:
-            help_text = f"default {field.default!r}"
-        parser.add_argument(f"--{field.name}", type=type(field.default), default=None, help=help_text)
-    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also sweep granularity at constant top_k*intermediate; writes PNG + JSON to --out-dir")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
-                        help="where the sweep writes (default %(default)s)")
-    parser.add_argument("--sweep-bytes-only", action="store_true", help="do not time the sweep, only measure bytes")
-    parser.add_argument("--no-backend-comparison", action="store_true",
-                        help="skip timing the non-chosen grouped GEMM backend")
-    return parser
+    # fine or coarse: the defaults of tokens, hidden, intermediate, n_experts and top_k. Read
+    # before the other options, because the preset decides the defaults they override.
+    preset: str = "fine"
+    json: Path | None = None  # write the results as JSON here
+    sweep: bool = False  # also sweep granularity at constant top_k*intermediate; writes PNG + JSON to --out-dir
+    out_dir: Path = RESULTS_DIR  # where the sweep writes
+    sweep_bytes_only: bool = False  # do not time the sweep, only measure bytes
+    backend_comparison: bool = True  # also time the non-chosen grouped GEMM backend (CPU, not float64)
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    if args.preset not in PRESETS:
-        raise ConfigError(f"--preset = {args.preset!r} is invalid: valid presets are {', '.join(PRESETS)}")
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
-                 if getattr(args, f.name) is not None}
-    cfg = BenchConfig(**{**PRESETS[args.preset], **overrides})
+def parse_options(argv: list[str]) -> MoeBenchOptions:
+    """The command line as options: the preset's values as defaults, then the given overrides."""
+    preset, rest = take_option(argv, "preset")
+    preset = "fine" if preset is None else preset
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset = {preset!r} is invalid: valid presets are {', '.join(PRESETS)}")
+    default = MoeBenchOptions(preset=preset, **PRESETS[preset])
+    return parse_typed_args(MoeBenchOptions, rest, PROG, default=default, bool_flags=True)
+
+
+def bench_config(opts: MoeBenchOptions) -> BenchConfig:
+    """The benchmark's shape and measurement settings (the JSON's "config"), validated."""
+    cfg = BenchConfig(**{f.name: getattr(opts, f.name) for f in dataclasses.fields(BenchConfig)})
     _validate(cfg)
     return cfg
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    cfg = config_from_args(args)
+    opts = parse_options(argv)
+    cfg = bench_config(opts)
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    report = run_preset(cfg, compare_backends=not args.no_backend_comparison and cfg.device == "cpu"
+    report = run_preset(cfg, compare_backends=opts.backend_comparison and cfg.device == "cpu"
                         and cfg.dtype != "float64")
-    report = {"preset": args.preset, **report}
-    print(f"moetrain bench moe --preset {args.preset}: tokens={cfg.tokens} hidden={cfg.hidden} "
+    report = {"preset": opts.preset, **report}
+    print(f"moetrain bench moe --preset {opts.preset}: tokens={cfg.tokens} hidden={cfg.hidden} "
           f"intermediate={cfg.intermediate} experts={cfg.n_experts} top_k={cfg.top_k} {cfg.activation} {cfg.dtype} "
           f"{cfg.device} threads={torch.get_num_threads()} (median of {cfg.repeats} after {cfg.warmup} warm-up)")
     print(format_table(report))
-    if args.sweep:
-        rows = run_sweep(cfg, timed=not args.sweep_bytes_only)
+    if opts.sweep:
+        rows = run_sweep(cfg, timed=not opts.sweep_bytes_only)
         report["sweep"] = rows
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        png, sweep_json = args.out_dir / "bench_moe_granularity.png", args.out_dir / "bench_moe_granularity.json"
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        png, sweep_json = opts.out_dir / "bench_moe_granularity.png", opts.out_dir / "bench_moe_granularity.json"
         plot_sweep(rows, png)
-        sweep_json.write_text(json.dumps({"preset": args.preset, "config": dataclasses.asdict(cfg),
+        sweep_json.write_text(json.dumps({"preset": opts.preset, "config": dataclasses.asdict(cfg),
                                           "sweep": rows}, indent=2) + "\n")
         print(f"granularity sweep (tokens={cfg.tokens}, hidden={cfg.hidden}, top_k*intermediate=1024):")
         print(format_sweep(rows))
         print(f"wrote {png} and {sweep_json}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    if opts.json is not None:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {opts.json}")
     return 0

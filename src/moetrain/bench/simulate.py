@@ -32,10 +32,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 
+from moetrain.args import parse_typed_args
 from moetrain.bench.costs import CostSpec, draw_costs, expected_max_of_sum_bimodal, expected_sum_of_max_bimodal
-from moetrain.config import ConfigError, parse_typed_args
+from moetrain.errors import ConfigError
+
+matplotlib.use("Agg")  # figures go to files only; never needs a display
 
 Mode = Literal["fsdp", "hsdp", "hsdp-delayed", "hsdp-final-only"]
 Overlap = Literal["blocking", "backward", "next_microbatch"]
@@ -321,11 +326,6 @@ def speedup_delayed_over_hsdp(spec: CostSpec, replicate: int, shard: int, accum:
 
 
 def draw_figure(opts: SimulateOptions, path: str) -> dict[str, list[float]]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     samples = min(opts.samples, 500)
     by_groups = [speedup_delayed_over_hsdp(opts.cost, r, opts.shard, opts.accum, samples, opts.seed, opts.workload,
                                            opts.comm) for r in opts.group_counts]
