@@ -26,8 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moetrain.config import ParallelConfig
+from moetrain.data.packing import IGNORE_INDEX
 from moetrain.testing import run_on_ranks
-from moetrain.train.loss import IGNORE_INDEX, microbatch_loss, token_loss_sum
+from moetrain.train.loss import microbatch_loss, token_loss_sum
 
 VOCAB, DIM = 16, 8
 SCENARIOS = ["fp32_kernel", "grad_dtype_fp32", "late_param"]
@@ -169,7 +170,7 @@ def _dtype_worker(cases):
         model.to_empty(device=device)
         load_full_state(model, _state(scenario))
         policy = resolve_sync_policy(pcfg, meshes[shape], N_MICRO)
-        global_tokens = count_global_tokens(batches[rank])
+        global_tokens = count_global_tokens(sum(int((t != IGNORE_INDEX).sum()) for _, t in batches[rank]))
         try:
             _run_microbatches(model, batches[rank], global_tokens, scenario,
                               lambda mbs, model=model, policy=policy: accumulation(model, mbs, policy))

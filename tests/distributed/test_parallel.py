@@ -23,12 +23,17 @@ from test_parity_support import (
     relative_error,
 )
 
-from moetrain.config import ConfigError, ParallelConfig
+from moetrain.config import ParallelConfig
+from moetrain.data.packing import IGNORE_INDEX
+from moetrain.errors import ConfigError
 from moetrain.parallel.mesh import build_mesh
 from moetrain.testing import run_on_ranks
-from moetrain.train.loss import IGNORE_INDEX
 
 SHAPES = [(1, 4), (2, 2), (4, 1)]
+
+
+def valid_targets(targets: torch.Tensor) -> int:
+    return int((targets != IGNORE_INDEX).sum())
 
 
 def _sharded_model(shape, device, pcfg=None, state=None):
@@ -49,7 +54,7 @@ def _step_grads(model, microbatches, policy):
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens
     from moetrain.train.loss import microbatch_loss, token_loss_sum
 
-    global_tokens = count_global_tokens([t for _, t in microbatches])
+    global_tokens = count_global_tokens(sum(valid_targets(t) for _, t in microbatches))
     for (tokens, targets), _ in accumulation(model, microbatches, policy):
         loss_sum, n_valid = token_loss_sum(model(tokens), targets)
         microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss()).backward()
@@ -103,7 +108,7 @@ def _worker():
 
     # One all-reduce of token counts, including a rank whose microbatches have none.
     local = [torch.full((2, 3), IGNORE_INDEX)] if rank == 3 else [torch.zeros(2, 3, dtype=torch.long)] * (rank + 1)
-    out["tokens"] = count_global_tokens(local)
+    out["tokens"] = count_global_tokens(sum(valid_targets(t) for t in local))
 
     # Clipping: total norm and clipped full gradients, per mesh.
     out["clip"] = {}
@@ -226,7 +231,7 @@ _SINGLE_PROCESS = textwrap.dedent("""
     plain = Transformer(MODEL_CFG)
     plain.load_state_dict(initial_state(0))
     mbs = make_batches(0, world=1, n_steps=1)[0][0]
-    n = count_global_tokens([t for _, t in mbs])
+    n = count_global_tokens(sum(int((t != -100).sum()) for _, t in mbs))
     for (tok, tgt), _ in accumulation(model, mbs, resolve_sync_policy(pcfg, mesh, len(mbs))):
         s, v = token_loss_sum(model(tok), tgt)
         microbatch_loss(s, v, n, model.aux_loss()).backward()

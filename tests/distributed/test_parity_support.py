@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.func import functional_call
 
 from moetrain.config import ModelConfig, MoEConfig, ParallelConfig
+from moetrain.data.packing import IGNORE_INDEX
 from moetrain.model.transformer import Transformer
-from moetrain.train.loss import IGNORE_INDEX, microbatch_loss, token_loss_sum
+from moetrain.train.loss import microbatch_loss, token_loss_sum
 
 WORLD = 4
 N_MICRO = 3
@@ -195,7 +196,7 @@ def grid_worker(state, batches: Batch, cases: list[tuple[tuple[int, int], str, s
         grads0 = {}
         for step in range(len(batches)):
             microbatches = batches[step][rank]
-            global_tokens = count_global_tokens([t for _, t in microbatches])
+            global_tokens = count_global_tokens(sum(int((t != IGNORE_INDEX).sum()) for _, t in microbatches))
             for (tokens, targets), _is_last in accumulation(model, microbatches, policy):
                 logits = model(tokens.to(device))
                 loss_sum, n_valid = token_loss_sum(logits, targets.to(device))

@@ -5,17 +5,18 @@ flags, `requires_gradient_sync` (reduce-scatter over the shard dim at all) and
 `requires_all_reduce` (all-reduce over the replicate dim). `accumulation()` walks the
 microbatches and sets both flags on every FSDP unit before each one, so a training
 loop cannot forget or mis-order them. `count_global_tokens` makes the one all-reduce
-per step that the token-weighted loss needs, and `clip_grad_norm_` clips by the norm
-of the full (sharded and replicated) gradient. This module decides when gradients
-move; it must not compute losses or step optimizers.
+per step that the token-weighted loss needs (the caller counts its own valid
+targets), and `clip_grad_norm_` clips by the norm of the full (sharded and
+replicated) gradient. This module decides when gradients move; it must not compute
+losses or step optimizers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,10 +24,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from moetrain.config import ConfigError, ParallelConfig
+from moetrain.config import ParallelConfig
+from moetrain.errors import ConfigError
+from moetrain.parallel.collectives import all_reduce_int
 from moetrain.parallel.mesh import mesh_shape
 from moetrain.parallel.shard import fsdp_modules
-from moetrain.train.loss import IGNORE_INDEX
 
 Microbatch = TypeVar("Microbatch")
 
@@ -121,44 +123,13 @@ def accumulation(
         set_sync_flags(model, _FULL_SYNC)
 
 
-def _targets_of(microbatch: Any) -> torch.Tensor:
-    if isinstance(microbatch, torch.Tensor):
-        return microbatch
-    if isinstance(microbatch, Mapping):
-        return microbatch["targets"]
-    if isinstance(microbatch, tuple | list) and len(microbatch) == 2:
-        return microbatch[1]
-    targets = getattr(microbatch, "targets", None)
-    if targets is None:
-        raise TypeError(f"cannot find targets in a microbatch of type {type(microbatch).__name__}: "
-                        "pass a targets tensor, a mapping with 'targets', an (inputs, targets) pair, "
-                        "or an object with .targets")
-    return targets
+def count_global_tokens(local_count: int, group: dist.ProcessGroup | None = None) -> int:
+    """The step's valid target tokens over all ranks of `group`, from this rank's count.
 
-
-def count_global_tokens(
-    microbatches: Iterable[Any], group: dist.ProcessGroup | None = None, ignore_index: int = IGNORE_INDEX
-) -> int:
-    """Valid targets (!= ignore_index) over all microbatches of this rank and all ranks of `group`.
-
-    Exactly one all-reduce (None = the default group; no process group = local count).
-    Every rank must call it, also a rank whose microbatches hold no valid target.
-    A microbatch is a targets tensor, a mapping with "targets", an (inputs, targets)
-    pair or an object with `.targets`.
+    Exactly one all-reduce (None = the default group; no process group = the local
+    count). Every rank must call it, also a rank whose microbatches hold no valid target.
     """
-    local = 0
-    device = torch.device("cpu")
-    for microbatch in microbatches:
-        targets = _targets_of(microbatch)
-        device = targets.device
-        local += int((targets != ignore_index).sum().item())
-    if not (dist.is_available() and dist.is_initialized()):
-        return local
-    if dist.get_backend(group) == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    total = torch.tensor([local], dtype=torch.int64, device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    return int(total.item())
+    return all_reduce_int(local_count, group)
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:

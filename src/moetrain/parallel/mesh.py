@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moetrain.config import ConfigError, ParallelConfig, check_world_size
+from moetrain.config import ParallelConfig, check_world_size
+from moetrain.errors import ConfigError
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from moetrain.config import ConfigError, ParallelConfig
+from moetrain.config import ParallelConfig
+from moetrain.errors import ConfigError
 from moetrain.parallel.mesh import data_parallel_mesh
 
 _GUARD_MARK = "_moetrain_grad_dtype_guard"
