@@ -1,47 +1,46 @@
 """The `moetrain` command line: one subcommand per job, user errors as one line + exit 2.
 
-Each subcommand is a function `main(argv) -> int` in the module that owns the work;
-this file only dispatches to them (imported lazily so `--help` is fast) and turns
-`ConfigError` into a single `moetrain: error: ...` line with exit status 2.
+Each subcommand is a function `main(argv) -> int` in the module that owns the work,
+parsing its own options with tyro (`moetrain.args`). This file only dispatches: the
+registry names each subcommand's module as a string and imports it when that
+subcommand runs, so `moetrain --help` and a mistyped command answer without loading
+torch. It turns `ConfigError` into a single `moetrain: error: ...` line with exit
+status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
 
-from moetrain.config import ConfigError
+from moetrain.errors import ConfigError
 
 # name -> (one-line help, "module:function")
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("train a model from a TOML config (+ --section.field overrides)", "moetrain.train.trainer:main"),
+    "train": ("train a model from a TOML config (+ --section.field overrides)", "moetrain.train.run:main"),
     "sample": ("generate text from a run's latest checkpoint", "moetrain.train.sample:main"),
-    "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.train.metrics:plot_main"),
+    "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.train.plot:main"),
     "bench": ("benchmarks: `bench moe` (expert implementations), `bench sync` (HSDP sync policies)",
               "moetrain.bench:main"),
     "simulate": ("predict step time of the sync policies at cluster scale", "moetrain.bench.simulate:main"),
-    "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.model.init:report_main"),
+    "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.model.init_report:main"),
 }
 
+USAGE = "usage: moetrain COMMAND [options]   (moetrain COMMAND --help for a command's options)"
+DESCRIPTION = "PyTorch-native trainer for fine-grained mixture-of-experts models (FSDP2/HSDP)."
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="moetrain",
-        description="PyTorch-native trainer for fine-grained mixture-of-experts models (FSDP2/HSDP).",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (help_text, _) in SUBCOMMANDS.items():
-        sub.add_parser(name, help=help_text, add_help=False)
-    return parser
+
+def help_text() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    rows = [f"  {name:{width}}  {help_line}" for name, (help_line, _) in SUBCOMMANDS.items()]
+    return "\n".join([USAGE, "", DESCRIPTION, "", "commands:", *rows])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
     if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
+        print(help_text())
         return 0
     if argv[0] not in SUBCOMMANDS:
         print(f"moetrain: error: unknown command {argv[0]!r}; valid commands: {', '.join(SUBCOMMANDS)}",

@@ -13,17 +13,14 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 _LOGGER_NAME = "moetrain"
 
 
 def current_rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        pass
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moetrain import cli
-from moetrain.config import ConfigError
+from moetrain.errors import ConfigError
 from moetrain.train.sample import main as sample_main
 from moetrain.train.sample import next_token, top_p_filter
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from moetrain.train import trainer
+from moetrain.train import run
 from moetrain.train.checkpoint import PAUSE_ENV, list_complete
 
 
@@ -39,7 +39,7 @@ def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_one(job_
     killed = read_train_records(run_dir)
     assert sorted(killed) == [1, 2, 3, 4]
 
-    assert trainer.main(job_args(run_dir, checkpoint__every=2, train__eval_every=0,
+    assert run.main(job_args(run_dir, checkpoint__every=2, train__eval_every=0,
                             checkpoint__resume=True)) == 0
     assert not paused.parent.exists()  # the partial write was cleaned up, never read
     assert [r.step for r in list_complete(run_dir / "checkpoints")] == [2, 4, 6]

@@ -11,6 +11,7 @@ from moetrain import cli
 from moetrain.config import parse_job_args
 from moetrain.model.transformer import Transformer
 from moetrain.train import loss as loss_module
+from moetrain.train import trainer as trainer_module
 from moetrain.train.checkpoint import latest_complete, list_complete, load_checkpoint
 from moetrain.train.optim import build_optimizer
 
@@ -26,7 +27,8 @@ def poison_step_3(monkeypatch):
         loss_sum, n_valid = real(logits, targets, ignore_index)
         return (loss_sum * float("nan") if calls["n"] == 5 else loss_sum), n_valid
 
-    monkeypatch.setattr(loss_module, "token_loss_sum", token_loss_sum)
+    # Patched where the trainer looks the name up (it imports the function at module top).
+    monkeypatch.setattr(trainer_module, "token_loss_sum", token_loss_sum)
 
 
 def test_skip_policy_drops_the_update_and_counts_it(job_args, tmp_path, poison_step_3):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 
-from moetrain.train import trainer
+from moetrain.train import run
 from moetrain.train.checkpoint import list_complete
 
 
 def test_stop_and_resume_reproduces_an_uninterrupted_run_bitwise(job_args, read_train_records, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert trainer.main(job_args(straight)) == 0
-    assert trainer.main(job_args(split, train__stop_at_step=3)) == 0
+    assert run.main(job_args(straight)) == 0
+    assert run.main(job_args(split, train__stop_at_step=3)) == 0
     assert [r.step for r in list_complete(split / "checkpoints")] == [3]
-    assert trainer.main(job_args(split, checkpoint__resume=True)) == 0
+    assert run.main(job_args(split, checkpoint__resume=True)) == 0
 
     expected, resumed = read_train_records(straight), read_train_records(split)
     assert sorted(expected) == sorted(resumed) == [1, 2, 3, 4, 5, 6]

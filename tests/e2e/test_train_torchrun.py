@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moetrain.train import trainer
+from moetrain.train import run
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 
@@ -53,7 +53,7 @@ def test_hsdp_2x2_delayed_all_reduce_then_resume_on_2_ranks(job_args, read_train
     # (resume with nothing left to train, so only the final evaluation runs) gets the held-out
     # loss the 4 ranks measured at step 2 on the same evaluation set.
     eval_4_ranks = [r for r in records if r["kind"] == "eval" and r["step"] == 2]
-    assert trainer.main(job_args(run_dir, train__steps=2, checkpoint__resume=True)) == 0
+    assert run.main(job_args(run_dir, train__steps=2, checkpoint__resume=True)) == 0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final_1_rank = lines[-1]
     assert final_1_rank["kind"] == "final" and final_1_rank["step"] == 2

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from moetrain.config import ConfigError, JobConfig, ParallelConfig, check_world_size, load, parse_job_args
+from moetrain.config import JobConfig, ParallelConfig, check_world_size, load, parse_job_args
+from moetrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_moe.toml")

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config import ConfigError, DataConfig
+from moetrain.config import DataConfig
 from moetrain.data.corpus import STDLIB_EXCLUDED_DIRS, Document, is_heldout, load_corpus, stdlib_files
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX, PackedSequences, encode_documents, pack_documents
 from moetrain.data.tokenizer import ByteTokenizer, build_tokenizer
+from moetrain.errors import ConfigError
 
 # ---------------------------------------------------------------- tokenizer
 

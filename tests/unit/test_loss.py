@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from moetrain.train.loss import IGNORE_INDEX, microbatch_loss, token_loss_sum
+from moetrain.data.packing import IGNORE_INDEX
+from moetrain.train.loss import microbatch_loss, token_loss_sum
 
 
 def _closed_form(logits: torch.Tensor, targets: torch.Tensor) -> float:

@@ -8,15 +8,11 @@ import sys
 
 import pytest
 
-from moetrain.config import ConfigError
-from moetrain.train.metrics import (
-    MetricsWriter,
-    bits_per_byte,
-    byte_histogram,
-    read_records,
-    series,
-    unigram_entropy_bits,
-)
+from moetrain.data.dataset import byte_histogram, unigram_entropy_bits
+from moetrain.errors import ConfigError
+from moetrain.train.metrics import MetricsWriter, bits_per_byte
+from moetrain.train.plot import read_records, series
+from moetrain.train.trainer import eval_indices
 
 
 def test_bits_per_byte_is_nats_over_bytes_in_bits():
@@ -58,7 +54,6 @@ def test_writer_only_writes_when_enabled_and_tensorboard_is_optional(tmp_path, m
 
 
 def test_evaluation_set_is_the_same_for_every_world_size_and_split_evenly():
-    from moetrain.train.trainer import eval_indices
 
     reference = [(i * 1000) // 32 for i in range(32)]  # 32 evenly spaced of 1000
     for world in (1, 2, 4, 8):

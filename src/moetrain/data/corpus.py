@@ -26,7 +26,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetrain.config import ConfigError, DataConfig
+from moetrain.config import DataConfig
+from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
 
 STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})

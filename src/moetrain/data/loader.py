@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from moetrain.config import ConfigError
 from moetrain.data.packing import Batch, PackedSequences
+from moetrain.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from moetrain.config import ConfigError
+from moetrain.errors import ConfigError
 
 N_SPECIAL = 3
 

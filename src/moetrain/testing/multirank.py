@@ -18,6 +18,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 
 class RankFailure(RuntimeError):
     """A rank raised, died or timed out; the message carries its traceback."""
@@ -31,9 +34,6 @@ def free_port() -> int:
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
            conn, backend: str, threads: int) -> None:
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)

@@ -15,7 +15,9 @@ read and is deleted by the next save or resume. Before writing, the model and
 optimizer state are checked to be finite on every rank, so a diverged run cannot
 leave a poisoned checkpoint. The newest `keep_last` complete checkpoints are kept.
 
-This module saves and restores state; it does not decide when (the trainer does).
+`Checkpointer` decides when a run saves (`maybe_save(step)`: every
+`checkpoint.every` steps and at the run's last step) and where it resumes from
+(`resume_point()`); the functions below it do the saving and loading.
 Test hook: with MOETRAIN_TEST_PAUSE_IN_CHECKPOINT_WRITE=<step> in the environment,
 rank 0 stops inside the write of that step, after the data files are written and
 before the rename, writes `PAUSED` in the temporary directory and sleeps, so a test
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import time
@@ -35,10 +38,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -49,31 +51,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from moetrain.config import CheckpointConfig
+from moetrain.errors import ConfigError, PoisonedStateError, TrainingDiverged
+from moetrain.parallel.collectives import all_gather_objects, all_ranks_true, barrier, distributed, rank_and_world
+
 PAUSE_ENV = "MOETRAIN_TEST_PAUSE_IN_CHECKPOINT_WRITE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class PoisonedStateError(RuntimeError):
-    """The state to be saved holds NaN or inf; nothing was written."""
 
 
 @dataclass(frozen=True)
 class CheckpointRef:
     step: int
     path: Path
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
 
 
 @contextmanager
@@ -111,7 +100,7 @@ def remove_partial(checkpoint_dir: str | Path) -> list[Path]:
     """Delete temporary directories left by interrupted writes (rank 0 only)."""
     root = Path(checkpoint_dir)
     removed = []
-    if _rank() == 0 and root.is_dir():
+    if rank_and_world()[0] == 0 and root.is_dir():
         for entry in root.iterdir():
             if entry.name.startswith(".tmp-"):
                 shutil.rmtree(entry, ignore_errors=True)
@@ -139,25 +128,10 @@ def _all_finite(state: Any) -> bool:
                 walk(value)
 
     walk(state)
-    finite = all(bool(torch.isfinite(t).all()) for t in tensors)
-    if _distributed():
-        flag = torch.tensor([1 if finite else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        finite = bool(flag.item())
-    return finite
-
-
-def _gather(obj: Any) -> list[Any]:
-    if not _distributed():
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
+    return all_ranks_true(all(bool(torch.isfinite(t).all()) for t in tensors))
 
 
 def capture_rng_state() -> dict[str, Any]:
-    import random
-
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -165,8 +139,6 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    import random
-
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -186,17 +158,17 @@ def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, opt
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     if not _all_finite(state):
         raise PoisonedStateError(f"refusing to save step {step}: the model or optimizer state holds NaN/inf")
-    ranks_state = _gather(per_rank_state)
+    ranks_state = all_gather_objects(per_rank_state)
     world = len(ranks_state)
     state["trainer"] = pickle.dumps({**trainer_state, "step": step, "world_size": world, "ranks": ranks_state})
-    if _rank() == 0:
+    if rank_and_world()[0] == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt at this same step
-    _barrier()
+    barrier()
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
-    _barrier()
-    if _rank() == 0:
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed())
+    barrier()
+    if rank_and_world()[0] == 0:
         _maybe_pause_for_test(step, tmp)
         (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "time": time.time()}))
         if final.exists():
@@ -205,7 +177,7 @@ def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, opt
         _fsync_dir(root)
         for old in list_complete(root)[:-keep_last]:
             shutil.rmtree(old.path, ignore_errors=True)
-    _barrier()
+    barrier()
     return CheckpointRef(step, final)
 
 
@@ -233,7 +205,7 @@ def load_checkpoint(ref: CheckpointRef, model: nn.Module, optimizer: torch.optim
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
              "trainer": b""}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(ref.path), no_dist=not _distributed())
+        dcp.load(state, checkpoint_id=str(ref.path), no_dist=not distributed())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     return pickle.loads(state["trainer"])
@@ -243,6 +215,52 @@ def load_model_weights(ref: CheckpointRef, model: nn.Module) -> dict[str, Any]:
     """Restore only the model (e.g. for sampling in one process); return the trainer state."""
     state = {"model": get_model_state_dict(model), "trainer": b""}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(ref.path), no_dist=not _distributed())
+        dcp.load(state, checkpoint_id=str(ref.path), no_dist=not distributed())
     set_model_state_dict(model, state["model"])
     return pickle.loads(state["trainer"])
+
+
+class CheckpointState(Protocol):
+    """What a checkpoint holds of a trainer: model, optimizer and the small state beside them."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def trainer_state(self) -> dict[str, Any]: ...
+
+    def per_rank_state(self) -> dict[str, Any]: ...
+
+
+class Checkpointer:
+    """When a run saves and where it resumes: a run directory's `checkpoints/` under `CheckpointConfig`."""
+
+    def __init__(self, checkpoint_dir: Path, cfg: CheckpointConfig, last_step: int, run_dir_name: str):
+        self.dir = Path(checkpoint_dir)
+        self.cfg = cfg
+        self.last_step = last_step
+        self.run_dir_name = run_dir_name
+
+    def resume_point(self) -> CheckpointRef | None:
+        """The checkpoint to resume from, or None; refuses to start a fresh run over existing checkpoints."""
+        latest = latest_complete(self.dir)
+        if latest is not None and not self.cfg.resume:
+            raise ConfigError(f"logging.run_dir = {self.run_dir_name!r} already has checkpoints (newest: step "
+                              f"{latest.step}); pass --checkpoint.resume True to continue it, or choose another "
+                              "--logging.run_dir")
+        return latest if self.cfg.resume else None
+
+    def due(self, step: int) -> bool:
+        return self.cfg.enabled and (step % self.cfg.every == 0 or step == self.last_step)
+
+    def maybe_save(self, step: int, state: CheckpointState) -> CheckpointRef | None:
+        """Save `state` as step `step` when one is due (collective: every rank calls it)."""
+        if not self.due(step):
+            return None
+        try:
+            return save_checkpoint(self.dir, step, state.model, state.optimizer, state.trainer_state(),
+                                   state.per_rank_state(), self.cfg.keep_last)
+        except PoisonedStateError as err:
+            raise TrainingDiverged(str(err)) from None
+
+    def latest(self) -> CheckpointRef | None:
+        return latest_complete(self.dir)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from moetrain.data.packing import IGNORE_INDEX
 
 
 def token_loss_sum(

@@ -1,26 +1,30 @@
-"""Training metrics: JSONL records, the rank-0 progress bar, optional TensorBoard, and `moetrain plot`.
+"""Training metrics: what a step record holds, when records are written, JSONL, the progress bar, TensorBoard.
 
-The trainer computes the numbers; this module only formats, stores and draws them.
+The trainer measures and reduces the numbers across ranks; this module decides when
+a record is due (`MetricsWriter.due(step)`: every `logging.log_every` steps and at
+the run's last step), shapes the records and the console line, and stores them.
 Records are one JSON object per line in `RUN_DIR/metrics.jsonl`, with a `kind` of
 "train" (every log step), "eval" (held-out loss / bits per byte), "event" (start,
 resume, skipped step) or "final". A resumed run appends to the same file, so a step
-can appear twice (once before an interruption, once after); readers keep the last
-record per (kind, step), which is the one that led to the final model.
+can appear twice (once before an interruption, once after); readers
+(`moetrain.train.plot.read_records`) keep the last record per (kind, step), which is
+the one that led to the final model. This module does no collectives.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-from collections import Counter
-from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moetrain.config import ConfigError
+import torch
+from tqdm import tqdm
 
-METRICS_FILE = "metrics.jsonl"
+from moetrain.errors import ConfigError
+from moetrain.train.rundir import METRICS_FILE
+
 LN2 = math.log(2.0)
 
 
@@ -29,30 +33,40 @@ def bits_per_byte(loss_sum_nats: float, n_bytes: int) -> float:
     return loss_sum_nats / (LN2 * n_bytes) if n_bytes > 0 else float("nan")
 
 
-def unigram_entropy_bits(byte_counts: Counter[int] | dict[int, int]) -> float:
-    """Entropy (bits per byte) of the empirical byte distribution: the best any unigram model can do."""
-    total = sum(byte_counts.values())
-    return -sum(c / total * math.log2(c / total) for c in byte_counts.values() if c > 0)
+@dataclass
+class StepResult:
+    """What one optimizer step measured on this rank (loss and aux already reduced over ranks)."""
 
-
-def byte_histogram(texts: Iterable[str]) -> Counter[int]:
-    counts: Counter[int] = Counter()
-    for text in texts:
-        counts.update(text.encode("utf-8"))
-    return counts
+    loss: float
+    aux_loss: float
+    grad_norm: float
+    lr: float
+    global_tokens: int
+    compute_s: float
+    wait_s: float
+    step_s: float
+    skipped: bool
+    expert_load: torch.Tensor | None
 
 
 class MetricsWriter:
     """Appends records to RUN_DIR/metrics.jsonl (and TensorBoard when asked); a no-op off rank 0."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool = False):
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool = False, log_every: int = 1,
+                 last_step: int | None = None):
         self.enabled = enabled
+        self.log_every = log_every
+        self.last_step = last_step
         self.path = Path(run_dir) / METRICS_FILE
         self._tb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
                 self._tb = _tensorboard_writer(Path(run_dir) / "tensorboard")
+
+    def due(self, step: int) -> bool:
+        """Whether a train record is written after `step` (on every rank: building one may communicate)."""
+        return step % self.log_every == 0 or step == self.last_step
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -84,8 +98,6 @@ class ProgressBar:
     def __init__(self, total: int, initial: int, enabled: bool):
         self._bar = None
         if enabled:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                              mininterval=1.0)
 
@@ -107,95 +119,46 @@ class ProgressBar:
             self._bar.close()
 
 
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics file; the last one wins for a repeated (kind, step)."""
-    latest: dict[tuple[str, Any], dict[str, Any]] = {}
-    order: list[tuple[str, Any]] = []
-    lines = Path(path).read_text().splitlines()
-    for line_no, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            # A run killed mid-write can leave a truncated last line; anything else is a real problem.
-            if line_no == len(lines):
-                continue
-            raise ConfigError(f"{path}:{line_no} is not a JSON record") from None
-        key = (record.get("kind", ""), record.get("step", line_no) if record.get("kind") != "event" else line_no)
-        if key not in latest:
-            order.append(key)
-        latest[key] = record
-    return [latest[k] for k in order]
+def format_si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
 
 
-def series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list[int], list[float]]:
-    rows = sorted((r["step"], r[key]) for r in records if r.get("kind") == kind and key in r
-                  and isinstance(r.get(key), (int, float)) and math.isfinite(r[key]))
-    return [s for s, _ in rows], [v for _, v in rows]
+def train_record(step: int, result: StepResult, window: list[StepResult], tokens_per_rank_step: int,
+                 per_rank_times: list[list[float]], expert_load: torch.Tensor | None, flops_per_token: float,
+                 peak_flops: float, tokens_seen: int, skipped_steps: int) -> dict[str, Any]:
+    """The "train" record of a log step.
+
+    `per_rank_times` is every rank's [compute_s, wait_s, step_s]; `expert_load` the step's
+    routed assignments per (MoE layer, expert) summed over ranks, or None without MoE layers.
+    """
+    world = len(per_rank_times)
+    global_tokens_per_s = tokens_per_rank_step * world / result.step_s
+    record: dict[str, Any] = {
+        "kind": "train", "step": step, "loss": result.loss,
+        "loss_avg": sum(r.loss for r in window) / len(window), "aux_loss": result.aux_loss,
+        "lr": result.lr, "grad_norm": result.grad_norm, "valid_tokens": result.global_tokens,
+        "tokens_per_s": global_tokens_per_s,
+        "tokens_per_s_per_rank": [tokens_per_rank_step / r[2] for r in per_rank_times],
+        "step_s": result.step_s, "compute_s_per_rank": [r[0] for r in per_rank_times],
+        "wait_s_per_rank": [r[1] for r in per_rank_times],
+        "mfu": flops_per_token * global_tokens_per_s / (peak_flops * world),
+        "tokens_seen": tokens_seen, "skipped_steps": skipped_steps,
+    }
+    if expert_load is not None:
+        ratio = (expert_load.max(dim=1).values / expert_load.mean(dim=1).clamp_min(1e-9)).tolist()
+        record["expert_load_max_over_mean"] = sum(ratio) / len(ratio)
+        record["expert_load_max_over_mean_per_layer"] = ratio
+    return record
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw loss (train, held-out), held-out bits per byte and throughput against step to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run_dir = Path(run_dir)
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        raise ConfigError(f"run directory {str(run_dir)!r} has no {METRICS_FILE}; pass the logging.run_dir "
-                          "of a training run")
-    records = read_records(path)
-    train_steps, train_loss = series(records, "train", "loss")
-    if not train_steps:
-        raise ConfigError(f"{path} has no training records yet")
-    eval_steps, eval_loss = series(records, "eval", "heldout_loss")
-    _, eval_bpb = series(records, "eval", "heldout_bpb")
-    tput_steps, tput = series(records, "train", "tokens_per_s")
-    final = next((r for r in reversed(records) if r.get("kind") == "final"), {})
-
-    _, train_avg = series(records, "train", "loss_avg")
-    entropy = final.get("unigram_entropy_bits")
-    fig, (ax_loss, ax_bpb, ax_tput) = plt.subplots(1, 3, figsize=(15, 4.2))
-    ax_loss.plot(train_steps, train_loss, color="tab:blue", alpha=0.35, linewidth=0.8, label="train loss (log step)")
-    if len(train_avg) == len(train_steps):
-        ax_loss.plot(train_steps, train_avg, color="tab:blue", label="train loss (mean since last log)")
-    if eval_steps:
-        ax_loss.plot(eval_steps, eval_loss, "o-", color="tab:orange", label="held-out loss")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("cross-entropy (nats per token)")
-    ax_loss.set_title("loss")
-    ax_loss.legend(loc="upper right")
-    if eval_steps:
-        ax_bpb.plot(eval_steps, eval_bpb, "o-", color="tab:green", label="held-out bits per byte")
-    if entropy is not None:
-        ax_bpb.axhline(entropy, color="gray", linestyle=":", label=f"unigram byte entropy ({entropy:.2f})")
-    ax_bpb.set_xlabel("step")
-    ax_bpb.set_ylabel("bits per byte")
-    ax_bpb.set_title("held-out bits per byte")
-    ax_bpb.set_ylim(bottom=0)
-    if eval_steps or entropy is not None:
-        ax_bpb.legend(loc="lower left")
-    ax_tput.plot(tput_steps, tput, color="tab:purple")
-    ax_tput.set_xlabel("step")
-    ax_tput.set_ylabel("tokens / s (global)")
-    ax_tput.set_title("throughput")
-    ax_tput.set_ylim(bottom=0)
-    fig.suptitle(f"moetrain run {run_dir.name}")
-    fig.tight_layout()
-    out_path = Path(out) if out is not None else run_dir / "training_curve.png"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
-    return out_path
-
-
-def plot_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moetrain plot", description="Draw a run's loss and throughput curves.")
-    parser.add_argument("run_dir", help="the run directory (logging.run_dir of the training job)")
-    parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/training_curve.png)")
-    args = parser.parse_args(argv)
-    print(plot_run(args.run_dir, args.out))
-    return 0
+def console_line(record: dict[str, Any], total_steps: int) -> str:
+    line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"gnorm {record['grad_norm']:.3f} | {format_si(record['tokens_per_s'])} tok/s | "
+            f"step {record['step_s']:.2f}s (compute {max(record['compute_s_per_rank']):.2f}, "
+            f"wait {max(record['wait_s_per_rank']):.2f}) | MFU {100 * record['mfu']:.2f}%")
+    if "expert_load_max_over_mean" in record:
+        line += f" | experts max/mean {record['expert_load_max_over_mean']:.2f}"
+    return line

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from moetrain.config import TrainConfig
 
@@ -42,8 +43,6 @@ def split_decay_groups(model: nn.Module, decay_norms_and_embeddings: bool) -> tu
 def _fused_supported(params: list[nn.Parameter]) -> bool:
     # Fused AdamW runs on CPU and accelerators for floating-point params; a
     # single-kernel step is faster and deterministic, so prefer it where it exists.
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
     devices = set(_get_fused_kernels_supported_devices())
     return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 

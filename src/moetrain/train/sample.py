@@ -11,18 +11,19 @@ the small models this is meant for. Nothing here changes the model or checkpoint
 
 from __future__ import annotations
 
-import argparse
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.config import ConfigError, JobConfig, from_dict
+from moetrain.args import parse_typed_args
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
-
-CONFIG_FILE = "config.json"
+from moetrain.errors import ConfigError
+from moetrain.model.transformer import Transformer
+from moetrain.train.checkpoint import latest_complete, load_model_weights
+from moetrain.train.rundir import RunDir
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -78,36 +79,29 @@ def generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens
     return tokenizer.decode(new_tokens)
 
 
-def load_run_config(run_dir: str | Path) -> JobConfig:
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"--run {str(run_dir)!r} has no {CONFIG_FILE}; pass the logging.run_dir of a training run")
-    try:
-        return from_dict(json.loads(path.read_text())).validate()
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+@dataclass
+class SampleOptions:
+    """Generate text from a run's newest complete checkpoint."""
+
+    run: str  # run directory of a training job (its logging.run_dir)
+    prompt: str = "def "  # text to continue
+    max_tokens: int = 200  # tokens to generate at most
+    temperature: float = 0.0  # 0 = greedy, else sampling
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]
+    seed: int = 0  # sampling seed
 
 
 def main(argv: list[str]) -> int:
-    from moetrain.model.transformer import Transformer
-    from moetrain.train.checkpoint import latest_complete, load_model_weights
-
-    parser = argparse.ArgumentParser(prog="moetrain sample", description="Generate text from a run's checkpoint.")
-    parser.add_argument("--run", required=True, help="run directory of a training job (its logging.run_dir)")
-    parser.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    parser.add_argument("--max-tokens", type=int, default=200, help="tokens to generate at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sampling")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    args = parser.parse_args(argv)
+    args = parse_typed_args(SampleOptions, argv, "moetrain sample", bool_flags=True)
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens = {args.max_tokens} is invalid: must be >= 1")
     if args.temperature < 0:
         raise ConfigError(f"--temperature = {args.temperature} is invalid: must be >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p = {args.top_p} is invalid: must be in (0, 1]")
-    cfg = load_run_config(args.run)
-    ref = latest_complete(Path(args.run) / "checkpoints")
+    run_dir = RunDir(Path(args.run))
+    cfg = run_dir.load_config()
+    ref = latest_complete(run_dir.checkpoints)
     if ref is None:
         raise ConfigError(f"--run {args.run!r} has no complete checkpoint under {args.run}/checkpoints")
     tokenizer = build_tokenizer(cfg.data.tokenizer)

@@ -1,0 +1,63 @@
+"""What a training run gets from the data layer: packed train and held-out sequences, the tokenizer, statistics.
+
+`load_training_data(cfg)` reads the configured corpus, splits it, tokenizes and packs
+both sides, and measures the unigram byte entropy of each side: the bits per byte a
+model that ignores context would reach, the reference the held-out bits per byte are
+read against. Bad data raises a one-line ConfigError before anything is written.
+This module assembles data; it does no batching, sharding or I/O beyond the corpus.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from moetrain.config import JobConfig
+from moetrain.data.corpus import load_corpus
+from moetrain.data.packing import PackedSequences, pack_documents
+from moetrain.data.tokenizer import Tokenizer, build_tokenizer
+from moetrain.errors import ConfigError
+
+
+@dataclass
+class TrainingData:
+    tokenizer: Tokenizer
+    train: PackedSequences
+    heldout: PackedSequences | None
+    token_bytes: torch.Tensor
+    unigram_entropy_bits: float | None
+    train_unigram_entropy_bits: float
+    n_train_documents: int
+    n_heldout_documents: int
+
+
+def byte_histogram(texts: Iterable[str]) -> Counter[int]:
+    counts: Counter[int] = Counter()
+    for text in texts:
+        counts.update(text.encode("utf-8"))
+    return counts
+
+
+def unigram_entropy_bits(byte_counts: Counter[int] | dict[int, int]) -> float:
+    """Entropy (bits per byte) of the empirical byte distribution: the best any unigram model can do."""
+    total = sum(byte_counts.values())
+    return -sum(c / total * math.log2(c / total) for c in byte_counts.values() if c > 0)
+
+
+def load_training_data(cfg: JobConfig) -> TrainingData:
+    """Read, split, tokenize and pack the corpus (raises ConfigError for bad data)."""
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is invalid: the tokenizer "
+                          f"{cfg.data.tokenizer!r} needs at least {tokenizer.vocab_size}")
+    corpus = load_corpus(cfg.data)
+    train = pack_documents(corpus.train, tokenizer, cfg.data.seq_len)
+    heldout = pack_documents(corpus.heldout, tokenizer, cfg.data.seq_len) if corpus.heldout else None
+    entropy = unigram_entropy_bits(byte_histogram(d.text for d in corpus.heldout)) if corpus.heldout else None
+    train_entropy = unigram_entropy_bits(byte_histogram(d.text for d in corpus.train))
+    return TrainingData(tokenizer, train, heldout, tokenizer.token_byte_lengths(), entropy, train_entropy,
+                        len(corpus.train), len(corpus.heldout))

@@ -1,0 +1,116 @@
+"""`moetrain plot RUN_DIR [--out PNG]`: a run's loss, held-out bits per byte and throughput, drawn from its metrics.
+
+Reads `RUN_DIR/metrics.jsonl` (the last record wins for a repeated (kind, step): the
+one that led to the final model) and draws three panels to a PNG. This module only
+reads and draws; it never writes into a run except the figure it is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import tyro
+from matplotlib.figure import Figure
+
+from moetrain.args import parse_typed_args
+from moetrain.errors import ConfigError
+from moetrain.train.rundir import METRICS_FILE, RunDir
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics file; the last one wins for a repeated (kind, step)."""
+    latest: dict[tuple[str, Any], dict[str, Any]] = {}
+    order: list[tuple[str, Any]] = []
+    lines = Path(path).read_text().splitlines()
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            # A run killed mid-write can leave a truncated last line; anything else is a real problem.
+            if line_no == len(lines):
+                continue
+            raise ConfigError(f"{path}:{line_no} is not a JSON record") from None
+        key = (record.get("kind", ""), record.get("step", line_no) if record.get("kind") != "event" else line_no)
+        if key not in latest:
+            order.append(key)
+        latest[key] = record
+    return [latest[k] for k in order]
+
+
+def series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list[int], list[float]]:
+    rows = sorted((r["step"], r[key]) for r in records if r.get("kind") == kind and key in r
+                  and isinstance(r.get(key), (int, float)) and math.isfinite(r[key]))
+    return [s for s, _ in rows], [v for _, v in rows]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw loss (train, held-out), held-out bits per byte and throughput against step to a PNG."""
+    run_dir = Path(run_dir)
+    path = RunDir(run_dir).metrics
+    if not path.is_file():
+        raise ConfigError(f"run directory {str(run_dir)!r} has no {METRICS_FILE}; pass the logging.run_dir "
+                          "of a training run")
+    records = read_records(path)
+    train_steps, train_loss = series(records, "train", "loss")
+    if not train_steps:
+        raise ConfigError(f"{path} has no training records yet")
+    eval_steps, eval_loss = series(records, "eval", "heldout_loss")
+    _, eval_bpb = series(records, "eval", "heldout_bpb")
+    tput_steps, tput = series(records, "train", "tokens_per_s")
+    final = next((r for r in reversed(records) if r.get("kind") == "final"), {})
+
+    _, train_avg = series(records, "train", "loss_avg")
+    entropy = final.get("unigram_entropy_bits")
+    # A bare Figure (no pyplot): no global state, no GUI backend, works on machines without a display.
+    fig = Figure(figsize=(15, 4.2))
+    ax_loss, ax_bpb, ax_tput = fig.subplots(1, 3)
+    ax_loss.plot(train_steps, train_loss, color="tab:blue", alpha=0.35, linewidth=0.8, label="train loss (log step)")
+    if len(train_avg) == len(train_steps):
+        ax_loss.plot(train_steps, train_avg, color="tab:blue", label="train loss (mean since last log)")
+    if eval_steps:
+        ax_loss.plot(eval_steps, eval_loss, "o-", color="tab:orange", label="held-out loss")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy (nats per token)")
+    ax_loss.set_title("loss")
+    ax_loss.legend(loc="upper right")
+    if eval_steps:
+        ax_bpb.plot(eval_steps, eval_bpb, "o-", color="tab:green", label="held-out bits per byte")
+    if entropy is not None:
+        ax_bpb.axhline(entropy, color="gray", linestyle=":", label=f"unigram byte entropy ({entropy:.2f})")
+    ax_bpb.set_xlabel("step")
+    ax_bpb.set_ylabel("bits per byte")
+    ax_bpb.set_title("held-out bits per byte")
+    ax_bpb.set_ylim(bottom=0)
+    if eval_steps or entropy is not None:
+        ax_bpb.legend(loc="lower left")
+    ax_tput.plot(tput_steps, tput, color="tab:purple")
+    ax_tput.set_xlabel("step")
+    ax_tput.set_ylabel("tokens / s (global)")
+    ax_tput.set_title("throughput")
+    ax_tput.set_ylim(bottom=0)
+    fig.suptitle(f"moetrain run {run_dir.name}")
+    fig.tight_layout()
+    out_path = Path(out) if out is not None else RunDir(run_dir).curve
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    return out_path
+
+
+@dataclass
+class PlotOptions:
+    """Draw a run's loss and throughput curves to a PNG."""
+
+    run_dir: Annotated[str, tyro.conf.Positional]  # the run directory (logging.run_dir of the training job)
+    out: str | None = None  # PNG path (default RUN_DIR/training_curve.png)
+
+
+def main(argv: list[str]) -> int:
+    opts = parse_typed_args(PlotOptions, argv, "moetrain plot", bool_flags=True)
+    print(plot_run(opts.run_dir, opts.out))
+    return 0

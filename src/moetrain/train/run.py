@@ -1,0 +1,201 @@
+"""A training run, start to end: `moetrain train --config FILE [--section.field value ...]`.
+
+Order of work, chosen so that a bad config or bad data fails before anything is
+written: parse and validate the config, read and pack the corpus, join the process
+group and build the mesh, check the run directory (existing checkpoints need
+`--checkpoint.resume True`), build the Trainer (model, optimizer, loader), and only
+then restore a checkpoint and start writing into the run directory.
+
+The run owns the process group's lifetime, logging and the schedule of everything
+around the steps: the components decide when they act (`metrics.due(step)`,
+`checkpointer.maybe_save(step)`), evaluation runs every `train.eval_every` steps, a
+non-finite step is skipped or stops the run per `train.nan_policy`, and the end of
+the run evaluates, samples and writes the final record. The step itself is the
+Trainer's (`moetrain.train.trainer`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from moetrain.config import JobConfig, parse_job_args
+from moetrain.data.dataset import load_training_data
+from moetrain.errors import TrainingDiverged
+from moetrain.logging import get_logger, setup_logging
+from moetrain.parallel.collectives import barrier, distributed
+from moetrain.parallel.mesh import build_mesh, init_distributed
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
+from moetrain.train.rundir import RunDir
+from moetrain.train.sample import generate
+from moetrain.train.trainer import Trainer
+
+log = get_logger("train")
+
+
+def run(cfg: JobConfig) -> dict[str, Any]:
+    """Train per `cfg`; return the final record (rank 0's view)."""
+    data = load_training_data(cfg)
+    owns_process_group = not distributed()
+    completed = False
+    try:
+        if cfg.train.num_threads > 0:
+            torch.set_num_threads(cfg.train.num_threads)
+        _, world, device = init_distributed(cfg.parallel)
+        mesh = build_mesh(cfg.parallel, world, device.type)
+        run_dir = RunDir(Path(cfg.logging.run_dir))
+        checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
+                                    cfg.logging.run_dir)
+        resume_from = checkpointer.resume_point()
+        trainer = Trainer(cfg, data, mesh, device)
+        result = _run(trainer, run_dir, checkpointer, resume_from)
+        completed = True
+        return result
+    finally:
+        # Also when the Trainer could not be built (e.g. a mesh that does not fit the world).
+        if owns_process_group and dist.is_initialized():
+            if completed:
+                # Without it a rank that finishes first tears down its gloo connections while
+                # a peer is still in its last collective, and the peer aborts at exit.
+                barrier()
+            dist.destroy_process_group()
+
+
+def _start(trainer: Trainer, run_dir: RunDir, resume_from: ckpt.CheckpointRef | None) -> None:
+    """Restore the checkpoint (if any), then claim the run directory: config, logs, stale partial writes."""
+    if resume_from is not None:
+        trainer.restore(resume_from)
+    if trainer.rank == 0:
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_partial(run_dir.checkpoints)  # writes interrupted in an earlier run, never complete
+        run_dir.config.write_text(json.dumps(trainer.cfg.to_dict(), indent=2))
+        if resume_from is None and run_dir.metrics.exists():
+            run_dir.metrics.unlink()  # no checkpoint: nothing of that run can continue
+    setup_logging(log_dir=run_dir.logs if trainer.cfg.logging.all_ranks_to_files else None)
+
+
+def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
+         resume_from: ckpt.CheckpointRef | None) -> dict[str, Any]:
+    cfg = trainer.cfg
+    _start(trainer, run_dir, resume_from)
+    is_rank0 = trainer.rank == 0
+    last_step = checkpointer.last_step
+    metrics = MetricsWriter(run_dir.root, enabled=is_rank0, tensorboard=cfg.logging.tensorboard,
+                            log_every=cfg.logging.log_every, last_step=last_step)
+    data = trainer.data
+    start_record = {
+        "kind": "event", "event": "resume" if resume_from else "start", "step": trainer.step,
+        "world_size": trainer.world, "params_total": trainer.params["total"], "params_active": trainer.params["active"],
+        "flops_per_token": trainer.flops_per_token, "train_sequences": len(data.train),
+        "train_documents": data.n_train_documents, "heldout_documents": data.n_heldout_documents,
+        "sync_policy": trainer.policy.name, "time": time.time(),
+    }
+    metrics.write(start_record)
+    log.info("%s at step %d: %d ranks (mesh %s, sync %s), %.2fM params (%.2fM active/token), %d train documents "
+             "-> %d sequences of %d tokens, %d held-out documents", start_record["event"], trainer.step,
+             trainer.world, "none" if trainer.mesh is None else tuple(trainer.mesh.shape), trainer.policy.name,
+             trainer.params["total"] / 1e6, trainer.params["active"] / 1e6, data.n_train_documents,
+             len(data.train), cfg.data.seq_len, data.n_heldout_documents)
+    bar = ProgressBar(total=cfg.train.steps, initial=trainer.step, enabled=is_rank0 and cfg.logging.progress_bar)
+    window: list[StepResult] = []
+    run_start = time.perf_counter()
+    steps_this_run = 0
+    try:
+        redirect = logging_redirect_tqdm(loggers=[logging.getLogger("moetrain")]) if bar.active else nullcontext()
+        with redirect:
+            while trainer.step < last_step:
+                result = trainer.train_step()
+                steps_this_run += 1
+                window.append(result)
+                if result.skipped:
+                    _handle_nonfinite(trainer, result, metrics, checkpointer)
+                bar.update({"loss": f"{result.loss:.3f}", "lr": f"{result.lr:.1e}"})
+                if metrics.due(trainer.step):
+                    record = trainer.train_record(result, window)
+                    window = []
+                    metrics.write(record)
+                    log.info(console_line(record, cfg.train.steps))
+                evaluate_now = cfg.train.eval_every > 0 and trainer.step % cfg.train.eval_every == 0
+                if data.heldout is not None and evaluate_now and trainer.step != cfg.train.steps:
+                    ev = trainer.evaluate()
+                    metrics.write({"kind": "eval", "step": trainer.step, **ev})
+                    log.info("step %d | held-out loss %.4f | %.4f bits/byte", trainer.step, ev["heldout_loss"],
+                             ev["heldout_bpb"])
+                saved = checkpointer.maybe_save(trainer.step, trainer)
+                if saved is not None:
+                    log.info("checkpoint saved: %s", saved.path)
+        bar.close()
+        wall_s = time.perf_counter() - run_start
+        if trainer.step < cfg.train.steps:
+            log.info("stopped at step %d of %d (train.stop_at_step); resume with --checkpoint.resume True",
+                     trainer.step, cfg.train.steps)
+            final = {"kind": "stopped", "step": trainer.step, "wall_s": wall_s}
+            metrics.write(final)
+            return final
+        return _finish(trainer, metrics, wall_s, steps_this_run)
+    finally:
+        bar.close()
+        metrics.close()
+
+
+def _handle_nonfinite(trainer: Trainer, result: StepResult, metrics: MetricsWriter,
+                      checkpointer: Checkpointer) -> None:
+    what = f"step {trainer.step}: loss {result.loss} / grad norm {result.grad_norm} is not finite"
+    if trainer.cfg.train.nan_policy == "stop":
+        latest = checkpointer.latest()
+        where = f"newest complete checkpoint: step {latest.step}" if latest else "no checkpoint was written"
+        raise TrainingDiverged(f"{what}; stopping (train.nan_policy = 'stop'); {where}")
+    trainer.skipped_steps += 1
+    metrics.write({"kind": "event", "event": "skipped_step", "step": trainer.step, "loss": result.loss,
+                   "grad_norm": result.grad_norm, "skipped_steps": trainer.skipped_steps})
+    log.warning("%s; update skipped (train.nan_policy = 'skip', %d skipped so far)", what, trainer.skipped_steps)
+
+
+def _finish(trainer: Trainer, metrics: MetricsWriter, wall_s: float, steps_this_run: int) -> dict[str, Any]:
+    cfg, data = trainer.cfg, trainer.data
+    final: dict[str, Any] = {"kind": "final", "step": trainer.step, "wall_s": wall_s, "steps_this_run": steps_this_run,
+                             "skipped_steps": trainer.skipped_steps, "tokens_seen": trainer.tokens_seen}
+    if data.heldout is not None:
+        ev = trainer.evaluate()
+        metrics.write({"kind": "eval", "step": trainer.step, **ev})
+        final.update(ev)
+        final["unigram_entropy_bits"] = data.unigram_entropy_bits
+        final["train_unigram_entropy_bits"] = data.train_unigram_entropy_bits
+        log.info("held-out: loss %.4f nats/token, %.4f bits/byte; unigram byte entropy: held-out text %.4f "
+                 "bits/byte (%.4f nats/byte), training text %.4f bits/byte", ev["heldout_loss"], ev["heldout_bpb"],
+                 data.unigram_entropy_bits, data.unigram_entropy_bits * LN2, data.train_unigram_entropy_bits)
+    else:
+        log.info("no held-out documents (data.heldout_fraction = 0): no held-out loss")
+    if cfg.train.sample_tokens > 0:
+        text = generate(trainer.model, data.tokenizer, cfg.train.sample_prompt, cfg.train.sample_tokens,
+                        cfg.train.sample_temperature, cfg.train.sample_top_p, seed=cfg.train.seed,
+                        device=trainer.device, max_context=cfg.data.seq_len)
+        final["sample"] = cfg.train.sample_prompt + text
+        if trainer.rank == 0:
+            print(f"--- sample (T={cfg.train.sample_temperature}, top-p={cfg.train.sample_top_p}) ---\n"
+                  f"{final['sample']}\n--- end of sample ---", flush=True)
+    metrics.write(final)
+    log.info("done: %d steps in %.1f s this run", steps_this_run, wall_s)
+    return final
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_job_args(argv, prog="moetrain train")
+    setup_logging()
+    try:
+        run(cfg)
+    except TrainingDiverged as err:
+        print(f"moetrain: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    return 0
