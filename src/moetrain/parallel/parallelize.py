@@ -1,9 +1,12 @@
 """Turn a model built on the meta device into the model a run trains: the one place parallelism is applied.
 
-`parallelize_model` applies, in this order, activation checkpointing (recompute each
-block in backward), `torch.compile` per block, and FSDP2/HSDP sharding over the mesh
-(`moetrain.parallel.shard.apply_fsdp`). Order matters: checkpointing and compile act
-on the blocks that FSDP then wraps as its units. The model definition itself stays
+`parallelize_model` applies, in this order, expert parallelism when the mesh has an EP
+dimension (`moetrain.parallel.expert_parallel`: experts split over the EP group, tokens
+sent by all-to-all), activation checkpointing (recompute each block in backward),
+`torch.compile` per block, and FSDP2/HSDP sharding over the mesh
+(`moetrain.parallel.shard.apply_fsdp`). Order matters: FSDP shards the expert weights EP
+has already split, and checkpointing and compile act on the blocks that FSDP then wraps
+as its units. The model definition itself stays
 free of distributed code; this module changes how the model runs, never what it
 computes, and it does not materialise or initialise parameters.
 """
@@ -15,7 +18,20 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.config import JobConfig
+from moetrain.errors import ConfigError
+from moetrain.parallel.expert_parallel import apply_expert_parallel
+from moetrain.parallel.mesh import expert_meshes
 from moetrain.parallel.shard import apply_fsdp
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> None:
+    """Split every MoE layer's experts over the mesh's EP group of `ep` ranks (no-op for ep = 1)."""
+    experts = expert_meshes(mesh)
+    if (1 if experts is None else experts.degree) != ep:
+        raise ConfigError(f"parallel.ep = {ep} does not match the mesh ({'no' if experts is None else experts.degree}"
+                          " EP dimension): build it with moetrain.parallel.mesh.build_mesh from the same config")
+    if experts is not None:
+        apply_expert_parallel(model, experts.ep)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -31,7 +47,8 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn.Module:
-    """Apply activation checkpointing, compile and FSDP to `model` in place per `cfg`; return it."""
+    """Apply expert parallelism, activation checkpointing, compile and FSDP to `model` in place per `cfg`."""
+    apply_ep(model, mesh, cfg.parallel.ep)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
