@@ -99,10 +99,14 @@ class CommModel:
     inter: Link = field(default_factory=lambda: Link(20e-6, 25e9))
     ranks_per_node: int = 8
     algorithm: Literal["ring", "tree"] = "ring"
+    # The token all-to-all's own link (e.g. fitted to measured all-to-alls); None: intra/inter by placement.
+    all_to_all_link: Link | None = None
 
     def validate(self) -> CommModel:
         self.intra.validate("comm.intra")
         self.inter.validate("comm.inter")
+        if self.all_to_all_link is not None:
+            self.all_to_all_link.validate("comm.all_to_all_link")
         if self.ranks_per_node < 1:
             raise ConfigError(f"comm.ranks_per_node = {self.ranks_per_node!r} is invalid: must be >= 1")
         if self.algorithm not in ("ring", "tree"):
@@ -271,7 +275,8 @@ def collective_times(mode: str, replicate: int, shard: int, workload: Workload, 
                        moe_all_reduce=reduce(unit_grad + expert_grad, n, shard_link))
     # Expert FSDP group: the shard-group ranks holding the same experts (stride ep); EP group: ep consecutive ranks.
     efsdp = n // ep
-    efsdp_link, ep_link = comm.link(shard_group[::ep]), comm.link(list(range(ep)))
+    efsdp_link = comm.link(shard_group[::ep])
+    ep_link = comm.all_to_all_link or comm.link(list(range(ep)))
     rows = comm.all_to_all(experts.dispatch_bytes, ep, ep_link)
     latency = comm.all_to_all(0.0, ep, ep_link)
 
