@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -63,7 +64,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 # ---- the whole model ------------------------------------------------------------------------------
 
-def _model_case(state, batches, shape, ep, policy_name, rank, world, device) -> dict:
+def _model_case(state, batches, shape, ep, policy_name, rank, world, device, model_cfg=MODEL_CFG) -> dict:
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
     from moetrain.parallel.mesh import build_mesh
     from moetrain.parallel.parallelize import apply_ep
@@ -72,7 +73,7 @@ def _model_case(state, batches, shape, ep, policy_name, rank, world, device) -> 
     pcfg = ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1], ep=ep, sync_policy=policy_name)
     mesh = build_mesh(pcfg, world, device.type)
     with torch.device("meta"):
-        model = Transformer(MODEL_CFG)
+        model = Transformer(model_cfg)
     apply_ep(model, mesh, ep)
     apply_fsdp(model, mesh, pcfg)
     model.to_empty(device=device)
@@ -112,11 +113,45 @@ def _model_case(state, batches, shape, ep, policy_name, rank, world, device) -> 
     out["params"] = {n: _np(p.full_tensor()) for n, p in model.named_parameters()}
     out["param_groups"] = sum(len(u._get_fsdp_state()._fsdp_param_groups) for u in model.modules()
                               if hasattr(u, "_get_fsdp_state"))
-    expert_w1 = model.layers[MODEL_CFG.n_dense_layers].moe.experts.w1
-    out["expert_layout"] = (tuple(expert_w1.device_mesh.mesh_dim_names), tuple(expert_w1.to_local().shape))
+    expert_w1 = model.layers[model_cfg.n_dense_layers].moe.experts.w1
+    out["expert_layout"] = (tuple(expert_w1.device_mesh.mesh_dim_names), tuple(expert_w1.to_local().shape),
+                            tuple(repr(p) for p in expert_w1.placements))
     if rank != 0:  # the gathered tensors are the same everywhere; ship them once
         out.pop("grads"), out.pop("params")
     return out
+
+
+# One expert per EP rank over 2 expert-FSDP ranks: FSDP cannot split a single expert on dim 0 evenly,
+# so the experts are sharded on dim 1 (the other placement path of shard._expert_placement_fn).
+DIM1_CFG = replace(MODEL_CFG, moe=replace(MODEL_CFG.moe, n_experts=2, top_k=1))
+
+
+def _state_for(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic float32 weights for `cfg`, drawn like the parity grid's `initial_state`."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in Transformer(cfg).state_dict().items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones_like(tensor)
+        elif name.endswith("expert_bias") or name.endswith("load_since_update"):
+            state[name] = torch.zeros_like(tensor)
+        else:
+            fan_in = tensor.shape[-2] if "experts.w" in name else tensor.shape[-1]
+            state[name] = torch.randn(tensor.shape, generator=gen) / math.sqrt(fan_in)
+    return state
+
+
+def _reference_grads_step0(cfg, state, batches) -> dict[str, torch.Tensor]:
+    """Float64, one process: the gradient of step 0's global objective."""
+    model = Transformer(cfg)
+    model.load_state_dict(state)
+    model.double()
+    global_tokens = sum(_valid(t) for microbatches in batches[0] for _, t in microbatches)
+    for microbatches in batches[0]:
+        for tokens, targets in microbatches:
+            loss_sum, n_valid = token_loss_sum(model(tokens), targets)
+            microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
 
 
 def _reference_forwards(state, batches) -> list[list[dict]]:
@@ -277,6 +312,8 @@ def _worker(state, batches, run_dir: str, corpus: str) -> dict:
     result: dict = {"model": {}, "moe": {}}
     for name, shape, ep, policy in MODEL_CASES:
         result["model"][name] = _model_case(state, batches, shape, ep, policy, rank, world, device)
+    result["dim1"] = _model_case(_state_for(DIM1_CFG), batches[:1], (1, 4), 2, "every_microbatch", rank, world,
+                                 device, DIM1_CFG)
     result["guard"] = {guard: _guard_case(state, batches, guard, rank, world, device) for guard in (False, True)}
     dist.barrier()
     for ep in (2, 4):
@@ -359,9 +396,19 @@ def test_expert_weights_live_on_the_ep_mesh_and_in_their_blocks_units(ranks):
         efsdp = shard // ep
         # sharded expert weight: mesh (efsdp, ep) [+ dp_replicate], local rows E / ep / efsdp
         dims = ("dp_replicate", "efsdp", "ep") if replicate > 1 else ("efsdp", "ep")
-        assert result["expert_layout"] == (dims, (experts // ep // efsdp, MODEL_CFG.dim, 2 * 16)), name
+        assert result["expert_layout"][:2] == (dims, (experts // ep // efsdp, MODEL_CFG.dim, 2 * 16)), name
         # one FSDP parameter group per unit (4 blocks, embedding, head, root) + one per MoE block's experts
         assert result["param_groups"] == 7 + (MODEL_CFG.n_layers - MODEL_CFG.n_dense_layers), name
+
+
+def test_a_single_local_expert_is_sharded_on_dim_1_and_its_gradients_match(ranks):
+    result = ranks["results"][0]["dim1"]
+    # 2 experts over EP = 2: one whole expert per EP rank, split on dim 1 (d = 32) over its 2 efsdp ranks
+    assert result["expert_layout"] == (("efsdp", "ep"), (1, MODEL_CFG.dim // 2, 2 * 16),
+                                       ("Shard(dim=1)", "Shard(dim=0)"))
+    reference = _reference_grads_step0(DIM1_CFG, _state_for(DIM1_CFG), ranks["batches"])
+    err, name = relative_error(result["grads"], reference)
+    assert err <= BOUND, f"{name}: {err:.2e}"
 
 
 def test_delayed_all_reduce_holds_back_expert_and_other_replicate_reductions(ranks):

@@ -502,8 +502,12 @@ def format_table(predictions: Sequence[ModePrediction]) -> str:
     with_ep = any(p.ep != 1 for p in predictions)
     lines = [f"{'mode':<16} {'ep':>3} {'mean s':>9} {'median s':>9} {'p90 s':>9} {'/ hsdp-delayed':>15}"
              + (f" {'/ ep=1':>8}" if with_ep else "")]
+
+    def ratio(value: float, width: int) -> str:
+        return f"{value:>{width}.3f}" if math.isfinite(value) else f"{'-':>{width}}"  # reference not simulated
+
     lines += [f"{p.mode:<16} {p.ep:>3} {p.mean_step_s:>9.4f} {p.median_step_s:>9.4f} {p.p90_step_s:>9.4f} "
-              f"{p.ratio_to_reference:>15.3f}" + (f" {p.ratio_to_ep1:>8.3f}" if with_ep else "")
+              f"{ratio(p.ratio_to_reference, 15)}" + (f" {ratio(p.ratio_to_ep1, 8)}" if with_ep else "")
               for p in predictions]
     return "\n".join(lines)
 

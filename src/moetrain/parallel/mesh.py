@@ -5,12 +5,14 @@ standard environment variables, under the test harness it finds the group alread
 initialised, and a plain single process gets a private one-rank group backed by an
 in-memory store (no port, no network), so every later step runs one code path.
 `build_mesh` turns `dp_replicate x dp_shard` into a 2-D DeviceMesh with dims
-("dp_replicate", "dp_shard"). With expert parallelism (`parallel.ep > 1`) that mesh is
-cut from a 3-D root mesh ("dp_replicate", "efsdp", "ep"), dp_shard being "efsdp" and "ep"
-flattened, so the data-parallel layout is unchanged and `expert_meshes` finds the
-expert-parallel group (consecutive ranks) and the expert-FSDP mesh (the ranks holding
-the same experts) on the same root. This module picks devices and backends; it must not
+("dp_replicate", "dp_shard"). This module picks devices and backends; it must not
 touch models or gradients.
+
+With expert parallelism (`parallel.ep > 1`) `build_mesh` cuts that mesh from a 3-D root
+("dp_replicate", "efsdp", "ep"), dp_shard being "efsdp" and "ep" flattened, so the
+data-parallel layout is unchanged, and `expert_meshes` finds the expert-parallel group
+(consecutive ranks) and the expert-FSDP mesh (the ranks holding the same experts) on
+the same root.
 """
 
 from __future__ import annotations

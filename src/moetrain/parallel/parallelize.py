@@ -1,14 +1,15 @@
 """Turn a model built on the meta device into the model a run trains: the one place parallelism is applied.
 
-`parallelize_model` applies, in this order, expert parallelism when the mesh has an EP
-dimension (`moetrain.parallel.expert_parallel`: experts split over the EP group, tokens
-sent by all-to-all), activation checkpointing (recompute each block in backward),
-`torch.compile` per block, and FSDP2/HSDP sharding over the mesh
-(`moetrain.parallel.shard.apply_fsdp`). Order matters: FSDP shards the expert weights EP
-has already split, and checkpointing and compile act on the blocks that FSDP then wraps
-as its units. The model definition itself stays
+`parallelize_model` applies, in this order, activation checkpointing (recompute each
+block in backward), `torch.compile` per block, and FSDP2/HSDP sharding over the mesh
+(`moetrain.parallel.shard.apply_fsdp`). Order matters: checkpointing and compile act
+on the blocks that FSDP then wraps as its units. The model definition itself stays
 free of distributed code; this module changes how the model runs, never what it
 computes, and it does not materialise or initialise parameters.
+
+Before all of these, when the mesh has an expert-parallel dimension, `apply_ep` splits
+every MoE layer's experts over the EP group and routes their tokens by all-to-all
+(`moetrain.parallel.expert_parallel`); FSDP then shards what EP has split.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn.Module:
-    """Apply expert parallelism, activation checkpointing, compile and FSDP to `model` in place per `cfg`."""
+    """Apply activation checkpointing, compile and FSDP to `model` in place per `cfg`; return it."""
     apply_ep(model, mesh, cfg.parallel.ep)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)

@@ -2,16 +2,18 @@
 
 `apply_fsdp` wraps each transformer block, then the embedding and the LM head, then
 the root, with `fully_shard` on the data-parallel mesh (1-D for FSDP, 2-D for HSDP
-and for pure replication). Under expert parallelism the routed-expert weights (already
-DTensors over the EP group, see `moetrain.parallel.expert_parallel`) stay in their
-block's unit but are sharded on the expert-FSDP mesh: over the ranks that hold the same
-experts, replicated across replica groups under HSDP. It configures every unit to reduce gradients with plain
+and for pure replication). It configures every unit to reduce gradients with plain
 SUM collectives and no divide factor: the loss is already divided by the global
 token count (see `moetrain.train.loss`), so FSDP's own averaging must be undone, and
 PREMUL_SUM (which gloo cannot run and which has silently zeroed bf16 gradients on
 some NCCL builds) must never be chosen. It also installs the gradient guard (every
 reduced gradient exists and has the reduce dtype). This module changes how a model
 is distributed; it must not change what the model computes.
+
+Under expert parallelism the routed-expert weights (already DTensors over the EP group,
+see `moetrain.parallel.expert_parallel`) stay in their block's unit but are sharded on
+the expert-FSDP mesh: over the ranks that hold the same experts, replicated across
+replica groups under HSDP.
 """
 
 from __future__ import annotations
@@ -176,9 +178,9 @@ def _expert_placement_fn(expert_params: set[nn.Parameter], experts: ExpertMeshes
         local_experts = param.shape[0] // experts.degree
         dim = 0 if local_experts % shard_size == 0 else 1
         if param.shape[dim] % shard_size:
-            raise ConfigError(f"expert weight {tuple(param.shape)} cannot be sharded evenly over {shard_size} "
-                              f"expert-FSDP ranks (on {local_experts} local experts or dim 1): choose "
-                              "parallel.ep so that n_experts / ep is a multiple of dp_shard / ep")
+            raise ConfigError(f"parallel.ep = {experts.degree} is invalid for expert weight {tuple(param.shape)}: "
+                              f"neither its {local_experts} local experts nor its dim 1 divide evenly over "
+                              f"{shard_size} expert-FSDP ranks (dp_shard / ep)")
         return ShardPlacementResult(placement=Shard(dim), mesh_info=mesh_info)
 
     return placement
