@@ -41,6 +41,7 @@ import torch.distributed as dist
 from moetrain.args import parse_typed_args
 from moetrain.bench.simulate import CommModel, Experts, Link, Workload, collective_times, simulate_step_times
 from moetrain.bench.sync_calibration import calibrate_comm
+from moetrain.bench.sync_report import bootstrap_ratio_ci
 from moetrain.config import JobConfig, check_world_size, load
 from moetrain.errors import ConfigError
 from moetrain.parallel.collectives import all_gather_floats
@@ -73,6 +74,7 @@ class EpBenchOptions:
     seed: int = 0
     json: str | None = None  # default: benchmarks/results/bench_ep_<config stem>.json
     timeout_s: float = 3600.0
+    report: str | None = None  # instead of running: print the report of this saved bench JSON
 
 
 def _job(opts: EpBenchOptions, ep: int) -> JobConfig:
@@ -382,34 +384,52 @@ def format_table(opts: EpBenchOptions, measured: dict[int, dict], memory: dict[i
     return "\n".join(lines)
 
 
+def report(opts: EpBenchOptions, records: dict[int, list], memory: dict[int, list[dict]], calibration: dict,
+           layout: dict) -> tuple[str, dict[str, Any]]:
+    """The printed report and the JSON result from the raw measurements of a run."""
+    measured = {ep: _medians(rows) for ep, rows in records.items()}
+    step_s = {ep: np.asarray(rows)[:, :, 0].max(axis=1) for ep, rows in records.items()}  # slowest rank per step
+    paired = bootstrap_ratio_ci(step_s, 1, resamples=2000, seed=opts.seed)
+    ring, all_to_all = fit_link(calibration["ring"]["points"]), fit_link(calibration["all_to_all"])
+    prediction = predict_steps(opts, measured, layout, ring, all_to_all)
+    lines = [f"moetrain bench ep: {opts.config}, {opts.world} gloo ranks, {opts.microbatch_size} x {opts.seq_len} "
+             f"tokens x {opts.grad_accum} microbatches per rank, {len(step_s[1])} steps in every mode, interleaved "
+             "(medians: step time of the slowest rank, other columns rank means)",
+             format_table(opts, measured, memory, prediction),
+             "mean step time / fsdp-only, 95% paired bootstrap interval over steps: "
+             + ", ".join(f"{'fsdp-only' if ep == 1 else f'ep={ep}'} {r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
+                         for ep, r in paired.items()),
+             f"alpha-beta fitted on this run's microbenchmarks: ring collectives alpha {ring.alpha_s * 1e6:.0f} us, "
+             f"{ring.bandwidth / 1e9:.2f} GB/s; all-to-all alpha {all_to_all.alpha_s * 1e6:.0f} us, "
+             f"{all_to_all.bandwidth / 1e9:.2f} GB/s; host factor inside a step (fitted on fsdp-only) "
+             f"{prediction['host_factor']:.2f}"]
+    result = {"options": asdict(opts), "layout": layout, "measured": measured, "mean_step_ratio_ci": paired,
+              "per_step": records, "memory": memory, "calibration": calibration, "prediction": prediction}
+    return "\n".join(lines), result
+
+
 def main(argv: list[str]) -> int:
     opts: EpBenchOptions = parse_typed_args(EpBenchOptions, argv, "moetrain bench ep", bool_flags=True)
+    if opts.report:  # re-render a saved run
+        saved = json.loads(Path(opts.report).read_text())
+        opts = EpBenchOptions(**{**saved["options"], "eps": tuple(saved["options"]["eps"]), "report": None})
+        by_ep = {int(k): v for k, v in saved["per_step"].items()}
+        text, _ = report(opts, by_ep, {int(k): v for k, v in saved["memory"].items()}, saved["calibration"],
+                         saved["layout"])
+        print(text)
+        return 0
     validate_options(opts)
     timing = run_on_ranks(_timing_worker, opts.world, opts, timeout=opts.timeout_s,
                           threads_per_rank=opts.threads_per_rank)[0]
-    measured = {ep: _medians(rows) for ep, rows in timing["records"].items()}
     memory: dict[int, list[dict]] = {}
     if opts.memory:
         for ep in opts.eps:
             memory[ep] = run_on_ranks(_memory_worker, opts.world, opts, ep, timeout=opts.timeout_s,
                                       threads_per_rank=opts.threads_per_rank)
-    calibration = timing["calibration"]
-    ring, all_to_all = fit_link(calibration["ring"]["points"]), fit_link(calibration["all_to_all"])
-    prediction = predict_steps(opts, measured, timing["layout"], ring, all_to_all)
-    table = format_table(opts, measured, memory, prediction)
-    print(f"moetrain bench ep: {opts.config}, {opts.world} gloo ranks, {opts.microbatch_size} x {opts.seq_len} tokens "
-          f"x {opts.grad_accum} microbatches per rank, {opts.steps} steps (medians: step time of the slowest rank, "
-          "other columns rank means)")
-    print(table)
-    print(f"alpha-beta fitted on this run's microbenchmarks: ring collectives alpha {ring.alpha_s * 1e6:.0f} us, "
-          f"{ring.bandwidth / 1e9:.2f} GB/s; all-to-all alpha {all_to_all.alpha_s * 1e6:.0f} us, "
-          f"{all_to_all.bandwidth / 1e9:.2f} GB/s; host factor inside a step (fitted on fsdp-only) "
-          f"{prediction['host_factor']:.2f}")
+    text, result = report(opts, timing["records"], memory, timing["calibration"], timing["layout"])
+    print(text)
     path = Path(opts.json) if opts.json else RESULTS / f"bench_ep_{Path(opts.config).stem}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    result = {"options": asdict(opts), "layout": timing["layout"], "measured": measured,
-              "per_step": timing["records"], "memory": memory, "calibration": calibration,
-              "prediction": prediction, "table": table, "time": time.time()}
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    path.write_text(json.dumps({**result, "time": time.time()}, indent=2, default=str) + "\n")
     print(f"json: {path}")
     return 0
