@@ -70,6 +70,10 @@ class ParallelConfig:
     dp_replicate: int = 1
     # -1: whatever is left of the world size after dp_replicate.
     dp_shard: int = -1
+    # Expert parallelism: each MoE layer's experts are split into `ep` groups of whole experts,
+    # over `ep` ranks carved out of dp_shard (tokens travel to their experts by all-to-all);
+    # expert weights are FSDP-sharded over the dp_shard / ep ranks holding the same experts. 1 = off.
+    ep: int = 1
     # auto: delayed_all_reduce under HSDP with accumulation, else every_microbatch.
     sync_policy: Literal["auto", "every_microbatch", "delayed_all_reduce", "final_only"] = "auto"
     reshard_after_forward: bool = True
@@ -176,7 +180,7 @@ def _validate(cfg: JobConfig) -> None:
         "model.n_heads": m.n_heads, "model.ffn_hidden": m.ffn_hidden, "model.max_seq_len": m.max_seq_len,
         "model.moe.n_experts": moe.n_experts, "model.moe.top_k": moe.top_k,
         "model.moe.expert_hidden": moe.expert_hidden, "model.moe.token_rounding_tile": moe.token_rounding_tile,
-        "parallel.dp_replicate": p.dp_replicate, "data.seq_len": d.seq_len, "train.steps": t.steps,
+        "parallel.dp_replicate": p.dp_replicate, "parallel.ep": p.ep, "data.seq_len": d.seq_len, "train.steps": t.steps,
         "train.microbatch_size": t.microbatch_size, "train.grad_accum": t.grad_accum,
         "train.eval_batches": t.eval_batches, "checkpoint.every": c.every, "checkpoint.keep_last": c.keep_last,
         "logging.log_every": lg.log_every,
@@ -206,6 +210,11 @@ def _validate(cfg: JobConfig) -> None:
            f"must be <= model.moe.n_experts = {moe.n_experts}")
     _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}")
     _check(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", p.dp_shard, "must be -1 (auto) or >= 1")
+    if p.ep > 1:
+        _check(m.n_dense_layers < m.n_layers, "parallel.ep", p.ep,
+               f"expert parallelism needs an MoE layer, but all model.n_layers = {m.n_layers} layers are dense; use 1")
+        _check(moe.n_experts % p.ep == 0, "parallel.ep", p.ep,
+               f"must divide model.moe.n_experts = {moe.n_experts} (each rank owns whole experts)")
     _check(t.lr > 0, "train.lr", t.lr, "must be > 0")
     _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
     _check(0 < t.decay_fraction <= 1, "train.decay_fraction", t.decay_fraction, "must be in (0, 1]")
@@ -229,16 +238,25 @@ def _validate(cfg: JobConfig) -> None:
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
-    """Resolve (dp_replicate, dp_shard) for a world size, or raise ConfigError."""
+    """Resolve (dp_replicate, dp_shard) for a world size, or raise ConfigError.
+
+    The expert-parallel group is carved out of the shard dimension, so `parallel.ep` must
+    divide dp_shard (every replica group holds every expert).
+    """
     replicate = parallel.dp_replicate
     if parallel.dp_shard == -1:
         _check(world_size % replicate == 0, "parallel.dp_replicate", replicate,
                f"must divide the world size {world_size}")
-        return replicate, world_size // replicate
-    _check(replicate * parallel.dp_shard == world_size, "parallel.dp_shard", parallel.dp_shard,
-           f"parallel.dp_replicate x parallel.dp_shard = {replicate} x {parallel.dp_shard} must equal "
-           f"the world size {world_size}")
-    return replicate, parallel.dp_shard
+        shard = world_size // replicate
+    else:
+        _check(replicate * parallel.dp_shard == world_size, "parallel.dp_shard", parallel.dp_shard,
+               f"parallel.dp_replicate x parallel.dp_shard = {replicate} x {parallel.dp_shard} must equal "
+               f"the world size {world_size}")
+        shard = parallel.dp_shard
+    _check(shard % parallel.ep == 0, "parallel.ep", parallel.ep,
+           f"must divide the data-parallel shard size {shard} (world size {world_size} / parallel.dp_replicate "
+           f"{replicate}): the expert-parallel ranks are carved out of it")
+    return replicate, shard
 
 
 def from_dict(data: dict[str, Any]) -> JobConfig:

@@ -1,4 +1,4 @@
-"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync`.
+"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync|ep`.
 
 `main` dispatches `moetrain bench NAME` to the benchmark's own `main`, importing that module
 only when it is asked for (as moetrain.cli does for subcommands), so `moetrain bench --help`
@@ -16,6 +16,8 @@ from moetrain.errors import ConfigError
 BENCHMARKS = {
     "moe": ("expert implementations side by side: saved bytes and fwd+bwd time", "moetrain.bench.moe:main"),
     "sync": ("HSDP sync policies under inhomogeneous microbatches", "moetrain.bench.sync:main"),
+    "ep": ("FSDP-only vs expert parallelism: step time, all-to-all, memory, expert bytes gathered",
+           "moetrain.bench.ep:main"),
 }
 
 

@@ -18,6 +18,14 @@ all-reduce); the overlap model says how collectives share time with compute:
 - next_microbatch: like backward, but only the final microbatch waits, so the
   collectives of microbatch i overlap the compute of i+1 (an optimistic bound).
 
+Expert parallelism (`Experts`, `ep`): the last `moe_units` units hold routed experts. With
+ep = 1 their expert weights are gathered and reduced with the rest of the unit (FSDP-only);
+with ep > 1 a MoE unit gathers and reduces only its 1/ep of the experts, over the
+shard / ep ranks that hold them, and each forward and backward of the unit exchanges the
+routed token rows with the other ranks of its EP group by all-to-all (alpha-beta, pairwise
+exchange, on the critical path: the experts wait for their tokens, the next layer for the
+results).
+
 Event times are computed in dependency order, vectorised over Monte Carlo samples and
 replica groups. Ranks of one replica group share a cost (moetrain.bench.costs), so one
 lane per group is exact. This module predicts; it must not run or time anything real.
@@ -28,7 +36,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -91,10 +99,14 @@ class CommModel:
     inter: Link = field(default_factory=lambda: Link(20e-6, 25e9))
     ranks_per_node: int = 8
     algorithm: Literal["ring", "tree"] = "ring"
+    # The token all-to-all's own link (e.g. fitted to measured all-to-alls); None: intra/inter by placement.
+    all_to_all_link: Link | None = None
 
     def validate(self) -> CommModel:
         self.intra.validate("comm.intra")
         self.inter.validate("comm.inter")
+        if self.all_to_all_link is not None:
+            self.all_to_all_link.validate("comm.all_to_all_link")
         if self.ranks_per_node < 1:
             raise ConfigError(f"comm.ranks_per_node = {self.ranks_per_node!r} is invalid: must be >= 1")
         if self.algorithm not in ("ring", "tree"):
@@ -111,6 +123,16 @@ class CommModel:
             return 0.0
         steps = n - 1 if self.algorithm == "ring" else math.ceil(math.log2(n))
         return steps * link.alpha_s + (n - 1) / n * nbytes_in / link.bandwidth
+
+    def all_to_all(self, nbytes_out: float, n: int, link: Link) -> float:
+        """All-to-all of an n-rank group, each rank sending `nbytes_out` spread over the group (1/n to itself).
+
+        Pairwise exchange: n - 1 messages per rank, (n - 1)/n of its bytes on the wire. The same for
+        `ring` and `tree` (an all-to-all has no reduction tree).
+        """
+        if n <= 1:
+            return 0.0
+        return (n - 1) * link.alpha_s + (n - 1) / n * nbytes_out / link.bandwidth
 
     def all_reduce(self, nbytes: float, n: int, link: Link) -> float:
         if n <= 1:
@@ -152,51 +174,149 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """The routed experts of the workload, to compare FSDP-only (ep = 1) with expert parallelism.
+
+    `param_bytes` of the workload's parameter (and, in the reduce dtype, `grad_bytes`) bytes are
+    routed-expert weights, spread evenly over the last `moe_units` units; the rest is spread over every
+    unit. `dispatch_bytes`: routed token rows one rank sends per MoE unit and microbatch (tokens x top_k
+    x hidden x bytes per element). Under EP each MoE unit makes `forward_all_to_alls` all-to-alls in its
+    forward (moetrain: counts, rows, gates, combine) and `backward_all_to_alls` in its backward (the
+    gradients of rows, gates and combine); `rows_per_pass` of them carry the rows, the others only latency.
+    """
+
+    moe_units: int = 0
+    param_bytes: float = 0.0
+    grad_bytes: float | None = None  # expert gradient bytes (default: param_bytes)
+    dispatch_bytes: float = 0.0
+    forward_all_to_alls: int = 4
+    backward_all_to_alls: int = 3
+    rows_per_pass: int = 2
+
+    def validate(self, workload: Workload) -> Experts:
+        if not 0 <= self.moe_units <= workload.layers:
+            raise ConfigError(f"experts.moe_units = {self.moe_units!r} is invalid: must be in [0, workload.layers = "
+                              f"{workload.layers}]")
+        for name in ("param_bytes", "dispatch_bytes"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"experts.{name} = {getattr(self, name)!r} is invalid: must be >= 0")
+        if self.grad_bytes is not None and not self.grad_bytes >= 0:
+            raise ConfigError(f"experts.grad_bytes = {self.grad_bytes!r} is invalid: must be >= 0")
+        whole_param = workload.grad_bytes if workload.param_bytes is None else workload.param_bytes
+        if self.param_bytes > whole_param or self.expert_grad_bytes > workload.grad_bytes:
+            raise ConfigError(f"experts.param_bytes = {self.param_bytes!r} is invalid: the experts are part of the "
+                              f"workload's {whole_param!r} parameter / {workload.grad_bytes!r} gradient bytes")
+        if self.moe_units == 0 and (self.param_bytes or self.dispatch_bytes):
+            raise ConfigError("experts.moe_units = 0 is invalid with expert bytes: say how many units are MoE")
+        for name in ("forward_all_to_alls", "backward_all_to_alls", "rows_per_pass"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"experts.{name} = {getattr(self, name)!r} is invalid: must be >= 0")
+        return self
+
+    @property
+    def expert_grad_bytes(self) -> float:
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
+
+
+@dataclass(frozen=True)
 class CollectiveTimes:
-    """Per-unit durations of the collectives of one mode, and which lanes each one couples."""
+    """Per-unit durations of the collectives of one mode, and which lanes each one couples.
+
+    `all_gather` .. `all_reduce` are a unit without experts; `moe_*` a MoE unit (its expert weights
+    included: in the same call at ep = 1, in a second call on the expert-FSDP group under EP);
+    `all_to_all_forward` / `_backward` the token exchanges of one MoE unit's forward / backward.
+    """
 
     all_gather: float
     reduce_scatter: float
     all_reduce: float
     shard_group_spans_groups: bool  # 1-D FSDP: the shard group is the whole world
+    moe_all_gather: float = 0.0
+    moe_reduce_scatter: float = 0.0
+    moe_all_reduce: float = 0.0
+    all_to_all_forward: float = 0.0
+    all_to_all_backward: float = 0.0
 
 
-def collective_times(mode: str, replicate: int, shard: int, workload: Workload, comm: CommModel) -> CollectiveTimes:
+def collective_times(mode: str, replicate: int, shard: int, workload: Workload, comm: CommModel,
+                     experts: Experts | None = None, ep: int = 1) -> CollectiveTimes:
     rule = MODES[mode]
-    unit_grad = workload.grad_bytes / workload.layers
-    unit_param = (workload.grad_bytes if workload.param_bytes is None else workload.param_bytes) / workload.layers
+    experts = experts or Experts()
+    param_bytes = workload.grad_bytes if workload.param_bytes is None else workload.param_bytes
+    unit_grad = (workload.grad_bytes - experts.expert_grad_bytes) / workload.layers
+    unit_param = (param_bytes - experts.param_bytes) / workload.layers
+    moe_units = max(experts.moe_units, 1)
+    expert_param, expert_grad = experts.param_bytes / moe_units, experts.expert_grad_bytes / moe_units
     extra = workload.per_call_overhead_s
-    if rule.mesh == "1d":
-        world = list(range(replicate * shard))
-        link = comm.link(world)
-        n = len(world)
-        return CollectiveTimes(comm.reduce_scatter(unit_param, n, link) + extra,
-                               comm.reduce_scatter(unit_grad, n, link) + extra, 0.0, True)
-    shard_group = list(range(shard))  # replica group 0; every group is laid out alike
+    # The shard group: the whole world in 1-D FSDP, else replica group 0 (every group is laid out alike).
+    shard_group = list(range(replicate * shard)) if rule.mesh == "1d" else list(range(shard))
+    n = len(shard_group)
+    shard_link = comm.link(shard_group)
     replicate_group = [g * shard for g in range(replicate)]  # shard position 0 of every group
-    shard_link, replicate_link = comm.link(shard_group), comm.link(replicate_group)
-    return CollectiveTimes(
-        comm.reduce_scatter(unit_param, shard, shard_link) + extra,
-        comm.reduce_scatter(unit_grad, shard, shard_link) + extra,
-        comm.all_reduce(unit_grad / shard, replicate, replicate_link) + extra,
-        False,
+    replicate_link = comm.link(replicate_group)
+    if ep > 1 and n % ep:
+        raise ConfigError(f"ep = {ep} is invalid: must divide the shard group of {n} ranks ({mode})")
+
+    def gather(nbytes: float, ranks: int, link: Link) -> float:
+        return comm.reduce_scatter(nbytes, ranks, link) + extra  # all-gather: the same alpha-beta cost
+
+    def reduce(nbytes: float, ranks: int, link: Link) -> float:
+        if rule.mesh == "1d":
+            return 0.0
+        return comm.all_reduce(nbytes / ranks, replicate, replicate_link) + extra
+
+    times = CollectiveTimes(gather(unit_param, n, shard_link), gather(unit_grad, n, shard_link),
+                            reduce(unit_grad, n, shard_link), rule.mesh == "1d")
+    if experts.moe_units == 0:
+        return times
+    if ep == 1:  # experts in the unit's own buffers
+        return replace(times, moe_all_gather=gather(unit_param + expert_param, n, shard_link),
+                       moe_reduce_scatter=gather(unit_grad + expert_grad, n, shard_link),
+                       moe_all_reduce=reduce(unit_grad + expert_grad, n, shard_link))
+    # Expert FSDP group: the shard-group ranks holding the same experts (stride ep); EP group: ep consecutive ranks.
+    efsdp = n // ep
+    efsdp_link = comm.link(shard_group[::ep])
+    ep_link = comm.all_to_all_link or comm.link(list(range(ep)))
+    rows = comm.all_to_all(experts.dispatch_bytes, ep, ep_link)
+    latency = comm.all_to_all(0.0, ep, ep_link)
+
+    def exchanges(calls: int) -> float:
+        with_rows = min(experts.rows_per_pass, calls)
+        return with_rows * rows + (calls - with_rows) * latency + calls * extra
+
+    return replace(
+        times,
+        moe_all_gather=times.all_gather + gather(expert_param / ep, efsdp, efsdp_link),
+        moe_reduce_scatter=times.reduce_scatter + gather(expert_grad / ep, efsdp, efsdp_link),
+        moe_all_reduce=times.all_reduce + reduce(expert_grad / ep, efsdp, efsdp_link),
+        all_to_all_forward=exchanges(experts.forward_all_to_alls),
+        all_to_all_backward=exchanges(experts.backward_all_to_alls),
     )
 
 
 def simulate_step_times(compute_s: np.ndarray, replicate: int, shard: int, mode: str, workload: Workload,
-                        comm: CommModel) -> np.ndarray:
-    """Step times [samples] for compute seconds [samples, accum, replicate] (one lane per replica group)."""
+                        comm: CommModel, experts: Experts | None = None, ep: int = 1) -> np.ndarray:
+    """Step times [samples] for compute seconds [samples, accum, replicate] (one lane per replica group).
+
+    `experts` / `ep`: the routed experts and the expert-parallel degree (default: no experts).
+    """
     if mode not in MODES:
         raise ConfigError(f"mode {mode!r} is invalid: valid are {tuple(MODES)}")
     workload.validate()
     comm.validate()
+    experts = (experts or Experts()).validate(workload)
+    if ep > 1 and experts.moe_units == 0:
+        raise ConfigError(f"ep = {ep} is invalid without MoE units: set experts.moe_units")
+    if ep < 1 or shard % ep:
+        raise ConfigError(f"ep = {ep} is invalid: must divide shard = {shard} (EP groups lie inside a replica group)")
     compute_s = np.asarray(compute_s, dtype=np.float64)
     if compute_s.ndim != 3 or compute_s.shape[2] != replicate:
         raise ConfigError(f"compute shape {compute_s.shape} is invalid: expected [samples, accum, {replicate}]")
     rule = MODES[mode]
-    times = collective_times(mode, replicate, shard, workload, comm)
+    times = collective_times(mode, replicate, shard, workload, comm, experts, ep)
     samples, accum, _ = compute_s.shape
     layers = workload.layers
+    first_moe = layers - experts.moe_units  # MoE blocks come after the dense ones
     fwd_share = workload.forward_fraction / layers
     bwd_share = (1 - workload.forward_fraction) / layers
 
@@ -220,31 +340,37 @@ def simulate_step_times(compute_s: np.ndarray, replicate: int, shard: int, mode:
         passes = [(layer, fwd_share, False) for layer in range(layers)]
         passes += [(layer, bwd_share, True) for layer in reversed(range(layers))]
         previous_unit_start = compute_free
-        for _, share, is_backward in passes:
+        for layer, share, is_backward in passes:
+            moe = layer >= first_moe
+            all_gather = times.moe_all_gather if moe else times.all_gather
             gathers = not is_backward or workload.reshard_after_forward
             if gathers:
                 if blocking:
-                    compute_free = couple_gather(compute_free) + times.all_gather
+                    compute_free = couple_gather(compute_free) + all_gather
                 else:
                     # Prefetched one unit ahead on its own stream: issued when the previous unit's
                     # compute starts; this unit's compute waits for it.
                     start = couple_gather(np.maximum(gather_free, previous_unit_start))
-                    gather_free = start + times.all_gather
+                    gather_free = start + all_gather
                     compute_free = np.maximum(compute_free, gather_free)
             previous_unit_start = compute_free
-            compute_free = compute_free + cost * share
+            # The token all-to-alls sit inside the unit's compute (within one replica group's lane).
+            exchange = (times.all_to_all_backward if is_backward else times.all_to_all_forward) if moe else 0.0
+            compute_free = compute_free + cost * share + exchange
             if not is_backward:
                 continue
+            reduce_scatter = times.moe_reduce_scatter if moe else times.reduce_scatter
+            all_reduce = times.moe_all_reduce if moe else times.all_reduce
             if blocking:
                 if do_rs:
-                    compute_free = couple_reduce_scatter(compute_free) + times.reduce_scatter
+                    compute_free = couple_reduce_scatter(compute_free) + reduce_scatter
                 if do_ar:
-                    compute_free = couple_all_reduce(compute_free) + times.all_reduce
+                    compute_free = couple_all_reduce(compute_free) + all_reduce
             else:
                 if do_rs:
-                    rs_free = couple_reduce_scatter(np.maximum(rs_free, compute_free)) + times.reduce_scatter
+                    rs_free = couple_reduce_scatter(np.maximum(rs_free, compute_free)) + reduce_scatter
                 if do_ar:
-                    ar_free = couple_all_reduce(np.maximum(ar_free, rs_free)) + times.all_reduce
+                    ar_free = couple_all_reduce(np.maximum(ar_free, rs_free)) + all_reduce
         if not blocking and (workload.overlap == "backward" or is_last):
             compute_free = np.maximum(compute_free, np.maximum(rs_free, ar_free))
     return compute_free.max(axis=1)
@@ -256,16 +382,25 @@ class ModePrediction:
     mean_step_s: float
     median_step_s: float
     p90_step_s: float
-    ratio_to_reference: float  # mean step time of this mode / mean of hsdp-delayed
+    ratio_to_reference: float  # mean step time of this mode / mean of hsdp-delayed (same ep)
+    ep: int = 1
+    ratio_to_ep1: float = 1.0  # mean step time / mean of the same mode without expert parallelism
 
 
 def predict(compute_s: np.ndarray, replicate: int, shard: int, workload: Workload, comm: CommModel,
-            modes: Sequence[str] = tuple(MODES)) -> list[ModePrediction]:
-    step_times = {mode: simulate_step_times(compute_s, replicate, shard, mode, workload, comm) for mode in modes}
-    reference = step_times.get(REFERENCE_MODE)
-    reference_mean = float(reference.mean()) if reference is not None else float("nan")
-    return [ModePrediction(mode, float(t.mean()), float(np.median(t)), float(np.percentile(t, 90)),
-                           float(t.mean()) / reference_mean) for mode, t in step_times.items()]
+            modes: Sequence[str] = tuple(MODES), experts: Experts | None = None,
+            eps: Sequence[int] = (1,)) -> list[ModePrediction]:
+    step_times = {(mode, ep): simulate_step_times(compute_s, replicate, shard, mode, workload, comm, experts, ep)
+                  for ep in eps for mode in modes}
+    predictions = []
+    for (mode, ep), t in step_times.items():
+        reference = step_times.get((REFERENCE_MODE, ep))
+        without_ep = step_times.get((mode, 1))
+        predictions.append(ModePrediction(
+            mode, float(t.mean()), float(np.median(t)), float(np.percentile(t, 90)),
+            float(t.mean()) / float(reference.mean()) if reference is not None else float("nan"), ep,
+            float(t.mean()) / float(without_ep.mean()) if without_ep is not None else float("nan")))
+    return predictions
 
 
 # ----------------------------------------------------------------------------- command line
@@ -285,6 +420,8 @@ class SimulateOptions:
     workload: Workload = field(default_factory=Workload)
     comm: CommModel = field(default_factory=CommModel)
     modes: tuple[str, ...] = tuple(MODES)
+    experts: Experts = field(default_factory=Experts)  # routed experts (part of the workload's bytes)
+    ep: tuple[int, ...] = (1,)  # expert-parallel degrees to compare (1 = FSDP-only); each divides shard
     json: str | None = None
     figure: str | None = None  # PNG: speedup of hsdp-delayed over hsdp vs replica groups and vs cost CV
     cvs: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5)  # lognormal CVs of the figure's CV panel
@@ -315,6 +452,12 @@ def _validate(opts: SimulateOptions) -> None:
     opts.cost.validate()
     opts.workload.validate()
     opts.comm.validate()
+    opts.experts.validate(opts.workload)
+    for ep in opts.ep:
+        if ep < 1 or opts.shard % ep:
+            raise ConfigError(f"ep = {ep} is invalid: must be a positive divisor of shard = {opts.shard}")
+        if ep > 1 and opts.experts.moe_units == 0:
+            raise ConfigError(f"ep = {ep} needs MoE units: set --experts.moe-units and the expert bytes")
 
 
 def speedup_delayed_over_hsdp(spec: CostSpec, replicate: int, shard: int, accum: int, samples: int, seed: int,
@@ -356,9 +499,16 @@ def draw_figure(opts: SimulateOptions, path: str) -> dict[str, list[float]]:
 
 
 def format_table(predictions: Sequence[ModePrediction]) -> str:
-    lines = [f"{'mode':<16} {'mean s':>9} {'median s':>9} {'p90 s':>9} {'/ hsdp-delayed':>15}"]
-    lines += [f"{p.mode:<16} {p.mean_step_s:>9.4f} {p.median_step_s:>9.4f} {p.p90_step_s:>9.4f} "
-              f"{p.ratio_to_reference:>15.3f}" for p in predictions]
+    with_ep = any(p.ep != 1 for p in predictions)
+    lines = [f"{'mode':<16} {'ep':>3} {'mean s':>9} {'median s':>9} {'p90 s':>9} {'/ hsdp-delayed':>15}"
+             + (f" {'/ ep=1':>8}" if with_ep else "")]
+
+    def ratio(value: float, width: int) -> str:
+        return f"{value:>{width}.3f}" if math.isfinite(value) else f"{'-':>{width}}"  # reference not simulated
+
+    lines += [f"{p.mode:<16} {p.ep:>3} {p.mean_step_s:>9.4f} {p.median_step_s:>9.4f} {p.p90_step_s:>9.4f} "
+              f"{ratio(p.ratio_to_reference, 15)}" + (f" {ratio(p.ratio_to_ep1, 8)}" if with_ep else "")
+              for p in predictions]
     return "\n".join(lines)
 
 
@@ -373,7 +523,8 @@ def main(argv: list[str]) -> int:
     else:
         compute = draw_costs(opts.cost, opts.seed, opts.samples, opts.accum, opts.replicate)
         source = f"{opts.cost} seed {opts.seed}, {opts.samples} draws"
-    predictions = predict(compute, opts.replicate, opts.shard, opts.workload, opts.comm, opts.modes)
+    predictions = predict(compute, opts.replicate, opts.shard, opts.workload, opts.comm, opts.modes, opts.experts,
+                          opts.ep)
     print(f"moetrain simulate: {opts.replicate} replica groups x {opts.shard} shards, accum {opts.accum}, "
           f"overlap={opts.workload.overlap}, {opts.comm.algorithm}; costs: {source}")
     print(format_table(predictions))

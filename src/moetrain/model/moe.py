@@ -11,7 +11,9 @@ and `experts.w2` [E, n, d]. A shared expert, when configured, is a dense SwiGLU 
 
 After each forward the module exposes `aux_loss` (switch-style load-balancing loss of that forward,
 not multiplied by its coefficient) and `tokens_per_expert` (detached, [E]). It holds no
-distributed code: the cross-rank sum of expert loads for the bias update is an injected callable.
+distributed code: the cross-rank sum of expert loads for the bias update is an injected callable,
+and so is the routed-expert computation (`expert_compute`, `experts.routed_experts` by default;
+expert parallelism swaps in one that sends the routed tokens to the ranks owning their experts).
 It does not initialise its parameters: init.py does, and calls `reset_buffers` for the balancing state.
 Shape suffixes on local names: T tokens, D model dim, E experts, K top_k.
 """
@@ -56,6 +58,9 @@ class MoE(nn.Module):
         # Loads accumulated since the last bias update (one optimizer step spans several microbatches).
         self.register_buffer("load_since_update", torch.zeros(cfg.n_experts, dtype=torch.float32),
                              persistent=False)
+        # (x, routing, w1, w2, activation, impl) -> out, the contract of `routed_experts`. A plain
+        # attribute, not a submodule: it holds no parameters or state.
+        self.expert_compute: Callable[..., Tensor] = routed_experts
         self.aux_loss: Tensor | None = None
         self.tokens_per_expert: Tensor | None = None
         self.rounding_changes: int = 0
@@ -79,7 +84,8 @@ class MoE(nn.Module):
         routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
         if self.cfg.token_rounding_tile > 1:
             routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
-        out_TD = routed_experts(x_TD, routing, self.experts.w1, self.experts.w2, self.cfg.activation, self.cfg.impl)
+        out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.cfg.activation,
+                                     self.cfg.impl)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         counts_E = routing.counts.detach()

@@ -132,23 +132,37 @@ def count_global_tokens(local_count: int, group: dist.ProcessGroup | None = None
     return all_reduce_int(local_count, group)
 
 
-def _grads(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad for p in model.parameters() if p.grad is not None]
+def _params_by_grad_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
+    """Parameters with a gradient, grouped by the gradient's DTensor mesh (None: plain tensors).
+
+    DTensor ops never mix meshes, and expert-parallel gradients live on their own mesh.
+    """
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(param)
+    return by_mesh
 
 
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """Norm of the full gradient, identical on every rank (a float32 scalar, local tensor).
 
     DTensor gradients (FSDP: Shard on dp_shard, Replicate on dp_replicate) reduce their
-    partial norms over the shard dim only, so replicas are not double counted.
+    partial norms over the shard dim only, so replicas are not double counted. Expert-parallel
+    gradients live on another mesh than the rest, so each mesh's norm is reduced on its own
+    and the per-mesh norms are combined (a norm of norms).
     """
-    grads = _grads(model)
-    if not grads:
+    by_mesh = _params_by_grad_mesh(model)
+    if not by_mesh:
         return torch.zeros((), dtype=torch.float32)
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=None)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    return total.float()
+    norms = []
+    for params in by_mesh.values():
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, foreach=None)
+        norms.append((total.full_tensor() if isinstance(total, DTensor) else total).float())
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -160,6 +174,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     total = grad_norm(model, norm_type)
     if max_norm <= 0 or math.isinf(max_norm) or not torch.isfinite(total):
         return total
-    with_grad = [p for p in model.parameters() if p.grad is not None]
-    torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total.to(with_grad[0].grad.device))
+    for params in _params_by_grad_mesh(model).values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.device))
     return total

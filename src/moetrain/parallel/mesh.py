@@ -7,11 +7,18 @@ in-memory store (no port, no network), so every later step runs one code path.
 `build_mesh` turns `dp_replicate x dp_shard` into a 2-D DeviceMesh with dims
 ("dp_replicate", "dp_shard"). This module picks devices and backends; it must not
 touch models or gradients.
+
+With expert parallelism (`parallel.ep > 1`) `build_mesh` cuts that mesh from a 3-D root
+("dp_replicate", "efsdp", "ep"), dp_shard being "efsdp" and "ep" flattened, so the
+data-parallel layout is unchanged, and `expert_meshes` finds the expert-parallel group
+(consecutive ranks) and the expert-FSDP mesh (the ranks holding the same experts) on
+the same root.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,6 +28,10 @@ from moetrain.config import ParallelConfig, check_world_size
 from moetrain.errors import ConfigError
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard")
+# Expert parallelism splits dp_shard into (efsdp, ep): "ep" ranks own different experts,
+# "efsdp" ranks hold the same experts and FSDP-shard them. ep is innermost so an EP group
+# is consecutive ranks (one node on GPUs, where the all-to-all is cheapest).
+EP_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -94,7 +105,42 @@ def build_mesh(parallel: ParallelConfig, world_size: int, device_type: str) -> D
     if dist.get_world_size() != world_size:
         raise ConfigError(f"world size {world_size} does not match the process group's "
                           f"{dist.get_world_size()} ranks")
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=MESH_DIM_NAMES)
+    if parallel.ep == 1:
+        return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=MESH_DIM_NAMES)
+    root = init_device_mesh(device_type, (replicate, shard // parallel.ep, parallel.ep),
+                            mesh_dim_names=EP_MESH_DIM_NAMES)
+    # The same ranks and order as the plain 2-D mesh (rank = r * shard + f * ep + e), so
+    # non-expert parameters, the data loader and the sync policies see no difference.
+    flat_shard = root["efsdp", "ep"]._flatten("dp_shard")
+    return DeviceMesh._concatenate([root["dp_replicate"], flat_shard])
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """The meshes expert parallelism runs on, cut from the data-parallel mesh's root.
+
+    ep: the ranks that split one layer's experts between them (all-to-all group).
+    fsdp: the mesh expert weights are FSDP-sharded on: ("efsdp",) or, under HSDP,
+    ("dp_replicate", "efsdp"), the replicate dimension replicating experts too.
+    """
+
+    ep: DeviceMesh
+    fsdp: DeviceMesh
+
+    @property
+    def degree(self) -> int:
+        return self.ep.size()
+
+
+def expert_meshes(mesh: DeviceMesh | None) -> ExpertMeshes | None:
+    """The EP meshes of a mesh from `build_mesh`, or None when it was built without expert parallelism."""
+    if mesh is None:
+        return None
+    root = mesh._get_root_mesh()
+    if root.mesh_dim_names != EP_MESH_DIM_NAMES:
+        return None
+    fsdp = root["dp_replicate", "efsdp"] if root.size(0) > 1 else root["efsdp"]
+    return ExpertMeshes(ep=root["ep"], fsdp=fsdp)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -6,6 +6,10 @@ block in backward), `torch.compile` per block, and FSDP2/HSDP sharding over the 
 on the blocks that FSDP then wraps as its units. The model definition itself stays
 free of distributed code; this module changes how the model runs, never what it
 computes, and it does not materialise or initialise parameters.
+
+Before all of these, when the mesh has an expert-parallel dimension, `apply_ep` splits
+every MoE layer's experts over the EP group and routes their tokens by all-to-all
+(`moetrain.parallel.expert_parallel`); FSDP then shards what EP has split.
 """
 
 from __future__ import annotations
@@ -15,7 +19,20 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.config import JobConfig
+from moetrain.errors import ConfigError
+from moetrain.parallel.expert_parallel import apply_expert_parallel
+from moetrain.parallel.mesh import expert_meshes
 from moetrain.parallel.shard import apply_fsdp
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> None:
+    """Split every MoE layer's experts over the mesh's EP group of `ep` ranks (no-op for ep = 1)."""
+    experts = expert_meshes(mesh)
+    if (1 if experts is None else experts.degree) != ep:
+        raise ConfigError(f"parallel.ep = {ep} does not match the mesh ({'no' if experts is None else experts.degree}"
+                          " EP dimension): build it with moetrain.parallel.mesh.build_mesh from the same config")
+    if experts is not None:
+        apply_expert_parallel(model, experts.ep)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -32,6 +49,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn.Module:
     """Apply activation checkpointing, compile and FSDP to `model` in place per `cfg`; return it."""
+    apply_ep(model, mesh, cfg.parallel.ep)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:

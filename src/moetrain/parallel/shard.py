@@ -9,6 +9,11 @@ PREMUL_SUM (which gloo cannot run and which has silently zeroed bf16 gradients o
 some NCCL builds) must never be chosen. It also installs the gradient guard (every
 reduced gradient exists and has the reduce dtype). This module changes how a model
 is distributed; it must not change what the model computes.
+
+Under expert parallelism the routed-expert weights (already DTensors over the EP group,
+see `moetrain.parallel.expert_parallel`) stay in their block's unit but are sharded on
+the expert-FSDP mesh: over the ranks that hold the same experts, replicated across
+replica groups under HSDP.
 """
 
 from __future__ import annotations
@@ -23,11 +28,16 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+
+# Per-parameter meshes inside one unit (torchtitan's expert FSDP uses the same two names);
+# torch 2.13 exports fully_shard's `shard_placement_fn` but not these result types.
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.config import ParallelConfig
 from moetrain.errors import ConfigError
-from moetrain.parallel.mesh import data_parallel_mesh
+from moetrain.parallel.expert_parallel import expert_parameters
+from moetrain.parallel.mesh import EP_MESH_DIM_NAMES, ExpertMeshes, data_parallel_mesh, expert_meshes
 
 _GUARD_MARK = "_moetrain_grad_dtype_guard"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +65,15 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     if isinstance(value, tuple | list):
         return [t for item in value for t in _tensors_in(item)]
     return []
+
+
+def _is_unsharded(param: torch.Tensor) -> bool:
+    """Whether a registered parameter is FSDP's unsharded (gathered) form.
+
+    Unsharded parameters are plain tensors, except expert-parallel weights: those stay DTensors
+    on the EP mesh alone. FSDP's sharded parameters are DTensors whose mesh has a data-parallel dim.
+    """
+    return not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names == EP_MESH_DIM_NAMES[-1:]
 
 
 @dataclass
@@ -103,11 +122,12 @@ class _GradientGuard:
         for param in unit.params:
             param.grad_dtype = self.reduce_dtype
             if param.grad is None:
-                param.grad = torch.zeros(param.shape, dtype=self.reduce_dtype, device=param.device)
+                # zeros_like keeps an expert-parallel weight's DTensor layout for its gradient.
+                param.grad = torch.zeros_like(param, dtype=self.reduce_dtype)
 
     def before_forward(self, unit: _UnitParams, module: nn.Module, args: tuple) -> None:
-        # DTensors are sharded parameters of other (not yet gathered) units.
-        unit.params = [p for p in module.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        # Sharded parameters belong to other (not yet gathered) units.
+        unit.params = [p for p in module.parameters() if p.requires_grad and _is_unsharded(p)]
         for param in unit.params:
             # The mark lives on the parameter itself (tensors cannot sit in weak sets:
             # their == is elementwise), so the hook is registered once per parameter.
@@ -140,6 +160,32 @@ def _shard_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _expert_placement_fn(expert_params: set[nn.Parameter], experts: ExpertMeshes):
+    """FSDP's `shard_placement_fn` under EP: expert weights on the expert-FSDP mesh, the rest as usual.
+
+    Each EP rank's [E/ep, ...] block is sharded on dim 0 over the efsdp ranks when they divide
+    E/ep evenly, else on dim 1 (torchtitan's choice: no padded, partly empty expert shards).
+    """
+    if experts.fsdp.ndim == 2:
+        mesh_info: FSDPMeshInfo = HSDPMeshInfo(mesh=experts.fsdp, shard_mesh_dim=1, replicate_mesh_dim=0)
+    else:
+        mesh_info = FSDPMeshInfo(mesh=experts.fsdp, shard_mesh_dim=0)
+    shard_size = mesh_info.shard_mesh_size
+
+    def placement(param: nn.Parameter) -> ShardPlacementResult | None:
+        if param not in expert_params:
+            return None
+        local_experts = param.shape[0] // experts.degree
+        dim = 0 if local_experts % shard_size == 0 else 1
+        if param.shape[dim] % shard_size:
+            raise ConfigError(f"parallel.ep = {experts.degree} is invalid for expert weight {tuple(param.shape)}: "
+                              f"neither its {local_experts} local experts nor its dim 1 divide evenly over "
+                              f"{shard_size} expert-FSDP ranks (dp_shard / ep)")
+        return ShardPlacementResult(placement=Shard(dim), mesh_info=mesh_info)
+
+    return placement
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh | None,
@@ -161,8 +207,11 @@ def apply_fsdp(
         return model
     dp_mesh = data_parallel_mesh(mesh)
     policy = mixed_precision_policy(parallel)
+    experts = expert_meshes(mesh)
+    placement = None if experts is None else _expert_placement_fn(expert_parameters(model), experts)
     for unit in _shard_units(model):
-        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward,
+                    shard_placement_fn=placement)
     # The root's parameters (final norm, tied weights) are needed as soon as backward
     # starts, so FSDP's default for the root (keep them gathered) is kept.
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)

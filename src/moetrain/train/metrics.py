@@ -47,6 +47,11 @@ class StepResult:
     step_s: float
     skipped: bool
     expert_load: torch.Tensor | None
+    # Expert parallelism: seconds in the token all-to-alls (forward and backward; not part of
+    # compute_s) and routed rows sent to / received from other ranks by the dispatches.
+    all_to_all_s: float = 0.0
+    all_to_all_rows_sent: int = 0
+    all_to_all_rows_received: int = 0
 
 
 class MetricsWriter:
@@ -128,11 +133,14 @@ def format_si(x: float) -> str:
 
 def train_record(step: int, result: StepResult, window: list[StepResult], tokens_per_rank_step: int,
                  per_rank_times: list[list[float]], expert_load: torch.Tensor | None, flops_per_token: float,
-                 peak_flops: float, tokens_seen: int, skipped_steps: int) -> dict[str, Any]:
+                 peak_flops: float, tokens_seen: int, skipped_steps: int,
+                 all_to_all_per_rank: list[list[float]] | None = None) -> dict[str, Any]:
     """The "train" record of a log step.
 
     `per_rank_times` is every rank's [compute_s, wait_s, step_s]; `expert_load` the step's
-    routed assignments per (MoE layer, expert) summed over ranks, or None without MoE layers.
+    routed assignments per (MoE layer, expert) summed over ranks, or None without MoE layers;
+    `all_to_all_per_rank` every rank's [all-to-all seconds, rows sent, rows received] under
+    expert parallelism, else None.
     """
     world = len(per_rank_times)
     global_tokens_per_s = tokens_per_rank_step * world / result.step_s
@@ -147,6 +155,10 @@ def train_record(step: int, result: StepResult, window: list[StepResult], tokens
         "mfu": flops_per_token * global_tokens_per_s / (peak_flops * world),
         "tokens_seen": tokens_seen, "skipped_steps": skipped_steps,
     }
+    if all_to_all_per_rank is not None:
+        record["all_to_all_s_per_rank"] = [r[0] for r in all_to_all_per_rank]
+        record["all_to_all_rows_sent_per_rank"] = [int(r[1]) for r in all_to_all_per_rank]
+        record["all_to_all_rows_received_per_rank"] = [int(r[2]) for r in all_to_all_per_rank]
     if expert_load is not None:
         ratio = (expert_load.max(dim=1).values / expert_load.mean(dim=1).clamp_min(1e-9)).tolist()
         record["expert_load_max_over_mean"] = sum(ratio) / len(ratio)
@@ -158,7 +170,8 @@ def console_line(record: dict[str, Any], total_steps: int) -> str:
     line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"gnorm {record['grad_norm']:.3f} | {format_si(record['tokens_per_s'])} tok/s | "
             f"step {record['step_s']:.2f}s (compute {max(record['compute_s_per_rank']):.2f}, "
-            f"wait {max(record['wait_s_per_rank']):.2f}) | MFU {100 * record['mfu']:.2f}%")
+            + (f"all-to-all {max(record['all_to_all_s_per_rank']):.2f}, " if "all_to_all_s_per_rank" in record else "")
+            + f"wait {max(record['wait_s_per_rank']):.2f}) | MFU {100 * record['mfu']:.2f}%")
     if "expert_load_max_over_mean" in record:
         line += f" | experts max/mean {record['expert_load_max_over_mean']:.2f}"
     return line

@@ -10,7 +10,9 @@ under the sync policy (`grad_sync.accumulation`), each microbatch's loss being i
 summed token loss (+ its token share of the MoE aux loss) over the global count;
 then one small all-reduce of [loss sum, aux sum, non-finite flag] — the time a rank
 spends in it is its wait for the slowest rank — clip by the global gradient norm,
-and step the optimizer unless the loss or norm is NaN/inf. Deciding what a
+and step the optimizer unless the loss or norm is NaN/inf. Under expert parallelism
+the time in the MoE token all-to-alls is reported on its own (`all_to_all_s`, with the
+rows each rank sent and received) and left out of the compute time. Deciding what a
 non-finite step means, when to evaluate, log or save is the run's job, not this one's.
 """
 
@@ -32,6 +34,7 @@ from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum, rank_and_world
+from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.parallelize import parallelize_model
 from moetrain.train import checkpoint as ckpt
@@ -77,6 +80,7 @@ class Trainer:
         self.policy = resolve_sync_policy(cfg.parallel, mesh, cfg.train.grad_accum)
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg, mesh, device)
+        self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.schedule = LRSchedule.from_config(cfg.train)
         self.loader = DataLoader(data.train, seed=cfg.train.seed, dp_rank=self.rank, dp_world=self.world)
@@ -123,6 +127,8 @@ class Trainer:
         lr = self.schedule.lr(self.step)
         set_lr(self.optimizer, lr)
         start = time.perf_counter()
+        if self.all_to_all is not None:
+            self.all_to_all.take()  # what evaluation or sampling moved belongs to no step
         microbatches = [self.loader.next_batch(cfg.microbatch_size).to(self.device) for _ in range(cfg.grad_accum)]
         global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -139,7 +145,9 @@ class Trainer:
             if load is not None:
                 load = load.cpu().double()
                 expert_load = load if expert_load is None else expert_load + load
-        compute_s = time.perf_counter() - start
+        # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
+        a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
+        compute_s = time.perf_counter() - start - a2a_s
         # The first collective after the local work: how long this rank waits here is
         # how much earlier it finished than the slowest rank.
         wait_start = time.perf_counter()
@@ -162,14 +170,17 @@ class Trainer:
         self.step += 1
         self.tokens_seen += self.tokens_per_rank_step * self.world
         return StepResult(loss, aux_loss, grad_norm, lr, global_tokens, compute_s, wait_s,
-                          time.perf_counter() - start, not finite, expert_load)
+                          time.perf_counter() - start, not finite, expert_load, a2a_s, a2a_sent, a2a_received)
 
     def train_record(self, result: StepResult, window: list[StepResult]) -> dict[str, Any]:
         """The metrics record of the step just taken (collective: every rank calls it)."""
-        per_rank = all_gather_floats([result.compute_s, result.wait_s, result.step_s])
+        gathered = all_gather_floats([result.compute_s, result.wait_s, result.step_s, result.all_to_all_s,
+                                      result.all_to_all_rows_sent, result.all_to_all_rows_received])
         load = None if result.expert_load is None else all_reduce_sum(result.expert_load.clone())
-        return train_record(self.step, result, window, self.tokens_per_rank_step, per_rank, load,
-                            self.flops_per_token, self.cfg.train.peak_flops, self.tokens_seen, self.skipped_steps)
+        all_to_all = [r[3:] for r in gathered] if self.all_to_all is not None else None
+        return train_record(self.step, result, window, self.tokens_per_rank_step, [r[:3] for r in gathered], load,
+                            self.flops_per_token, self.cfg.train.peak_flops, self.tokens_seen, self.skipped_steps,
+                            all_to_all)
 
     # ---- evaluation
 
