@@ -36,11 +36,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved")
     """Rotate the channel pairs of x [B, S, H, D] by the angles of cos/sin [B, S, D/2].
 
     Frequency j acts on channels (2j, 2j+1) in the "interleaved" layout (torchtitan's complex-number
-    form) and on (j, j + D/2) in the "half" layout (Hugging Face's rotate_half). Computed in float32
-    and cast back.
+    form) and on (j, j + D/2) in the "half" layout (Hugging Face's rotate_half). Computed in at least
+    float32 and cast back.
     """
-    xf = x.float()
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dtype)
+    cos, sin = cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)  # broadcast over heads
     if layout == "interleaved":
         pairs = xf.unflatten(-1, (-1, 2))
         first, second = pairs[..., 0], pairs[..., 1]

@@ -94,7 +94,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def set_global_balance(self, counts: Tensor, n_tokens: int) -> None:
         """The step's assignments per expert [E] and routed tokens, summed over microbatches and ranks."""
-        self.global_fraction = balance_fractions(counts, n_tokens, self.cfg.top_k).to(torch.float32)
+        self.global_fraction = balance_fractions(counts, n_tokens, self.cfg.top_k)
         self.global_tokens = int(n_tokens)
 
     def _balance_loss(self, probs_TE: Tensor, counts_E: Tensor) -> Tensor | None:

@@ -32,6 +32,7 @@ from moetrain.config import JobConfig
 from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
+from moetrain.interop.hf import load_hf_weights
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.model.transformer import Transformer
@@ -49,12 +50,18 @@ log = get_logger("train")
 
 
 def build_model(cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
-    """The model on meta, parallelized per `cfg`, materialised on `device` and initialised."""
+    """The model on meta, parallelized per `cfg`, materialised on `device` and initialised.
+
+    With `model.init_from = "hf:DIR"` the weights then come from that Hugging Face directory
+    (each rank reads its own shards; a one-line ConfigError when the architecture differs).
+    """
     with torch.device("meta"):
         model = Transformer(cfg.model)
     parallelize_model(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.train.seed)
+    if cfg.model.init_from is not None:
+        load_hf_weights(model, cfg.model.init_from)
     model.train()
     return model
 
