@@ -479,20 +479,37 @@ def load_hf_weights(model: nn.Module, init_from: str | Path) -> None:
 
 def _import_targets(model: nn.Module, cfg: ModelConfig, fused: set[int]) -> tuple[dict[str, Tensor],
                                                                                  list[Callable[[], None]]]:
-    """HF name -> tensor DCP fills in place, and the copies that move buffered values into the parameters."""
+    """HF name -> tensor DCP fills in place, and the copies that then move buffered values into parameters."""
     params = _parameters(model)
     head_dim, n = cfg.attention_head_dim(), cfg.moe.expert_hidden
     order = rope_permutation(head_dim)  # half -> interleaved
     state: dict[str, Tensor] = {}
     finish: list[Callable[[], None]] = []
+
+    def reorder_into(param: Tensor, buffer: Tensor) -> Callable[[], None]:
+        return lambda: _copy_full_into(param, _rope_reorder(_full(buffer), head_dim, order))
+
+    def fused_into(local_w1: Tensor, local_w2: Tensor, gate_up: Tensor, down: Tensor) -> Callable[[], None]:
+        def copy() -> None:
+            local_w1.copy_(_local_view(gate_up)[0].transpose(1, 2))
+            local_w2.copy_(_local_view(down)[0].transpose(1, 2))
+        return copy
+
+    def expert_into(local_w1: Tensor, local_w2: Tensor, row: int, gate: Tensor, up: Tensor,
+                    down: Tensor) -> Callable[[], None]:
+        def copy() -> None:
+            local_w1[row, :, :n].copy_(gate.T)
+            local_w1[row, :, n:].copy_(up.T)
+            local_w2[row].copy_(down.T)
+        return copy
+
     for ours, theirs in direct_names(cfg).items():
         param = params[ours].detach()
-        if not _needs_rope_reorder(cfg, ours):
+        if _needs_rope_reorder(cfg, ours):
+            state[theirs] = torch.empty_like(param)
+            finish.append(reorder_into(param, state[theirs]))
+        else:
             state[theirs] = param  # read straight into the (local shard of the) parameter
-            continue
-        buffer = torch.empty_like(param)
-        state[theirs] = buffer
-        finish.append(lambda p=param, b=buffer: _copy_full_into(p, _rope_reorder(_full(b), head_dim, order)))
     for layer in range(cfg.n_dense_layers, cfg.n_layers):
         w1 = params[f"layers.{layer}.moe.experts.w1"].detach()
         w2 = params[f"layers.{layer}.moe.experts.w2"].detach()
@@ -500,20 +517,16 @@ def _import_targets(model: nn.Module, cfg: ModelConfig, fused: set[int]) -> tupl
         local_w2, _ = _local_rows(w2)
         if layer in fused:
             gate_up_name, down_name = fused_expert_names(layer)
-            gate_up = _rows_like(w1, (cfg.moe.n_experts, 2 * n, cfg.dim))
-            down = _rows_like(w2, (cfg.moe.n_experts, cfg.dim, n))
-            state[gate_up_name], state[down_name] = gate_up, down
-            finish.append(lambda a=local_w1, b=local_w2, gu=gate_up, dn=down: (
-                a.copy_(_local_view(gu)[0].transpose(1, 2)), b.copy_(_local_view(dn)[0].transpose(1, 2))))
+            state[gate_up_name] = _rows_like(w1, (cfg.moe.n_experts, 2 * n, cfg.dim))
+            state[down_name] = _rows_like(w2, (cfg.moe.n_experts, cfg.dim, n))
+            finish.append(fused_into(local_w1, local_w2, state[gate_up_name], state[down_name]))
             continue
         for row in range(local_w1.shape[0]):  # only the experts this rank holds
-            gate_name, up_name, down_name = expert_names(layer, first + row)
-            gate = local_w1.new_empty(n, cfg.dim)
-            up = local_w1.new_empty(n, cfg.dim)
+            names = expert_names(layer, first + row)
+            gate, up = local_w1.new_empty(n, cfg.dim), local_w1.new_empty(n, cfg.dim)
             down = local_w2.new_empty(cfg.dim, n)
-            state[gate_name], state[up_name], state[down_name] = gate, up, down
-            finish.append(lambda r=row, a=local_w1, b=local_w2, g=gate, u=up, dn=down: (
-                a[r, :, :n].copy_(g.T), a[r, :, n:].copy_(u.T), b[r].copy_(dn.T)))
+            state.update(zip(names, (gate, up, down), strict=True))
+            finish.append(expert_into(local_w1, local_w2, row, gate, up, down))
     return state, finish
 
 
