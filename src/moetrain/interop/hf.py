@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
@@ -56,7 +57,6 @@ from moetrain.errors import ConfigError
 from moetrain.model.init import canonical_name
 from moetrain.model.layers import rope_permutation
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.collectives import barrier, distributed, rank_and_world
 
 QWEN3_MOE, OLMOE = "qwen3_moe", "olmoe"
 ARCHITECTURES = {QWEN3_MOE: "Qwen3MoeForCausalLM", OLMOE: "OlmoeForCausalLM"}
@@ -447,6 +447,19 @@ def _parameters(model: nn.Module) -> dict[str, Tensor]:
     return {canonical_name(name): param for name, param in model.named_parameters()}
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 @contextmanager
 def _quiet_single_process():
     with warnings.catch_warnings():
@@ -471,7 +484,7 @@ def load_hf_weights(model: nn.Module, init_from: str | Path) -> None:
     fused = _check_stored(cfg, model_dir)
     state, finish = _import_targets(model, cfg, fused)
     with _quiet_single_process():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(model_dir)), no_dist=not distributed())
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(model_dir)), no_dist=not _distributed())
     with torch.no_grad():
         for step in finish:
             step()
@@ -613,19 +626,19 @@ def save_hf(model: nn.Module, cfg: JobConfig, out_dir: str | Path, dtype: torch.
         raise ConfigError(f"data.tokenizer = {cfg.data.tokenizer!r} has {tokenizer.vocab_size} ids, more than "
                           f"model.vocab_size = {cfg.model.vocab_size}: the exported directory would not be usable")
     out = check_output_dir(out_dir)
-    rank, _ = rank_and_world()
+    rank = _rank()
     dtype = dtype or next(model.parameters()).dtype
     state = _export_tensors(model, cfg.model, dtype)
     shapes = expected_shapes(cfg.model)
     index = _file_index(shapes, torch.empty((), dtype=dtype).element_size(), max_file_bytes)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    barrier()
-    if distributed():
+    _barrier()
+    if _distributed():
         writer = HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=index, save_distributed=True,
                                           enable_consolidation=True)
         dcp.save(state, storage_writer=writer)
-        barrier()
+        _barrier()
         if rank == 0:
             shutil.rmtree(out / "sharded", ignore_errors=True)  # the per-rank pieces, now consolidated
     else:
@@ -635,7 +648,7 @@ def save_hf(model: nn.Module, cfg: JobConfig, out_dir: str | Path, dtype: torch.
     if rank == 0:
         (out / "config.json").write_text(json.dumps(hf_config(cfg.model, family, tokenizer, dtype), indent=2) + "\n")
         _write_tokenizer(cfg.data.tokenizer, tokenizer, out)
-    barrier()
+    _barrier()
     return out
 
 
