@@ -1,16 +1,19 @@
 """The Hugging Face families on 4 gloo ranks (HSDP 2×2), against one process.
 
 One spawn of 4 ranks serves three checks; this process, as a 1-rank group, the reference round trip:
-- global-batch balance loss: every rank holds 2 microbatches of 1 sequence of an 8-sequence batch;
-  the step's loss terms and gradients equal a float64 single-process step on the whole batch in
-  one microbatch (where the global and per-microbatch forms coincide);
+- global-batch balance loss (HSDP 2×2, and expert parallelism over 2 ranks of a 1×4 mesh): every
+  rank holds 2 microbatches of 1 sequence of an 8-sequence batch; the step's loss terms and
+  gradients equal a float64 single-process step on the whole batch in one microbatch (where the
+  global and per-microbatch forms coincide);
 - sharded import: the Trainer builds the model on the 2×2 mesh from an OLMoE directory
   (`model.init_from`), each rank reading its own shards and experts, kept in the interleaved RoPE
   layout (q/k rows permuted across shards): its weights equal a one-process import and its logits
   transformers' own;
-- sharded export: a checkpoint written by the 4 ranks, exported by `moetrain export-hf` on those
-  ranks, gives bit for bit the tensors of the same round trip on 1 rank, which are the original
-  directory's tensors.
+- the same import on 4 ranks with expert parallelism over 2 (each rank's 3 experts FSDP-sharded on
+  dim 1 over the 2 ranks holding them);
+- sharded export: a checkpoint written by the 4 ranks (HSDP 2×2, and EP), exported by
+  `moetrain export-hf` on those ranks, gives bit for bit the tensors of the same round trip on
+  1 rank, which are the original directory's tensors.
 """
 
 from __future__ import annotations
@@ -89,31 +92,36 @@ def balance_step(model, microbatches: list[Batch], policy=None) -> tuple[torch.T
     return parts, grads
 
 
-def family_worker(cfg: JobConfig, balance_cfg: JobConfig | None, logits_tokens: torch.Tensor) -> dict:
+def import_checkpoint_export(cfg: JobConfig, logits_tokens: torch.Tensor) -> dict:
+    """Trainer from model.init_from on cfg's mesh; its full weights and logits; checkpoint; export-hf."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    mesh = build_mesh(cfg.parallel, world, "cpu")
-    result: dict = {}
-    if balance_cfg is not None:
-        model = build_model(balance_cfg, mesh, device)
-        batch = balance_batch()
-        per_rank = 8 // world
-        microbatches = [rows(batch, rank * per_rank + i, rank * per_rank + i + 1) for i in range(per_rank)]
-        policy = resolve_sync_policy(balance_cfg.parallel, mesh, len(microbatches))
-        result["balance"] = balance_step(model, microbatches, policy)
-    data = load_training_data(cfg)
-    trainer = Trainer(cfg, data, mesh, device)  # builds the model from model.init_from, shard by shard
+    trainer = Trainer(cfg, load_training_data(cfg), build_mesh(cfg.parallel, world, "cpu"), torch.device("cpu"))
     weights = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                for name, p in trainer.model.named_parameters()}
     with torch.no_grad():
-        result["logits"] = trainer.model(logits_tokens)
-    result["weights"] = weights
+        logits = trainer.model(logits_tokens)
     run_dir = RunDir(Path(cfg.logging.run_dir))
     if rank == 0:
         run_dir.root.mkdir(parents=True, exist_ok=True)
         run_dir.config.write_text(json.dumps(cfg.to_dict()))
     Checkpointer(run_dir.checkpoints, cfg.checkpoint, 1, cfg.logging.run_dir).maybe_save(1, trainer)
     export(ExportOptions(run=cfg.logging.run_dir, out=str(run_dir.root / "hf")))
+    return {"weights": weights, "logits": logits}
+
+
+def family_worker(cfgs: list[JobConfig], balance_cfgs: list[JobConfig], logits_tokens: torch.Tensor) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result: dict = {"balance": []}
+    for balance_cfg in balance_cfgs:
+        mesh = build_mesh(balance_cfg.parallel, world, "cpu")
+        model = build_model(balance_cfg, mesh, torch.device("cpu"))
+        batch = balance_batch()
+        per_rank = 8 // world
+        microbatches = [rows(batch, rank * per_rank + i, rank * per_rank + i + 1) for i in range(per_rank)]
+        policy = resolve_sync_policy(balance_cfg.parallel, mesh, len(microbatches))
+        result["balance"].append(balance_step(model, microbatches, policy))
+    for cfg in cfgs:
+        result[Path(cfg.logging.run_dir).name] = import_checkpoint_export(cfg, logits_tokens)
     # numpy, not tensors: torch pickles tensors as shared-memory handles that die with the rank.
     return to_numpy(result) if rank == 0 else {}
 
@@ -136,13 +144,13 @@ def to_torch(value):
     return torch.from_numpy(value) if hasattr(value, "dtype") else value
 
 
-def job(directory: Path, tmp: Path, corpus: Path, replicate: int) -> JobConfig:
+def job(directory: Path, tmp: Path, corpus: Path, name: str, replicate: int = 1, ep: int = 1) -> JobConfig:
     _, cfg = load_hf(directory)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_layout="interleaved"))
-    cfg.parallel.dp_replicate = replicate
+    cfg.parallel.dp_replicate, cfg.parallel.ep = replicate, ep
     cfg.data.source, cfg.data.path, cfg.data.glob, cfg.data.seq_len = "dir", str(corpus), "*.py", 32
     cfg.train.steps, cfg.train.microbatch_size = 1, 2
-    cfg.logging.run_dir, cfg.logging.progress_bar = str(tmp / f"run{replicate}"), False
+    cfg.logging.run_dir, cfg.logging.progress_bar = str(tmp / name), False
     return cfg.validate()
 
 
@@ -163,24 +171,27 @@ def runs(tmp_path_factory):
     hf_model = hf_tiny.build("olmoe", seed=11, clip_qkv=0.5)
     directory = hf_tiny.save(hf_model, tmp / "olmoe")
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
-    balance_cfg = JobConfig(model=BALANCE_CFG)
-    balance_cfg.parallel.dp_replicate = 2
-    four = to_torch(run_on_ranks(family_worker, 4, job(directory, tmp, corpus, 2), balance_cfg, tokens,
-                                 timeout=300)[0])
+    hsdp, ep = JobConfig(model=BALANCE_CFG), JobConfig(model=BALANCE_CFG)
+    hsdp.parallel.dp_replicate, ep.parallel.ep = 2, 2  # HSDP 2x2; FSDP 1x4 with 2 experts per EP rank
+    # HSDP 2x2; and FSDP 1x4 with expert parallelism over 2 ranks, where each rank's 3 experts are
+    # FSDP-sharded on dim 1 over the 2 ranks holding them (3 rows do not split over 2)
+    jobs = [job(directory, tmp, corpus, "hsdp", replicate=2), job(directory, tmp, corpus, "ep", ep=2)]
+    four = to_torch(run_on_ranks(family_worker, 4, jobs, [hsdp, ep], tokens, timeout=300)[0])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # 1 rank: this process
     try:
-        one = to_torch(family_worker(job(directory, tmp, corpus, 1), None, tokens))
+        one = to_torch(family_worker([job(directory, tmp, corpus, "one")], [], tokens))
     finally:
         dist.destroy_process_group()
     return hf_model, directory, tokens, four, one, tmp
 
 
-def test_global_batch_balance_loss_on_4_ranks_equals_one_process_on_the_whole_batch(runs):
+@pytest.mark.parametrize("layout", [0, 1], ids=["hsdp_2x2", "ep_2_on_1x4"])
+def test_global_batch_balance_loss_on_4_ranks_equals_one_process_on_the_whole_batch(runs, layout):
     four = runs[3]
     reference = Transformer(BALANCE_CFG).double()
     reference.init_weights(seed=0)  # the sharded init equals the unsharded one bit for bit
     want_parts, want_grads = balance_step(reference, [balance_batch()])
-    got_parts, got_grads = four["balance"]
+    got_parts, got_grads = four["balance"][layout]
     torch.testing.assert_close(got_parts, want_parts, rtol=1e-6, atol=0)
     assert want_parts[1] > 0 and want_parts[2] > 0
     for name, want in want_grads.items():
@@ -188,28 +199,30 @@ def test_global_batch_balance_loss_on_4_ranks_equals_one_process_on_the_whole_ba
         assert error < 1e-5, (name, error)
 
 
-def test_sharded_import_on_2x2_equals_one_process_and_transformers(runs):
+@pytest.mark.parametrize("layout", ["hsdp", "ep"])
+def test_sharded_import_equals_one_process_and_transformers(runs, layout):
     hf_model, directory, tokens, four, _, _ = runs
     _, cfg = load_hf(directory)
     reference = Transformer(dataclasses.replace(cfg.model, rope_layout="interleaved"))
     load_hf_weights(reference, directory)
     for name, param in reference.named_parameters():
-        assert torch.equal(four["weights"][name], param.detach()), name
+        assert torch.equal(four[layout]["weights"][name], param.detach()), name
     with torch.no_grad():
-        assert hf_tiny.relative_error(four["logits"], hf_model(tokens).logits) < 1e-5
+        assert hf_tiny.relative_error(four[layout]["logits"], hf_model(tokens).logits) < 1e-5
 
 
-def test_export_from_a_2x2_checkpoint_equals_the_1_rank_round_trip_and_the_original(runs):
+def test_exports_from_4_rank_checkpoints_equal_the_1_rank_round_trip_and_the_original(runs):
     from transformers import AutoModelForCausalLM
 
     _, directory, tokens, _, one, tmp = runs
     original = read_dir(directory)
-    from_four, from_one = read_dir(tmp / "run2" / "hf"), read_dir(tmp / "run1" / "hf")
-    assert set(from_four) == set(from_one) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(from_four[name], tensor) and torch.equal(from_one[name], tensor), name
-    assert not (tmp / "run2" / "hf" / "sharded").exists()
-    loaded, info = AutoModelForCausalLM.from_pretrained(tmp / "run2" / "hf", output_loading_info=True)
+    exports = {name: read_dir(tmp / name / "hf") for name in ("hsdp", "ep", "one")}
+    for name, tensors in exports.items():
+        assert set(tensors) == set(original), name
+        for key, tensor in original.items():
+            assert torch.equal(tensors[key], tensor), (name, key)
+        assert not (tmp / name / "hf" / "sharded").exists()
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp / "hsdp" / "hf", output_loading_info=True)
     assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
     with torch.no_grad():
-        assert hf_tiny.relative_error(loaded(tokens).logits, one["logits"]) < 1e-5
+        assert hf_tiny.relative_error(loaded(tokens).logits, one["one"]["logits"]) < 1e-5

@@ -21,7 +21,8 @@ Reading and writing go through torch.distributed.checkpoint's Hugging Face stora
 writer, so a model sharded with FSDP/HSDP is imported and exported shard by shard: each rank reads
 or writes only the slices (and the experts) it holds, and the sharded export is consolidated into
 whole-tensor files one tensor at a time; no rank ever holds the whole model. Only q/k weights of an
-interleaved-layout model are gathered whole (one matrix at a time) for the permutation.
+interleaved-layout model are gathered whole (one matrix at a time) for the permutation, and expert
+blocks that expert parallelism had FSDP shard on dim 1 are gathered to whole experts of their rank.
 This module converts formats; it builds no process group and parses no command line.
 """
 
@@ -42,7 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moetrain.config import JobConfig, ModelConfig, MoEConfig
@@ -405,8 +406,22 @@ def _local_view(t: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     return t, (0,) * t.dim()
 
 
+def _by_rows(t: Tensor) -> Tensor:
+    """`t` laid out so that every rank holds whole rows (whole experts) of dim 0.
+
+    FSDP shards dim 0 already; expert parallelism may have FSDP shard an expert block on dim 1
+    (`moetrain.parallel.shard`), and then the same values are redistributed with those shards
+    gathered (a collective: every rank calls it in the same order). Each rank then holds only
+    its own experts, whole.
+    """
+    if not isinstance(t, DTensor) or all(not isinstance(p, Shard) or p.dim == 0 for p in t.placements):
+        return t
+    rows = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in t.placements]
+    return t.redistribute(t.device_mesh, rows)
+
+
 def _local_rows(t: Tensor) -> tuple[Tensor, int]:
-    """(local tensor, first global row) of a tensor sharded, if at all, along dim 0 only (FSDP's layout)."""
+    """(local tensor, first global row) of a tensor sharded, if at all, along dim 0 only (see `_by_rows`)."""
     if isinstance(t, DTensor) and any(isinstance(p, Shard) and p.dim != 0 for p in t.placements):
         raise ValueError(f"expected sharding along dim 0, got placements {t.placements}")
     local, offset = _local_view(t)
@@ -523,9 +538,13 @@ def _import_targets(model: nn.Module, cfg: ModelConfig, fused: set[int]) -> tupl
             finish.append(reorder_into(param, state[theirs]))
         else:
             state[theirs] = param  # read straight into the (local shard of the) parameter
+    def back_into(param: Tensor, rows: Tensor) -> Callable[[], None]:
+        return lambda: _local_view(param)[0].copy_(rows.redistribute(param.device_mesh, param.placements).to_local())
+
     for layer in range(cfg.n_dense_layers, cfg.n_layers):
-        w1 = params[f"layers.{layer}.moe.experts.w1"].detach()
-        w2 = params[f"layers.{layer}.moe.experts.w2"].detach()
+        w1_param = params[f"layers.{layer}.moe.experts.w1"].detach()
+        w2_param = params[f"layers.{layer}.moe.experts.w2"].detach()
+        w1, w2 = _by_rows(w1_param), _by_rows(w2_param)  # the parameters themselves unless sharded on dim 1
         local_w1, first = _local_rows(w1)
         local_w2, _ = _local_rows(w2)
         if layer in fused:
@@ -533,13 +552,16 @@ def _import_targets(model: nn.Module, cfg: ModelConfig, fused: set[int]) -> tupl
             state[gate_up_name] = _rows_like(w1, (cfg.moe.n_experts, 2 * n, cfg.dim))
             state[down_name] = _rows_like(w2, (cfg.moe.n_experts, cfg.dim, n))
             finish.append(fused_into(local_w1, local_w2, state[gate_up_name], state[down_name]))
-            continue
-        for row in range(local_w1.shape[0]):  # only the experts this rank holds
-            names = expert_names(layer, first + row)
-            gate, up = local_w1.new_empty(n, cfg.dim), local_w1.new_empty(n, cfg.dim)
-            down = local_w2.new_empty(cfg.dim, n)
-            state.update(zip(names, (gate, up, down), strict=True))
-            finish.append(expert_into(local_w1, local_w2, row, gate, up, down))
+        else:
+            for row in range(local_w1.shape[0]):  # only the experts this rank holds
+                names = expert_names(layer, first + row)
+                gate, up = local_w1.new_empty(n, cfg.dim), local_w1.new_empty(n, cfg.dim)
+                down = local_w2.new_empty(cfg.dim, n)
+                state.update(zip(names, (gate, up, down), strict=True))
+                finish.append(expert_into(local_w1, local_w2, row, gate, up, down))
+        for param, rows in ((w1_param, w1), (w2_param, w2)):
+            if rows is not param:
+                finish.append(back_into(param, rows))
     return state, finish
 
 
@@ -593,8 +615,8 @@ def _export_tensors(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> d
             tensor = _rope_reorder(_full(tensor), head_dim, order)
         state[theirs] = tensor.to(dtype)
     for layer in range(cfg.n_dense_layers, cfg.n_layers):
-        local_w1, first = _local_rows(params[f"layers.{layer}.moe.experts.w1"].detach())
-        local_w2, _ = _local_rows(params[f"layers.{layer}.moe.experts.w2"].detach())
+        local_w1, first = _local_rows(_by_rows(params[f"layers.{layer}.moe.experts.w1"].detach()))
+        local_w2, _ = _local_rows(_by_rows(params[f"layers.{layer}.moe.experts.w2"].detach()))
         for row in range(local_w1.shape[0]):
             gate, up, down = expert_names(layer, first + row)
             state[gate] = local_w1[row, :, :n].T.contiguous().to(dtype)

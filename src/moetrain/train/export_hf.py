@@ -1,7 +1,8 @@
 """`moetrain export-hf --run RUN [--step N] --out DIR`: a training run's checkpoint as a Hugging Face directory.
 
 Reads the config the run stored, builds the model sharded over this invocation's ranks (the run's
-mesh when it fits the world size, else plain FSDP over all ranks; one process works too), loads
+mesh and expert parallelism when they fit the world size, else plain FSDP over all ranks; one
+process works too), loads
 the checkpoint's model weights shard by shard and writes them with `moetrain.interop.hf.save_hf`:
 safetensors files with per-expert tensors, config.json and the run's tokenizer. No rank holds
 the whole model. Run it under `torchrun` to spread a large model over several processes.
@@ -25,7 +26,7 @@ from moetrain.interop.hf import check_output_dir, export_family, save_hf
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.collectives import barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
-from moetrain.parallel.shard import apply_fsdp
+from moetrain.parallel.parallelize import parallelize_model
 from moetrain.train.checkpoint import CheckpointRef, latest_complete, list_complete, load_model_weights
 from moetrain.train.rundir import RunDir
 
@@ -64,17 +65,18 @@ def export(args: ExportOptions) -> Path:
     owns_process_group = not distributed()
     try:
         _, world, device = init_distributed(cfg.parallel)
-        parallel = cfg.parallel
+        # Sharded parameters keep their own dtype whatever the compute policy: export them as stored.
+        parallel = dataclasses.replace(cfg.parallel, param_dtype="float32", reduce_dtype="float32", output_dtype=None)
         try:
             mesh = build_mesh(parallel, world, device.type)
-        except ConfigError:  # the run's mesh does not fit this world: shard over all of it
-            parallel = dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1)
+        except ConfigError:  # the run's mesh does not fit this world: plain FSDP over all of it
+            parallel = dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1, ep=1)
             mesh = build_mesh(parallel, world, device.type)
-        # Sharded parameters keep their own dtype whatever the compute policy: export them as stored.
-        parallel = dataclasses.replace(parallel, param_dtype="float32", reduce_dtype="float32", output_dtype=None)
+        layout = dataclasses.replace(cfg, parallel=parallel, train=dataclasses.replace(
+            cfg.train, activation_checkpointing=False, compile=False))
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        apply_fsdp(model, mesh, parallel)
+        parallelize_model(model, mesh, layout)
         model.to_empty(device=device)
         model.init_weights(seed=cfg.train.seed)  # buffers; the weights come from the checkpoint
         load_model_weights(ref, model)
