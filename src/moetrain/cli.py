@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train a model from a TOML config (+ --section.field overrides)", "moetrain.train.run:main"),
     "sample": ("generate text from a run's latest checkpoint", "moetrain.train.sample:main"),
     "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.train.plot:main"),
+    "export-hf": ("write a run's checkpoint as a Hugging Face model directory (Qwen3-MoE, OLMoE)",
+                  "moetrain.train.export_hf:main"),
     "bench": ("benchmarks: `bench moe` (expert implementations), `bench sync` (HSDP sync policies)",
               "moetrain.bench:main"),
     "simulate": ("predict step time of the sync policies at cluster scale", "moetrain.bench.simulate:main"),

@@ -45,6 +45,13 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     # Token rounding (tile-aware routing): per-expert token counts rounded to this multiple; 1 = off.
     token_rounding_tile: int = 1
+    # Router z-loss (ST-MoE, arXiv 2202.08906): coef · mean over tokens of logsumexp(router logits)^2,
+    # token-weighted like the LM loss; 0 = off. Logged apart from the balance loss.
+    z_loss_coef: float = 0.0
+    # Where the balance loss's expert shares f_e and mean probabilities P_e are measured: each
+    # microbatch on its own, or the whole step (every microbatch on every data-parallel rank; costs a
+    # no-grad routing pre-pass per step, see docs/models.md).
+    aux_loss_scope: Literal["microbatch", "global_batch"] = "microbatch"
 
 
 @dataclass
@@ -54,15 +61,33 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int | None = None
+    # Width of one attention head; None = dim // n_heads (Qwen3-MoE sets it freely, e.g. 128 at dim 2048, 32 heads).
+    head_dim: int | None = None
     ffn_hidden: int = 512
     # The first n_dense_layers blocks use a dense SwiGLU FFN; the rest are MoE (DeepSeek style).
     n_dense_layers: int = 1
     max_seq_len: int = 512
     rope_theta: float = 10000.0
+    # Which channels RoPE rotates together: (2j, 2j+1) "interleaved" (torchtitan, Meta Llama) or
+    # (j, j + head_dim/2) "half" (Hugging Face's rotate_half). The same function up to a fixed
+    # permutation of the q/k projection rows, which the Hugging Face conversion applies.
+    rope_layout: Literal["interleaved", "half"] = "interleaved"
+    # RMSNorm on queries and keys before RoPE: over each head's channels (Qwen3) or over the whole
+    # projected width (OLMoE).
+    qk_norm: Literal["none", "per_head", "full"] = "none"
+    # Clamp q, k and v to [-clip_qkv, clip_qkv] after the projections (and QK-norm); None = off (OLMoE option).
+    clip_qkv: float | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_scheme: InitScheme = "llama"
+    # Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors, and every
+    # architecture field above must agree with its config.json (moetrain.interop.hf). None = init_scheme.
+    init_from: str | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def attention_head_dim(self) -> int:
+        """model.head_dim, or dim // n_heads when it is None."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
 
 @dataclass
@@ -190,6 +215,7 @@ def _validate(cfg: JobConfig) -> None:
     nonneg = {
         "model.n_dense_layers": m.n_dense_layers, "model.moe.n_shared_experts": moe.n_shared_experts,
         "model.moe.aux_loss_coef": moe.aux_loss_coef, "model.moe.bias_update_rate": moe.bias_update_rate,
+        "model.moe.z_loss_coef": moe.z_loss_coef,
         "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
         "train.grad_clip": t.grad_clip, "train.eval_every": t.eval_every, "train.sample_tokens": t.sample_tokens,
         "train.num_threads": t.num_threads,
@@ -198,9 +224,20 @@ def _validate(cfg: JobConfig) -> None:
         _check(value >= 0, name, value, "must be >= 0")
     _check(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
     _check(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0")
-    _check(m.dim % m.n_heads == 0, "model.n_heads", m.n_heads, f"must divide model.dim = {m.dim}")
-    _check((m.dim // m.n_heads) % 2 == 0, "model.n_heads", m.n_heads,
-           f"head dim model.dim / model.n_heads = {m.dim / m.n_heads:g} must be even for RoPE")
+    if m.head_dim is None:
+        _check(m.dim % m.n_heads == 0, "model.n_heads", m.n_heads,
+               f"must divide model.dim = {m.dim} (or set model.head_dim)")
+        _check((m.dim // m.n_heads) % 2 == 0, "model.n_heads", m.n_heads,
+               f"head dim model.dim / model.n_heads = {m.dim / m.n_heads:g} must be even for RoPE")
+    else:
+        _check(m.head_dim >= 2 and m.head_dim % 2 == 0, "model.head_dim", m.head_dim,
+               "must be a positive even integer (RoPE rotates channel pairs) or None")
+    if m.clip_qkv is not None:
+        _check(m.clip_qkv > 0, "model.clip_qkv", m.clip_qkv, "must be > 0 or None")
+    if m.init_from is not None:
+        _check(m.init_from.startswith("hf:") and len(m.init_from) > 3, "model.init_from", m.init_from,
+               "must be 'hf:DIR' (a Hugging Face model directory) or None")
+        _check_tokenizer_travels(m.init_from[3:], d.tokenizer)
     if m.n_kv_heads is not None:
         _check(m.n_kv_heads >= 1 and m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
                f"must be a positive divisor of model.n_heads = {m.n_heads}")
@@ -235,6 +272,18 @@ def _validate(cfg: JobConfig) -> None:
     _check(bool(lg.run_dir), "logging.run_dir", lg.run_dir, "must be a non-empty path")
     schemes = typing.get_args(InitScheme)
     _check(m.init_scheme in schemes, "model.init_scheme", m.init_scheme, f"valid schemes: {', '.join(schemes)}")
+
+
+def _check_tokenizer_travels(model_dir: str, tokenizer: str) -> None:
+    # A model directory's tokenizer.json is the model's tokenizer: training it on other token ids
+    # would silently mean something else, so the job must name it (the directory or the file).
+    carried = Path(model_dir) / "tokenizer.json"
+    if not carried.is_file():
+        return
+    named = Path(tokenizer)
+    named = named / "tokenizer.json" if named.is_dir() else named
+    _check(named.is_file() and named.resolve() == carried.resolve(), "data.tokenizer", tokenizer,
+           f"model.init_from = 'hf:{model_dir}' carries its tokenizer: use --data.tokenizer {model_dir}")
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:

@@ -1,17 +1,25 @@
-"""Tokenizers: byte-level by default, a Hugging Face `tokenizers` JSON file optionally.
+"""Tokenizers: byte-level by default, a Hugging Face `tokenizers` JSON file or model directory optionally.
 
-A tokenizer turns a document's text into token ids and back. Every tokenizer here
-has the same three special tokens appended after its base vocabulary: BOS (starts
-each document, so the first real token has something to be predicted from), EOS
-(ends each document, so the model learns where documents stop) and PAD (fills the
-tail of the last packed sequence). It also knows how many UTF-8 bytes each token
-stands for, which bits-per-byte needs. It does not pack or batch anything.
+A tokenizer turns a document's text into token ids and back. Every tokenizer has
+three special tokens: BOS (starts each document, so the first real token has
+something to be predicted from), EOS (ends each document, so the model learns where
+documents stop) and PAD (fills the tail of the last packed sequence). The byte
+tokenizer and a bare tokenizer JSON file get them appended after the base
+vocabulary; a Hugging Face model directory (tokenizer.json beside config.json) uses
+the model's own `bos_token_id` / `eos_token_id` / `pad_token_id` where they are set
+and distinct, and appends only the missing ones, so a model fine-tuned here keeps
+its document boundaries. A tokenizer also knows how many UTF-8 bytes each token
+stands for, which bits-per-byte needs (exact for byte-level BPE vocabularies).
+`write_byte_level_tokenizer` writes the byte tokenizer as a tokenizer.json with the
+same ids, so an exported model directory carries a tokenizer whatever it was
+trained with. This module does not pack or batch anything.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Protocol
 
@@ -20,6 +28,26 @@ import torch
 from moetrain.errors import ConfigError
 
 N_SPECIAL = 3
+# The special tokens of the byte tokenizer, by name, when written as a tokenizer.json.
+BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
+
+
+@lru_cache(maxsize=1)
+def byte_level_alphabet() -> dict[int, str]:
+    """The GPT-2 byte-level BPE alphabet: byte value -> the printable character standing for it.
+
+    Printable Latin-1 bytes stand for themselves; the others are shifted to code points from 256 on,
+    in byte order (Radford et al. 2019, `bytes_to_unicode`; used by every byte-level BPE tokenizer).
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet, shift = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[byte] = chr(byte)
+        else:
+            alphabet[byte] = chr(256 + shift)
+            shift += 1
+    return alphabet
 
 
 class Tokenizer(Protocol):
@@ -66,13 +94,15 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` JSON file; BOS/EOS/PAD are appended after its vocabulary.
+    """A Hugging Face `tokenizers` JSON file, with BOS/EOS/PAD taken from `special_ids` or appended.
 
-    The special tokens are our own (ids base_vocab, +1, +2) rather than whatever the
-    file defines, so packing and masking work the same for every tokenizer.
+    `special_ids` ({"bos": id | None, "eos": ..., "pad": ...}, e.g. from a model's config.json):
+    EOS is used when set; BOS when set and not EOS (packing needs them apart); PAD when set and
+    neither BOS nor EOS. Each missing one gets the next id after the base vocabulary, in the
+    order BOS, EOS, PAD, so packing and masking work the same for every tokenizer.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, special_ids: dict[str, int | None] | None = None):
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError:
@@ -85,35 +115,116 @@ class HFTokenizer:
                               f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
         base = self._tok.get_vocab_size(with_added_tokens=True)
         self.base_vocab_size = base
-        self.vocab_size = base + N_SPECIAL
-        self.bos_id, self.eos_id, self.pad_id = base, base + 1, base + 2
+        given = special_ids or {}
+        eos = given.get("eos")
+        bos = given.get("bos") if given.get("bos") != eos else None
+        pad = given.get("pad") if given.get("pad") not in (bos, eos) else None
+        next_id = base
+        chosen = {}
+        for name, value in (("bos", bos), ("eos", eos), ("pad", pad)):
+            if value is None:
+                value, next_id = next_id, next_id + 1
+            chosen[name] = int(value)
+        self.bos_id, self.eos_id, self.pad_id = chosen["bos"], chosen["eos"], chosen["pad"]
+        self.vocab_size = max(base, max(chosen.values()) + 1)
 
     def encode(self, text: str) -> torch.Tensor:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return torch.tensor(ids, dtype=torch.int32)
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([i for i in ids if 0 <= i < self.base_vocab_size])
+        specials = {self.bos_id, self.eos_id, self.pad_id}
+        return self._tok.decode([i for i in ids if 0 <= i < self.base_vocab_size and i not in specials])
+
+    def _is_byte_level(self) -> bool:
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        return any(part.get("type") == "ByteLevel" for part in parts)
 
     def token_byte_lengths(self) -> torch.Tensor:
-        # A single token of a byte-level BPE may be a partial UTF-8 character; decoding
-        # it alone gives replacement characters, so this is an approximation for such
-        # tokens (exact for whole-character tokens).
-        lengths = [len(self._tok.decode([i]).encode("utf-8")) for i in range(self.base_vocab_size)]
-        return torch.tensor(lengths + [0] * N_SPECIAL, dtype=torch.long)
+        """UTF-8 bytes per token: special and added special tokens 0; a byte-level BPE token exactly
+        the number of its alphabet characters (one per byte, also for pieces of a multi-byte
+        character); other tokens the length of their decoded text (an approximation for tokens
+        that are partial characters)."""
+        specials = {self.bos_id, self.eos_id, self.pad_id}
+        specials.update(i for i, added in self._tok.get_added_tokens_decoder().items() if added.special)
+        alphabet = set(byte_level_alphabet().values()) if self._is_byte_level() else set()
+        lengths = []
+        for i in range(self.base_vocab_size):
+            piece = self._tok.id_to_token(i)
+            if i in specials:
+                lengths.append(0)
+            elif alphabet and piece is not None and set(piece) <= alphabet:
+                lengths.append(len(piece))
+            else:
+                lengths.append(len(self._tok.decode([i]).encode("utf-8")))
+        lengths += [0] * (self.vocab_size - self.base_vocab_size)
+        return torch.tensor(lengths, dtype=torch.long)
+
+
+def model_special_ids(model_dir: Path) -> dict[str, int | None]:
+    """BOS/EOS/PAD ids from a Hugging Face model directory's config.json (None where unset or no file)."""
+    config = model_dir / "config.json"
+    if not config.is_file():
+        return {}
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise ConfigError(f"{config} is not valid JSON") from None
+
+    def first(value: object) -> int | None:
+        if isinstance(value, list):
+            value = value[0] if value else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return {"bos": first(data.get("bos_token_id")), "eos": first(data.get("eos_token_id")),
+            "pad": first(data.get("pad_token_id"))}
+
+
+def tokenizer_file(spec: str) -> Path | None:
+    """The tokenizer.json a spec names (the file itself, or DIR/tokenizer.json); None for 'byte'."""
+    if spec == "byte":
+        return None
+    path = Path(spec)
+    return path / "tokenizer.json" if path.is_dir() else path
 
 
 def build_tokenizer(spec: str) -> Tokenizer:
-    """'byte' -> ByteTokenizer; a path to a `tokenizers` JSON file -> HFTokenizer."""
+    """'byte' -> ByteTokenizer; a `tokenizers` JSON file or a model directory holding tokenizer.json -> HFTokenizer."""
     if spec == "byte":
         return ByteTokenizer()
     path = Path(spec)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ConfigError(f"data.tokenizer = {spec!r} is a directory without tokenizer.json")
+        return HFTokenizer(path / "tokenizer.json", model_special_ids(path))
     if not path.is_file():
-        raise ConfigError(f"data.tokenizer = {spec!r} is invalid: use 'byte' or the path of an existing "
-                          "Hugging Face tokenizers JSON file")
+        raise ConfigError(f"data.tokenizer = {spec!r} is invalid: use 'byte', the path of an existing "
+                          "Hugging Face tokenizers JSON file or a model directory holding tokenizer.json")
     if path.suffix != ".json":
         try:
             json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             raise ConfigError(f"data.tokenizer = {spec!r} is not a JSON tokenizer file") from None
     return HFTokenizer(path)
+
+
+def write_byte_level_tokenizer(path: str | Path) -> None:
+    """Write the byte tokenizer as a `tokenizers` JSON file with the same ids.
+
+    A byte-level BPE without merges: byte b is token b (its alphabet character), then the special
+    tokens <|bos|>, <|eos|>, <|pad|> as ids 256, 257, 258. Loaded with the matching config.json
+    (bos/eos/pad ids 256-258) it encodes, decodes and counts bytes exactly like `ByteTokenizer`.
+    """
+    try:
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _HFTokenizer
+    except ImportError:
+        raise ConfigError("writing tokenizer.json needs the `tokenizers` package, which is not installed; "
+                          "install the extra `pip install moetrain[hf]`") from None
+    vocab = {char: byte for byte, char in byte_level_alphabet().items()}
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(name, special=True) for name in BYTE_SPECIAL_TOKENS])
+    tok.save(str(path))

@@ -18,10 +18,11 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     and norms included), active_matmul (the matmul part of `active`, what FLOPs are counted on),
     routed_experts (all routed expert weights)."""
     d, heads, kv_heads = cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-    head_dim = d // heads
+    head_dim = cfg.attention_head_dim()
     moe = cfg.moe
     attention = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # wq, wo, wk, wv
-    norms_per_layer = 2 * d
+    qk_norm = {"none": 0, "per_head": 2 * head_dim, "full": (heads + kv_heads) * head_dim}[cfg.qk_norm]
+    norms_per_layer = 2 * d + qk_norm
     dense_ffn = 3 * d * cfg.ffn_hidden
     w1_width = 2 * moe.expert_hidden if moe.activation == "swiglu" else moe.expert_hidden
     one_expert = d * w1_width + moe.expert_hidden * d
@@ -51,7 +52,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token of the QKᵀ and AV products: 3 · 2 · 2 · L · H · D_h · S."""
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = cfg.attention_head_dim()
     return 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
 
 

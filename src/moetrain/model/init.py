@@ -358,7 +358,8 @@ def classify(name: str, cfg: ModelConfig) -> list[Segment]:
         layer, rest = int(parts[1]), parts[2:]
         dims = Dims(cfg.dim, cfg.n_layers, layer, cfg.ffn_hidden)
         moe = cfg.moe
-        if rest in (["attention_norm", "weight"], ["ffn_norm", "weight"]):
+        if rest in (["attention_norm", "weight"], ["ffn_norm", "weight"], ["attention", "q_norm", "weight"],
+                    ["attention", "k_norm", "weight"]):
             return [Segment("norm", "", dims)]
         if rest[0] == "attention" and rest[-1] == "weight" and len(rest) == 3:
             if rest[1] in ("wq", "wk", "wv"):

@@ -9,10 +9,13 @@ are computed by `experts.routed_experts` (loop / grouped GEMM / memory-efficient
 and `experts.w2` [E, n, d]. A shared expert, when configured, is a dense SwiGLU FFN
 (`layers.FeedForward`) of width n · n_shared_experts added to every token's output.
 
-After each forward the module exposes `aux_loss` (switch-style load-balancing loss of that forward,
-not multiplied by its coefficient) and `tokens_per_expert` (detached, [E]). It holds no
-distributed code: the cross-rank sum of expert loads for the bias update is an injected callable,
-and so is the routed-expert computation (`expert_compute`, `experts.routed_experts` by default;
+After each forward the module exposes `aux_loss` (the load-balancing loss, not multiplied by its
+coefficient: of this forward alone under `aux_loss_scope = "microbatch"`, or this forward's exact
+part of the whole step's loss under "global_batch", once `set_global_balance` has given it the
+step's expert shares; None before that), `router_z` (per-token router z-loss [T], None when its
+coefficient is 0) and `tokens_per_expert` (detached, [E]). It holds no distributed code: the
+cross-rank sums (expert loads for the bias update, the step's expert counts) happen outside, and
+the routed-expert computation is injected (`expert_compute`, `experts.routed_experts` by default;
 expert parallelism swaps in one that sends the routed tokens to the ranks owning their experts).
 It does not initialise its parameters: init.py does, and calls `reset_buffers` for the balancing state.
 Shape suffixes on local names: T tokens, D model dim, E experts, K top_k.
@@ -28,7 +31,15 @@ from torch import Tensor, nn
 from moetrain.config import MoEConfig
 from moetrain.model.experts import routed_experts
 from moetrain.model.layers import FeedForward
-from moetrain.model.routing import round_routing, routing_from_topk, select_experts, switch_aux_loss
+from moetrain.model.routing import (
+    balance_fractions,
+    global_balance_share,
+    round_routing,
+    router_z_loss,
+    routing_from_topk,
+    select_experts,
+    switch_aux_loss,
+)
 
 
 class RoutedExpertWeights(nn.Module):
@@ -62,8 +73,12 @@ class MoE(nn.Module):
         # attribute, not a submodule: it holds no parameters or state.
         self.expert_compute: Callable[..., Tensor] = routed_experts
         self.aux_loss: Tensor | None = None
+        self.router_z: Tensor | None = None
         self.tokens_per_expert: Tensor | None = None
         self.rounding_changes: int = 0
+        # The step's expert shares f_e and routed-token count, for the global-batch balance loss.
+        self.global_fraction: Tensor | None = None
+        self.global_tokens: int = 0
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -71,16 +86,29 @@ class MoE(nn.Module):
         self.expert_bias.zero_()
         self.load_since_update.zero_()
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [T, d] -> (probs [T, E] rows summing to 1, topk_idx [T, k], gates [T, k]); scores in >= float32."""
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Router logits [T, E] -> (probs [T, E] rows summing to 1, topk_idx [T, k], gates [T, k]), >= float32."""
         choice_bias_E = self.expert_bias if self.cfg.load_balance == "aux_free" else None
-        return select_experts(self.router(x), self.cfg.score_func, self.cfg.top_k, self.cfg.renormalize,
-                              choice_bias_E)
+        return select_experts(logits, self.cfg.score_func, self.cfg.top_k, self.cfg.renormalize, choice_bias_E)
+
+    @torch.no_grad()
+    def set_global_balance(self, counts: Tensor, n_tokens: int) -> None:
+        """The step's assignments per expert [E] and routed tokens, summed over microbatches and ranks."""
+        self.global_fraction = balance_fractions(counts, n_tokens, self.cfg.top_k)
+        self.global_tokens = int(n_tokens)
+
+    def _balance_loss(self, probs_TE: Tensor, counts_E: Tensor) -> Tensor | None:
+        if self.cfg.aux_loss_scope == "microbatch":
+            return switch_aux_loss(probs_TE, counts_E, self.cfg.top_k)
+        if self.global_fraction is None:
+            return None
+        return global_balance_share(probs_TE, self.global_fraction.to(probs_TE.device), self.global_tokens)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x_TD = x.reshape(-1, self.dim)
-        probs_TE, topk_idx_TK, gates_TK = self.route(x_TD)
+        logits_TE = self.router(x_TD)
+        probs_TE, topk_idx_TK, gates_TK = self.route(logits_TE)
         routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
         if self.cfg.token_rounding_tile > 1:
             routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
@@ -90,7 +118,8 @@ class MoE(nn.Module):
             out_TD = out_TD + self.shared_expert(x_TD)
         counts_E = routing.counts.detach()
         self.tokens_per_expert = counts_E
-        self.aux_loss = switch_aux_loss(probs_TE, counts_E, self.cfg.top_k)
+        self.aux_loss = self._balance_loss(probs_TE, counts_E)
+        self.router_z = router_z_loss(logits_TE) if self.cfg.z_loss_coef > 0 else None
         if self.training:
             with torch.no_grad():
                 self.load_since_update += counts_E.to(self.load_since_update.dtype)

@@ -1,10 +1,12 @@
-"""Choosing experts: router scores to top-k, the `Routing` record, token rounding, balance loss.
+"""Choosing experts: router scores to top-k, the `Routing` record, token rounding, router losses.
 
 The MoE layer (moe.py) turns router logits into a choice with `select_experts` (score function,
 top-k on the scores plus an optional choice-only bias, gate values optionally renormalised),
 groups that choice by expert with `routing_from_topk`, optionally rounds every expert's token
 count to a multiple of a GEMM tile with `round_routing`, and measures imbalance with
-`switch_aux_loss`. The expert computation (experts.py) consumes a `Routing`.
+`switch_aux_loss` (one microbatch) or `global_balance_share` (one microbatch's exact part of the
+balance loss of a whole step, given the step's expert shares), and router logit growth with
+`router_z_loss`. The expert computation (experts.py) consumes a `Routing`.
 
 Everything here is a pure function of tensors: no parameters, no module state, no GEMMs and no
 distributed code, and it imports no other model module.
@@ -153,3 +155,33 @@ def switch_aux_loss(probs: Tensor, counts: Tensor, top_k: int) -> Tensor:
     n_tokens, n_experts = probs.shape
     fraction_E = counts.to(probs.dtype) / max(n_tokens * top_k, 1)
     return n_experts * (fraction_E * probs.mean(dim=0)).sum()
+
+
+def balance_fractions(counts: Tensor, n_tokens: int | Tensor, top_k: int) -> Tensor:
+    """f_e: each expert's share of the n_tokens · top_k routed assignments counted in `counts` [..., E]."""
+    return counts.to(torch.float64) / max(float(n_tokens) * top_k, 1.0)
+
+
+def global_balance_share(probs: Tensor, fraction: Tensor, n_tokens_global: int | Tensor) -> Tensor:
+    """This microbatch's exact part of a whole step's balance loss E · Σ_e f_e · P_e.
+
+    The step's loss has f_e = `fraction` [E] (shares of all the step's assignments, every
+    microbatch and rank; no gradient) and P_e = mean probability of e over all n_tokens_global
+    routed tokens, so it is linear in the probabilities: it splits exactly into per-microbatch
+    terms E · Σ_e f_e · Σ_{t in microbatch} p_te / n_tokens_global, whose sum over microbatches and
+    ranks (and whose gradients, summed the same way) equal the whole-batch loss and gradient
+    however the batch is split. probs [T, E] are this microbatch's router probabilities.
+    """
+    n_experts = probs.shape[-1]
+    fraction_E = fraction.detach().to(probs.dtype)
+    return n_experts * (fraction_E * probs.sum(dim=0)).sum() / max(float(n_tokens_global), 1.0)
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """Per-token router z-loss logsumexp_e(logits_te)^2 (ST-MoE, arXiv 2202.08906, eq. 5), shape [T].
+
+    Computed in at least float32. The caller sums it over the tokens it counts and divides by the
+    step's token count, like the language-model loss, so accumulation stays exact.
+    """
+    logits_TE = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.logsumexp(logits_TE, dim=-1).square()

@@ -1,17 +1,20 @@
 """Decoder-only transformer: embedding, pre-norm blocks (attention + dense or MoE FFN), RMSNorm, LM head.
 
-The first `n_dense_layers` blocks use a dense SwiGLU feed-forward (`layers.FeedForward`), the rest
-an MoE layer (`moe.MoE`); attention, RoPE and document masking come from layers.py. Parameter
-names follow torchtitan (`tok_embeddings.weight`, `layers.{i}.attention.wq.weight`,
+The first `n_dense_layers` blocks (0: every block is MoE, as in Qwen3-MoE and OLMoE) use a dense
+SwiGLU feed-forward (`layers.FeedForward`), the rest an MoE layer (`moe.MoE`); attention, RoPE and
+document masking come from layers.py. Parameter names follow torchtitan (`tok_embeddings.weight`,
+`layers.{i}.attention.wq.weight`, `layers.{i}.attention.q_norm.weight`,
 `layers.{i}.feed_forward.w1.weight`, `layers.{i}.moe.experts.w1`, `norm.weight`, `output.weight`)
-so init schemes, sharding and checkpoints can match by name.
+so init schemes, sharding and checkpoints can match by name (interop/hf.py maps them to Hugging
+Face names).
 
 The model builds on any device, including `meta`; `init_weights()` fills every parameter and
-buffer (after `to_empty` when built on meta) through `init.init_model`. The MoE load bookkeeping
-(`aux_loss`, `tokens_per_expert`, `update_expert_bias`, `discard_pending_expert_load`) is exposed
-as model methods so callers never touch MoE buffers. It knows nothing about distribution: FSDP is
-applied from outside (`moetrain.parallel.shard`), the init code handles DTensor shards, and the
-cross-rank sum for the bias update is an injected callable.
+buffer (after `to_empty` when built on meta) through `init.init_model`. The MoE bookkeeping
+(`aux_loss`, `z_loss_sum`, `tokens_per_expert`, `set_global_balance`, `update_expert_bias`,
+`discard_pending_expert_load`) is exposed as model methods so callers never touch MoE state.
+It knows nothing about distribution: FSDP is applied from outside (`moetrain.parallel.shard`),
+the init code handles DTensor shards, and the cross-rank sums (the bias update's loads, the
+global-batch expert counts) happen outside.
 """
 
 from __future__ import annotations
@@ -68,12 +71,14 @@ class Transformer(nn.Module):
         return out
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
-                document_ids: Tensor | None = None) -> Tensor:
+                document_ids: Tensor | None = None, until_last_moe: bool = False) -> Tensor | None:
         """tokens [B, S] -> logits [B, S, V].
 
         `document_ids` [B, S] (contiguous runs of equal ids) restricts attention to earlier tokens of
         the same document. `positions` [B, S] are the RoPE positions; when omitted they are the
-        position inside each document if `document_ids` is given, else 0..S-1.
+        position inside each document if `document_ids` is given, else 0..S-1. `until_last_moe`
+        stops after the last MoE block and returns None: a routing-only pass that leaves every
+        MoE layer's `tokens_per_expert` set without paying for the later blocks and the LM head.
         """
         batch, seq = tokens.shape
         mask = None
@@ -90,8 +95,13 @@ class Transformer(nn.Module):
         elif positions.shape != tokens.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        last_moe = max((i for i, layer in enumerate(self.layers) if layer.is_moe), default=-1)
+        for i, layer in enumerate(self.layers):
             h = layer(h, positions, mask)
+            if until_last_moe and i == last_moe:
+                return None
+        if until_last_moe:
+            return None
         return self.output(self.norm(h))
 
     def moe_layers(self) -> list:
@@ -114,11 +124,47 @@ class Transformer(nn.Module):
             moe.load_since_update.zero_()
 
     def aux_loss(self) -> Tensor:
-        """Σ coef · aux over MoE layers of the last forward (0 when no layer uses the aux loss)."""
+        """Σ coef · balance loss over MoE layers of the last forward (0 when no layer uses the aux loss).
+
+        Under `aux_loss_scope = "global_batch"` each term is the last forward's exact part of the
+        step's loss (see `routing.global_balance_share`), which needs `set_global_balance` first.
+        """
         total = torch.zeros((), device=self.norm.weight.device)
         for moe in self.moe_layers():
-            if moe.cfg.load_balance == "aux_loss" and moe.aux_loss is not None:
-                total = total + moe.cfg.aux_loss_coef * moe.aux_loss
+            if moe.cfg.load_balance != "aux_loss":
+                continue
+            if moe.aux_loss is None:
+                if moe.tokens_per_expert is not None:  # a forward ran without the step's expert shares
+                    raise RuntimeError("aux_loss_scope = 'global_batch' needs the step's expert counts: call "
+                                       "set_global_balance (moetrain.train.global_balance) before the forward")
+                continue
+            total = total + moe.cfg.aux_loss_coef * moe.aux_loss
+        return total
+
+    def needs_global_balance(self) -> bool:
+        """Whether a step must measure its expert counts before the forwards that train on them."""
+        return any(moe.cfg.load_balance == "aux_loss" and moe.cfg.aux_loss_scope == "global_batch"
+                   and moe.cfg.aux_loss_coef > 0 for moe in self.moe_layers())
+
+    def set_global_balance(self, counts: Tensor, n_tokens: int) -> None:
+        """Give every MoE layer the step's assignments per expert ([n_moe_layers, E]) and routed-token count."""
+        for moe, counts_E in zip(self.moe_layers(), counts, strict=True):
+            moe.set_global_balance(counts_E, n_tokens)
+
+    def z_loss_sum(self, token_mask: Tensor | None = None) -> Tensor:
+        """Σ over MoE layers of coef · Σ over the last forward's tokens of the router z-loss.
+
+        `token_mask` [B, S] (bool) keeps the tokens the language-model loss counts, so dividing by
+        the same token count makes the z-loss token-weighted exactly like it. 0 when no layer uses it.
+        """
+        total = torch.zeros((), device=self.norm.weight.device)
+        for moe in self.moe_layers():
+            if moe.router_z is None:
+                continue
+            z_T = moe.router_z
+            if token_mask is not None:
+                z_T = torch.where(token_mask.reshape(-1), z_T, torch.zeros_like(z_T))
+            total = total + moe.cfg.z_loss_coef * z_T.sum()
         return total
 
     @torch.no_grad()

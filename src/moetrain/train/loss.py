@@ -1,6 +1,7 @@
 """Token-weighted language-model loss for exact gradient accumulation.
 
-The step objective is Σ(token losses over every rank and microbatch) / N_global,
+The step objective is Σ(token losses over every rank and microbatch) / N_global (+ the MoE
+router losses, `router_loss_terms`),
 where N_global counts valid targets (targets != ignore_index) over the whole step
 (`moetrain.parallel.grad_sync.count_global_tokens`). Each microbatch contributes
 its summed token loss divided by N_global, so the sum of microbatch gradients over
@@ -38,21 +39,40 @@ def token_loss_sum(
     return loss_sum, n_valid
 
 
+def router_loss_terms(
+    n_valid: int,
+    global_tokens: int,
+    aux_loss: torch.Tensor | float = 0.0,
+    z_loss_sum: torch.Tensor | float = 0.0,
+    aux_is_share: bool = False,
+) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    """(balance, z): one microbatch's parts of the step objective from the MoE router losses.
+
+    balance: the balance loss (already multiplied by its coefficient). A per-microbatch loss
+    (`aux_loss_scope = "microbatch"`) is weighted by the microbatch's share n_valid / global_tokens
+    of the step's valid tokens, so the step's term is the token-weighted mean of microbatch losses:
+    a microbatch with few tokens pushes the router as little as it pushes the LM loss, one with no
+    valid tokens not at all. A share of the step's global-batch loss (`aux_is_share`) is already in
+    step units and is taken as it is. z: the z-loss summed over the microbatch's valid tokens (with
+    its coefficient) over global_tokens, token-weighted exactly like the LM loss.
+    """
+    denominator = max(int(global_tokens), 1)
+    balance = aux_loss if aux_is_share else n_valid * aux_loss / denominator
+    return balance, z_loss_sum / denominator
+
+
 def microbatch_loss(
     loss_sum: torch.Tensor,
     n_valid: int,
     global_tokens: int,
     aux_loss: torch.Tensor | float = 0.0,
+    z_loss_sum: torch.Tensor | float = 0.0,
+    aux_is_share: bool = False,
 ) -> torch.Tensor:
     """The quantity to backward for one microbatch.
 
-    (loss_sum + n_valid · aux_loss) / global_tokens. The MoE auxiliary loss (already
-    multiplied by its coefficient, computed over this forward's tokens) is weighted by
-    the microbatch's share of the step's valid tokens, so the step's total aux term is
-    the token-weighted mean of per-microbatch aux losses: a microbatch with few tokens
-    pushes the router as little as it pushes the LM loss, one with no valid tokens not
-    at all. `global_tokens = 0` (a step with no valid target anywhere) gives an exact
-    0 loss instead of 0/0.
+    loss_sum / global_tokens + the router terms of `router_loss_terms`. `global_tokens = 0` (a step
+    with no valid target anywhere) gives an exact 0 language-model part instead of 0/0.
     """
-    denominator = max(int(global_tokens), 1)
-    return (loss_sum + n_valid * aux_loss) / denominator
+    balance, z = router_loss_terms(n_valid, global_tokens, aux_loss, z_loss_sum, aux_is_share)
+    return loss_sum / max(int(global_tokens), 1) + balance + z

@@ -52,6 +52,7 @@ class StepResult:
     all_to_all_s: float = 0.0
     all_to_all_rows_sent: int = 0
     all_to_all_rows_received: int = 0
+    z_loss: float = 0.0  # the router z-loss term (with its coefficient), apart from aux_loss
 
 
 class MetricsWriter:
@@ -147,6 +148,7 @@ def train_record(step: int, result: StepResult, window: list[StepResult], tokens
     record: dict[str, Any] = {
         "kind": "train", "step": step, "loss": result.loss,
         "loss_avg": sum(r.loss for r in window) / len(window), "aux_loss": result.aux_loss,
+        "z_loss": result.z_loss,
         "lr": result.lr, "grad_norm": result.grad_norm, "valid_tokens": result.global_tokens,
         "tokens_per_s": global_tokens_per_s,
         "tokens_per_s_per_rank": [tokens_per_rank_step / r[2] for r in per_rank_times],

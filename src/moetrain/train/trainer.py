@@ -5,10 +5,12 @@ the model on the meta device, parallelizes it (`moetrain.parallel.parallelize`),
 initialises it, and owns the optimizer, schedule and data loader.
 
 One step: take `grad_accum` microbatches from the loader, count the step's valid
-target tokens over all ranks (one all-reduce), run forward/backward per microbatch
-under the sync policy (`grad_sync.accumulation`), each microbatch's loss being its
-summed token loss (+ its token share of the MoE aux loss) over the global count;
-then one small all-reduce of [loss sum, aux sum, non-finite flag] — the time a rank
+target tokens over all ranks (one all-reduce), under the global-batch balance loss
+count the step's expert assignments (`global_balance`), run forward/backward per
+microbatch under the sync policy (`grad_sync.accumulation`), each microbatch's loss
+being its summed token loss over the global count plus its part of the MoE router
+losses (`loss.router_loss_terms`); then one small all-reduce of [loss sum, balance
+loss, z-loss, non-finite flag] — the time a rank
 spends in it is its wait for the slowest rank — clip by the global gradient norm,
 and step the optimizer unless the loss or norm is NaN/inf. Under expert parallelism
 the time in the MoE token all-to-alls is reported on its own (`all_to_all_s`, with the
@@ -30,6 +32,7 @@ from moetrain.config import JobConfig
 from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
+from moetrain.interop.hf import load_hf_weights
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.model.transformer import Transformer
@@ -38,7 +41,8 @@ from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.parallelize import parallelize_model
 from moetrain.train import checkpoint as ckpt
-from moetrain.train.loss import microbatch_loss, token_loss_sum
+from moetrain.train.global_balance import prepare_global_balance
+from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.metrics import StepResult, bits_per_byte, train_record
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
 
@@ -46,12 +50,18 @@ log = get_logger("train")
 
 
 def build_model(cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
-    """The model on meta, parallelized per `cfg`, materialised on `device` and initialised."""
+    """The model on meta, parallelized per `cfg`, materialised on `device` and initialised.
+
+    With `model.init_from = "hf:DIR"` the weights then come from that Hugging Face directory
+    (each rank reads its own shards; a one-line ConfigError when the architecture differs).
+    """
     with torch.device("meta"):
         model = Transformer(cfg.model)
     parallelize_model(model, mesh, cfg)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.train.seed)
+    if cfg.model.init_from is not None:
+        load_hf_weights(model, cfg.model.init_from)
     model.train()
     return model
 
@@ -131,16 +141,22 @@ class Trainer:
             self.all_to_all.take()  # what evaluation or sampling moved belongs to no step
         microbatches = [self.loader.next_batch(cfg.microbatch_size).to(self.device) for _ in range(cfg.grad_accum)]
         global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
+        prepare_global_balance(self.model, microbatches)
+        aux_is_share = self.cfg.model.moe.aux_loss_scope == "global_batch"
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
+        z_sum = torch.zeros((), dtype=torch.float64)
         expert_load = None
         for batch, _is_last in accumulation(self.model, microbatches, self.policy):
             logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
             mb_loss_sum, n_valid = token_loss_sum(logits, batch.targets)
             aux = self.model.aux_loss()
-            microbatch_loss(mb_loss_sum, n_valid, global_tokens, aux).backward()
+            z = self.model.z_loss_sum(batch.targets != IGNORE_INDEX)
+            microbatch_loss(mb_loss_sum, n_valid, global_tokens, aux, z, aux_is_share).backward()
             loss_sum += mb_loss_sum.detach().double().cpu()
-            aux_sum += float(n_valid) * aux.detach().double().cpu()
+            balance_term, z_term = router_loss_terms(n_valid, global_tokens, aux.detach(), z.detach(), aux_is_share)
+            aux_sum += torch.as_tensor(balance_term).double().cpu()
+            z_sum += torch.as_tensor(z_term).double().cpu()
             load = self.model.tokens_per_expert()
             if load is not None:
                 load = load.cpu().double()
@@ -151,15 +167,16 @@ class Trainer:
         # The first collective after the local work: how long this rank waits here is
         # how much earlier it finished than the slowest rank.
         wait_start = time.perf_counter()
-        local_finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(aux_sum))
-        summary = torch.stack([loss_sum, aux_sum, torch.tensor(0.0 if local_finite else 1.0, dtype=torch.float64)])
-        summary = all_reduce_sum(summary.to(self.device)).cpu()
+        local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
+        flag = torch.tensor(0.0 if local_finite else 1.0, dtype=torch.float64)
+        summary = all_reduce_sum(torch.stack([loss_sum, aux_sum, z_sum, flag]).to(self.device)).cpu()
         wait_s = time.perf_counter() - wait_start
         denominator = max(global_tokens, 1)
         loss = float(summary[0]) / denominator
-        aux_loss = float(summary[1]) / denominator
+        aux_loss = float(summary[1])
+        z_loss = float(summary[2])
         grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
-        finite = summary[2].item() == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
+        finite = summary[3].item() == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -170,7 +187,8 @@ class Trainer:
         self.step += 1
         self.tokens_seen += self.tokens_per_rank_step * self.world
         return StepResult(loss, aux_loss, grad_norm, lr, global_tokens, compute_s, wait_s,
-                          time.perf_counter() - start, not finite, expert_load, a2a_s, a2a_sent, a2a_received)
+                          time.perf_counter() - start, not finite, expert_load, a2a_s, a2a_sent, a2a_received,
+                          z_loss)
 
     def train_record(self, result: StepResult, window: list[StepResult]) -> dict[str, Any]:
         """The metrics record of the step just taken (collective: every rank calls it)."""

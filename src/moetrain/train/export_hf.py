@@ -1,0 +1,95 @@
+"""`moetrain export-hf --run RUN [--step N] --out DIR`: a training run's checkpoint as a Hugging Face directory.
+
+Reads the config the run stored, builds the model sharded over this invocation's ranks (the run's
+mesh and expert parallelism when they fit the world size, else plain FSDP over all ranks; one
+process works too), loads
+the checkpoint's model weights shard by shard and writes them with `moetrain.interop.hf.save_hf`:
+safetensors files with per-expert tensors, config.json and the run's tokenizer. No rank holds
+the whole model. Run it under `torchrun` to spread a large model over several processes.
+Everything is checked (family fits, checkpoint exists, output directory is new) before anything
+is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from moetrain.args import parse_typed_args
+from moetrain.errors import ConfigError
+from moetrain.interop.hf import check_output_dir, export_family, save_hf
+from moetrain.model.transformer import Transformer
+from moetrain.parallel.collectives import barrier, distributed
+from moetrain.parallel.mesh import build_mesh, init_distributed
+from moetrain.parallel.parallelize import parallelize_model
+from moetrain.train.checkpoint import CheckpointRef, latest_complete, list_complete, load_model_weights
+from moetrain.train.rundir import RunDir
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ExportOptions:
+    """Write a training run's checkpoint as a Hugging Face model directory (Qwen3-MoE or OLMoE family)."""
+
+    run: str  # run directory of a training job (its logging.run_dir)
+    out: str  # new directory to write (must not exist or be empty)
+    step: int | None = None  # checkpoint step; None = the newest complete checkpoint
+    dtype: Literal["float32", "bfloat16"] | None = None  # dtype of the written tensors; None = the parameters'
+
+
+def checkpoint_ref(run_dir: RunDir, step: int | None, run: str) -> CheckpointRef:
+    if step is None:
+        ref = latest_complete(run_dir.checkpoints)
+        if ref is None:
+            raise ConfigError(f"--run {run!r} has no complete checkpoint under {run_dir.checkpoints}")
+        return ref
+    refs = {r.step: r for r in list_complete(run_dir.checkpoints)}
+    if step not in refs:
+        raise ConfigError(f"--step {step} is invalid: --run {run!r} has complete checkpoints at steps "
+                          f"{sorted(refs) or 'none'}")
+    return refs[step]
+
+
+def export(args: ExportOptions) -> Path:
+    run_dir = RunDir(Path(args.run))
+    cfg = run_dir.load_config()
+    export_family(cfg.model)
+    ref = checkpoint_ref(run_dir, args.step, args.run)
+    check_output_dir(args.out)
+    owns_process_group = not distributed()
+    try:
+        _, world, device = init_distributed(cfg.parallel)
+        # Sharded parameters keep their own dtype whatever the compute policy: export them as stored.
+        parallel = dataclasses.replace(cfg.parallel, param_dtype="float32", reduce_dtype="float32", output_dtype=None)
+        try:
+            mesh = build_mesh(parallel, world, device.type)
+        except ConfigError:  # the run's mesh does not fit this world: plain FSDP over all of it
+            parallel = dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1, ep=1)
+            mesh = build_mesh(parallel, world, device.type)
+        layout = dataclasses.replace(cfg, parallel=parallel, train=dataclasses.replace(
+            cfg.train, activation_checkpointing=False, compile=False))
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        parallelize_model(model, mesh, layout)
+        model.to_empty(device=device)
+        model.init_weights(seed=cfg.train.seed)  # buffers; the weights come from the checkpoint
+        load_model_weights(ref, model)
+        out = save_hf(model, cfg, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)
+        if dist.get_rank() == 0:
+            print(f"wrote {out} from {ref.path} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
+        barrier()
+        return out
+    finally:
+        if owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    export(parse_typed_args(ExportOptions, argv, "moetrain export-hf"))
+    return 0

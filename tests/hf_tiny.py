@@ -1,0 +1,63 @@
+"""Tiny random Qwen3-MoE and OLMoE models from transformers' own config classes (nothing downloaded).
+
+`build(family, **overrides)` makes a float32 model in eval mode whose weights are all random
+(norm weights too, so a wrong QK-norm or RoPE permutation shows in the logits); `save(model, dir)`
+writes it with `save_pretrained` plus a byte-level tokenizer.json. Shared by the unit,
+distributed and end-to-end tests (tests/ is on sys.path through tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moetrain.data.tokenizer import write_byte_level_tokenizer
+
+VOCAB = 272  # the byte tokenizer's 259 ids fit; the rest are rows no token uses
+SPECIAL_IDS = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
+FAMILIES = ("qwen3_moe", "olmoe")
+
+
+def config(family: str, **overrides):
+    from transformers import OlmoeConfig, Qwen3MoeConfig
+
+    if family == "qwen3_moe":
+        fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, moe_intermediate_size=8,
+                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **SPECIAL_IDS)
+        fields.update(overrides)
+        return Qwen3MoeConfig(**fields)
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, max_position_embeddings=128,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **SPECIAL_IDS)
+    fields.update(overrides)
+    return OlmoeConfig(**fields)
+
+
+def build(family: str, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config(family, **overrides)).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def save(model, directory: str | Path) -> Path:
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    write_byte_level_tokenizer(directory / "tokenizer.json")
+    return directory
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|."""
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
