@@ -111,6 +111,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
     window: list[StepResult] = []
     run_start = time.perf_counter()
     steps_this_run = 0
+    consecutive_skips = 0
     try:
         redirect = logging_redirect_tqdm(loggers=[logging.getLogger("moetrain")]) if bar.active else nullcontext()
         with redirect:
@@ -118,8 +119,9 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                 result = trainer.train_step()
                 steps_this_run += 1
                 window.append(result)
+                consecutive_skips = consecutive_skips + 1 if result.skipped else 0
                 if result.skipped:
-                    _handle_nonfinite(trainer, result, metrics, checkpointer)
+                    _handle_nonfinite(trainer, result, metrics, checkpointer, consecutive_skips)
                 bar.update({"loss": f"{result.loss:.3f}", "lr": f"{result.lr:.1e}"})
                 if metrics.due(trainer.step):
                     record = trainer.train_record(result, window)
@@ -150,12 +152,16 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
 
 
 def _handle_nonfinite(trainer: Trainer, result: StepResult, metrics: MetricsWriter,
-                      checkpointer: Checkpointer) -> None:
+                      checkpointer: Checkpointer, consecutive_skips: int) -> None:
     what = f"step {trainer.step}: loss {result.loss} / grad norm {result.grad_norm} is not finite"
+    latest = checkpointer.latest()
+    where = f"newest complete checkpoint: step {latest.step}" if latest else "no checkpoint was written"
     if trainer.cfg.train.nan_policy == "stop":
-        latest = checkpointer.latest()
-        where = f"newest complete checkpoint: step {latest.step}" if latest else "no checkpoint was written"
         raise TrainingDiverged(f"{what}; stopping (train.nan_policy = 'stop'); {where}")
+    cap = trainer.cfg.train.max_consecutive_skips
+    if consecutive_skips >= cap:
+        raise TrainingDiverged(f"{what}; {consecutive_skips} non-finite steps in a row, giving up "
+                               f"(train.nan_policy = 'skip', train.max_consecutive_skips = {cap}); {where}")
     trainer.skipped_steps += 1
     metrics.write({"kind": "event", "event": "skipped_step", "step": trainer.step, "loss": result.loss,
                    "grad_norm": result.grad_norm, "skipped_steps": trainer.skipped_steps})
