@@ -36,6 +36,7 @@ from moetrain.parallel.collectives import barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.disk import no_space_left
 from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.train.rundir import RunDir
 from moetrain.train.sample import generate
@@ -79,7 +80,8 @@ def _start(trainer: Trainer, run_dir: RunDir, resume_from: ckpt.CheckpointRef | 
     if trainer.rank == 0:
         run_dir.root.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(run_dir.checkpoints)  # writes interrupted in an earlier run, never complete
-        run_dir.config.write_text(json.dumps(trainer.cfg.to_dict(), indent=2))
+        with no_space_left(run_dir.config, "run config"):
+            run_dir.config.write_text(json.dumps(trainer.cfg.to_dict(), indent=2))
         if resume_from is None and run_dir.metrics.exists():
             run_dir.metrics.unlink()  # no checkpoint: nothing of that run can continue
     setup_logging(log_dir=run_dir.logs if trainer.cfg.logging.all_ranks_to_files else None)
@@ -134,7 +136,8 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                     metrics.write({"kind": "eval", "step": trainer.step, **ev})
                     log.info("step %d | held-out loss %.4f | %.4f bits/byte", trainer.step, ev["heldout_loss"],
                              ev["heldout_bpb"])
-                saved = checkpointer.maybe_save(trainer.step, trainer)
+                with no_space_left(run_dir.checkpoints, "checkpoint"):
+                    saved = checkpointer.maybe_save(trainer.step, trainer)
                 if saved is not None:
                     log.info("checkpoint saved: %s", saved.path)
         bar.close()
