@@ -37,6 +37,7 @@ from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.disk import no_space_left
+from moetrain.train.memory_check import refuse_if_too_big
 from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.train.rundir import RunDir
 from moetrain.train.sample import generate
@@ -47,6 +48,7 @@ log = get_logger("train")
 
 def run(cfg: JobConfig) -> dict[str, Any]:
     """Train per `cfg`; return the final record (rank 0's view)."""
+    refuse_if_too_big(cfg)  # before reading data or allocating anything
     data = load_training_data(cfg)
     owns_process_group = not distributed()
     completed = False
