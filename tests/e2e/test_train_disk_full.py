@@ -1,7 +1,8 @@
 """A full disk while writing metrics or a checkpoint: one line with "no space left" and the path, exit 2.
 
 The disk is filled in-process: writes to the chosen files go through a file object that
-stores half of the data, then raises OSError(ENOSPC) as a full file system does.
+stores half of the data, then raises OSError(ENOSPC) as a full file system does; and, where
+a tmpfs can be mounted, on a really full file system.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import errno
 import json
 import pathlib
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -102,3 +105,30 @@ def test_full_disk_while_writing_metrics_is_one_line_and_leaves_whole_records(jo
     assert str(run_dir / "metrics.jsonl") in line, line
     records = _records_parse(run_dir)  # the half-written record was cut off
     assert len(records) == allowed_writes
+
+
+@pytest.fixture
+def tiny_file_system(tmp_path):
+    """A 2 MiB tmpfs (needs the right to mount, i.e. root in a container; skipped otherwise)."""
+    mount_point = tmp_path / "tmpfs"
+    mount_point.mkdir()
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_really_full_file_system_during_a_checkpoint(job_args, tiny_file_system, capsys):
+    # Leave 64 KiB: room for the config and the metrics, not for the ~0.5 MB checkpoint. On a real
+    # full disk torch.save fails inside its zip writer with a RuntimeError, not an ENOSPC OSError.
+    filler = tiny_file_system / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(tiny_file_system).free - 64 * 1024))
+    run_dir = tiny_file_system / "run"
+    assert cli.main(["train", *job_args(run_dir, train__steps=2, checkpoint__every=2, train__eval_every=0)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"no space left on device writing the checkpoint '{run_dir / 'checkpoints'}'" in line, line
+    assert list_complete(run_dir / "checkpoints") == []
+    assert [r["step"] for r in _records_parse(run_dir) if r["kind"] == "train"] == [1, 2]
