@@ -72,3 +72,25 @@ def test_refusal_depends_on_the_memory_and_the_ranks_sharing_it(monkeypatch):
     with pytest.raises(ConfigError, match=r"shared by 2 ranks") as err:
         memory_check.refuse_if_too_big(parse_job_args([*SMALL, "--parallel.dp_replicate", "2"]))
     assert "\n" not in str(err.value)
+
+
+def test_on_cuda_each_rank_is_compared_with_one_device(monkeypatch):
+    need = estimate_training_memory(parse_job_args([*SMALL, "--train.microbatch_size", "4096"])).total
+
+    class Properties:
+        total_memory = need - 1
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: asked.append(index) or Properties())
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    # HSDP 16 x 1: every rank holds the whole model, as in the 1-rank estimate.
+    hsdp = parse_job_args([*SMALL, "--parallel.device", "cuda", "--train.microbatch_size", "4096",
+                           "--parallel.dp_replicate", "16"])
+    with pytest.raises(ConfigError, match=r"of this CUDA device \(train.microbatch_size = 4096") as err:
+        memory_check.refuse_if_too_big(hsdp)
+    assert asked == [5] and "shared by" not in str(err.value)
+    Properties.total_memory = need
+    assert memory_check.refuse_if_too_big(hsdp).total == need
