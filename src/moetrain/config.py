@@ -11,6 +11,7 @@ by `check_world_size` once the world is known.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -80,6 +81,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_scheme: InitScheme = "llama"
+    # olmo-megatron only: embedding std init_std·sqrt(dim) instead of init_std (OLMo's `scale_emb_init`).
+    init_scale_embedding: bool = False
     # Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors, and every
     # architecture field above must agree with its config.json (moetrain.interop.hf). None = init_scheme.
     init_from: str | None = None
@@ -144,6 +147,9 @@ class TrainConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     nan_policy: Literal["skip", "stop"] = "stop"
+    # nan_policy = "skip": this many non-finite steps in a row end the run (TrainingDiverged);
+    # a run that keeps producing NaN is not recovering, and skipping forever only burns compute.
+    max_consecutive_skips: int = 10
     eval_every: int = 100
     eval_batches: int = 8
     peak_flops: float = 1e12
@@ -198,7 +204,25 @@ def _check(ok: bool, name: str, value: Any, valid: str) -> None:
         raise ConfigError(f"{name} = {value!r} is invalid: {valid}")
 
 
+def _check_field_types(obj: Any, prefix: str = "") -> None:
+    # Generic checks over every field, so a new field is covered without being listed: a float must
+    # be finite (TOML and tyro both accept inf and nan), and an integer field must not hold a
+    # boolean (bool is an int subclass, so `steps = true` would otherwise train 1 step).
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_field_types(value, name + ".")
+            continue
+        allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
+        if isinstance(value, bool) and bool not in allowed:
+            raise ConfigError(f"{name} = {value!r} has the wrong type: expected {_type_name(hints[f.name])}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name} = {value!r} is invalid: must be a finite number")
+
+
 def _validate(cfg: JobConfig) -> None:
+    _check_field_types(cfg)
     m, moe, p, d, t, c, lg = cfg.model, cfg.model.moe, cfg.parallel, cfg.data, cfg.train, cfg.checkpoint, cfg.logging
     positive = {
         "model.vocab_size": m.vocab_size, "model.dim": m.dim, "model.n_layers": m.n_layers,
@@ -207,7 +231,8 @@ def _validate(cfg: JobConfig) -> None:
         "model.moe.expert_hidden": moe.expert_hidden, "model.moe.token_rounding_tile": moe.token_rounding_tile,
         "parallel.dp_replicate": p.dp_replicate, "parallel.ep": p.ep, "data.seq_len": d.seq_len, "train.steps": t.steps,
         "train.microbatch_size": t.microbatch_size, "train.grad_accum": t.grad_accum,
-        "train.eval_batches": t.eval_batches, "checkpoint.every": c.every, "checkpoint.keep_last": c.keep_last,
+        "train.eval_batches": t.eval_batches, "train.max_consecutive_skips": t.max_consecutive_skips,
+        "checkpoint.every": c.every, "checkpoint.keep_last": c.keep_last,
         "logging.log_every": lg.log_every,
     }
     for name, value in positive.items():
@@ -272,6 +297,8 @@ def _validate(cfg: JobConfig) -> None:
     _check(bool(lg.run_dir), "logging.run_dir", lg.run_dir, "must be a non-empty path")
     schemes = typing.get_args(InitScheme)
     _check(m.init_scheme in schemes, "model.init_scheme", m.init_scheme, f"valid schemes: {', '.join(schemes)}")
+    _check(not m.init_scale_embedding or m.init_scheme == "olmo-megatron", "model.init_scale_embedding",
+           m.init_scale_embedding, f"only the 'olmo-megatron' scheme has it (model.init_scheme = {m.init_scheme!r})")
 
 
 def _check_tokenizer_travels(model_dir: str, tokenizer: str) -> None:
@@ -350,11 +377,19 @@ def _type_name(tp: Any) -> str:
 def load(path: str | Path) -> JobConfig:
     """Load and validate a TOML config file."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; pass a TOML file")
+    if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r} is unreadable ({err.strerror or type(err).__name__})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (bad byte at offset {err.start})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
     return from_dict(data).validate()
 

@@ -65,3 +65,44 @@ def test_stop_policy_ends_with_one_line_and_keeps_the_last_good_checkpoint(job_a
     assert "step 3: loss nan" in err_lines[0] and "newest complete checkpoint: step 2" in err_lines[0]
     assert [r.step for r in list_complete(run_dir / "checkpoints")] == [2]
     assert not any(p.name.startswith(".tmp-") for p in (run_dir / "checkpoints").iterdir())
+
+
+def _poison_steps(monkeypatch, steps: set[int], grad_accum: int = 2) -> None:
+    """Make the first microbatch loss of each step in `steps` NaN."""
+    real = loss_module.token_loss_sum
+    calls = {"n": 0}
+
+    def token_loss_sum(logits, targets, ignore_index=-100):
+        calls["n"] += 1
+        loss_sum, n_valid = real(logits, targets, ignore_index)
+        step, microbatch = divmod(calls["n"] - 1, grad_accum)
+        return (loss_sum * float("nan") if step + 1 in steps and microbatch == 0 else loss_sum), n_valid
+
+    monkeypatch.setattr(trainer_module, "token_loss_sum", token_loss_sum)
+
+
+def test_skip_policy_gives_up_after_max_consecutive_skips(job_args, tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "endless"
+    _poison_steps(monkeypatch, {3, 4, 5, 6})
+    argv = job_args(run_dir, train__steps=6, checkpoint__every=2, train__eval_every=0, data__heldout_fraction=0,
+                    train__nan_policy="skip", train__max_consecutive_skips=2)
+    assert cli.main(["train", *argv]) == 1
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moetrain: error:")]
+    assert len(err_lines) == 1, err_lines
+    assert ("step 4: loss nan" in err_lines[0] and "2 non-finite steps in a row, giving up" in err_lines[0]
+            and "train.max_consecutive_skips = 2" in err_lines[0] and "newest complete checkpoint: step 2"
+            in err_lines[0]), err_lines[0]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "skipped_step"] == [3]
+    assert [r.step for r in list_complete(run_dir / "checkpoints")] == [2]
+
+
+def test_skips_that_are_not_consecutive_do_not_count_towards_the_cap(job_args, tmp_path, monkeypatch):
+    run_dir = tmp_path / "intermittent"
+    _poison_steps(monkeypatch, {2, 4, 6})
+    argv = job_args(run_dir, train__steps=6, checkpoint__every=3, train__eval_every=0, data__heldout_fraction=0,
+                    train__nan_policy="skip", train__max_consecutive_skips=2)
+    assert cli.main(["train", *argv]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "skipped_step"] == [2, 4, 6]
+    assert records[-1]["kind"] == "final" and records[-1]["skipped_steps"] == 3

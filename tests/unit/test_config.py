@@ -1,5 +1,7 @@
 """Config loading, overrides and validation: every bad input is one ConfigError line."""
 
+import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +49,10 @@ BAD_OVERRIDES = [
     (["--model.moe.token_rounding_tile", "0"], "token_rounding_tile"),
     (["--train.grad_clip", "-1"], "train.grad_clip"),
     (["--model.moe.aux_loss_coef", "-0.5"], "aux_loss_coef"),
+    (["--train.lr", "inf"], "train.lr = inf is invalid: must be a finite number"),
+    (["--model.moe.aux_loss_coef", "inf"], "model.moe.aux_loss_coef = inf is invalid"),
+    (["--train.max_consecutive_skips", "0"], "train.max_consecutive_skips"),
+    (["--model.init_scale_embedding", "True"], "model.init_scale_embedding"),
 ]
 
 
@@ -65,13 +71,20 @@ BAD_TOML = [
     ("[train]\nlr = true\n", "train.lr"),
     ("[model.moe]\ntop_k = 2.5\n", "model.moe.top_k"),
     ("[train\nsteps = 3\n", "not valid TOML"),
+    ("[train]\nsteps = true\n", "train.steps = True has the wrong type: expected int"),
+    ("[model]\nn_kv_heads = false\n", "model.n_kv_heads = False has the wrong type"),
+    ("[train]\nlr = inf\n", "train.lr = inf is invalid: must be a finite number"),
+    ("[model.moe]\naux_loss_coef = -inf\n", "model.moe.aux_loss_coef = -inf is invalid"),
+    ("[train]\nbeta1 = nan\n", "train.beta1 = nan is invalid"),
+    ("[train]\nlr = 1e400\n", "train.lr = inf is invalid"),
+    (b"[train]\nsample_prompt = 'caf\xe9'\n", "is not UTF-8 text"),
 ]
 
 
 @pytest.mark.parametrize("text,needle", BAD_TOML)
 def test_bad_toml_is_one_line(tmp_path, text, needle):
     path = tmp_path / "bad.toml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ConfigError) as info:
         load(path)
     assert needle in str(info.value) and "\n" not in str(info.value)
@@ -86,6 +99,42 @@ def test_int_accepted_for_float_field(tmp_path):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load("configs/does-not-exist.toml")
+
+
+def test_every_float_field_is_checked_for_inf_and_nan():
+    # Generic: every float field of the tree, including ones no range check names.
+    def float_fields(obj, prefix=""):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from float_fields(value, f"{prefix}{f.name}.")
+            elif "float" in str(f.type):
+                yield f"{prefix}{f.name}"
+
+    names = list(float_fields(JobConfig()))
+    assert {"train.lr", "model.moe.aux_loss_coef", "train.peak_flops", "model.clip_qkv"} <= set(names)
+    for name in names:
+        for bad in ("inf", "-inf", "nan"):
+            with pytest.raises(ConfigError, match=f"^{re.escape(name)} = .* must be a finite number$"):
+                parse_job_args(["--config", TINY, f"--{name}", bad])
+
+
+def test_config_path_that_is_a_directory_or_unreadable(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"is a directory; pass a TOML file$"):
+        load(tmp_path)
+    path = tmp_path / "locked.toml"
+    path.write_text("[train]\nsteps = 3\n")
+    real_read_text = Path.read_text
+
+    def read_text(self: Path, *args, **kwargs) -> str:
+        # Permission bits do not stop root, so simulate the failure at the read itself.
+        if self.name == "locked.toml":
+            raise PermissionError(13, "Permission denied")
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    with pytest.raises(ConfigError, match=r"^config file '.*locked.toml' is unreadable \(Permission denied\)$"):
+        load(path)
 
 
 @pytest.mark.parametrize("replicate,shard,world,expected", [(1, -1, 4, (1, 4)), (2, 2, 4, (2, 2)), (4, -1, 4, (4, 1)),

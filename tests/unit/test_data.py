@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -109,6 +110,30 @@ def test_unreadable_file_errors_or_is_skipped(tmp_path, monkeypatch):
         load_corpus(DataConfig(source="dir", path=str(tmp_path)))
     corpus = load_corpus(DataConfig(source="dir", path=str(tmp_path), skip_bad_files=True, heldout_fraction=0))
     assert [d.name for d in corpus.train] == ["good.txt"]
+
+
+def test_non_utf8_file_name_errors_or_is_skipped_with_a_warning(tmp_path, caplog):
+    (tmp_path / "good.txt").write_text("fine text")
+    (Path(os.fsdecode(bytes(tmp_path))) / os.fsdecode(b"caf\xe9.txt")).write_text("named in latin-1")
+    with pytest.raises(ConfigError, match=r"^data file name 'caf\\xe9.txt' is not valid UTF-8; rename it") as err:
+        load_corpus(DataConfig(source="dir", path=str(tmp_path)))
+    assert "\n" not in str(err.value)
+    corpus = load_corpus(DataConfig(source="dir", path=str(tmp_path), skip_bad_files=True, heldout_fraction=0))
+    assert [d.name for d in corpus.train] == ["good.txt"]
+    assert "skipping data file name 'caf\\xe9.txt' is not valid UTF-8" in caplog.text
+
+
+def test_symlink_loops_are_skipped_with_a_warning(tmp_path, caplog):
+    (tmp_path / "good.txt").write_text("fine text")
+    (tmp_path / "self").symlink_to("self")
+    (tmp_path / "ping").symlink_to("pong")
+    (tmp_path / "pong").symlink_to("ping")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "up").symlink_to("..")  # a directory cycle: globbing must not descend forever
+    corpus = load_corpus(DataConfig(source="dir", path=str(tmp_path), glob="**/*", heldout_fraction=0))
+    assert [d.name for d in corpus.train] == ["good.txt"]
+    warned = sorted(r.getMessage() for r in caplog.records if "symbolic link loop" in r.getMessage())
+    assert warned == [f"skipping data file '{name}': it is a symbolic link loop" for name in ("ping", "pong", "self")]
 
 
 def test_all_empty_documents_is_an_error(tmp_path):

@@ -74,7 +74,25 @@ def test_depth_dependence_of_the_schemes_in_closed_form(tiny_cfg):
     assert sigma("olmo-mitchell", "layers.1.moe.experts.w2") == pytest.approx(1 / math.sqrt(2 * 128 * 2))
     assert sigma("neox", wo) == pytest.approx(2 / 4 / math.sqrt(256))
     assert sigma("neox", "layers.0.attention.wq.weight") == pytest.approx(math.sqrt(2 / (5 * 256)))
-    assert sigma("olmo-megatron", "tok_embeddings.weight") == pytest.approx(0.02 * 16)
+    assert sigma("olmo-megatron", "tok_embeddings.weight") == pytest.approx(0.02)  # OLMo main: no sqrt(d)
+
+
+@pytest.mark.parametrize("scale, sigma", [(False, 0.02), (True, 0.02 * math.sqrt(256))])
+def test_olmo_megatron_embedding_is_002_unless_scaled(scale, sigma):
+    # OLMo main's full_megatron: wte std = init_std, times sqrt(d_model) only with scale_emb_init; ±3σ.
+    cfg = load(TINY).model
+    cfg.init_scheme, cfg.init_scale_embedding = "olmo-megatron", scale
+    weight = build_initialised(cfg, "olmo-megatron").tok_embeddings.weight.detach().double()
+    truncated_std = sigma * math.sqrt(1 - 2 * 3 * math.exp(-4.5) / math.sqrt(2 * math.pi) / math.erf(3 / math.sqrt(2)))
+    assert abs(weight.std().item() / truncated_std - 1) < 0.02
+    assert weight.abs().max().item() <= 3 * sigma
+    # Every other parameter is the same with or without the flag.
+    assert get_scheme("olmo-megatron", scale).rules["qkv"] is get_scheme("olmo-megatron").rules["qkv"]
+
+
+def test_scaled_embedding_belongs_to_olmo_megatron_only():
+    with pytest.raises(ConfigError, match=r"model.init_scale_embedding = True is invalid with init scheme 'llama'"):
+        get_scheme("llama", scale_embedding=True)
 
 
 def test_truncated_std_formula_and_cutoff_against_sampling():

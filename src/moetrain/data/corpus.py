@@ -15,13 +15,17 @@ Documents are sorted by name so the order never depends on the file system. The
 held-out set is chosen by a hash of each document's name, so a document stays on
 the same side when others are added or removed. Bad files (unreadable, not UTF-8)
 raise a one-line ConfigError, or are skipped with a warning when
-`data.skip_bad_files` is set. This module reads text; it does not tokenize.
+`data.skip_bad_files` is set; so are file names that are not UTF-8 (a document's name
+is hashed as UTF-8 for the split). A symbolic link that loops is never a document:
+it is skipped with a warning line. This module reads text; it does not tokenize.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,10 +76,50 @@ def _read_text(path: Path, name: str, skip_bad: bool) -> str | None:
     raise ConfigError(f"{problem}; fix or remove it, or set --data.skip_bad_files True to skip such files")
 
 
+def _printable_name(name: str) -> str:
+    """A file name as text even when its bytes are not UTF-8 (undecodable bytes shown as \\xNN)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def _utf8_name(name: str, skip_bad: bool) -> bool:
+    """Whether a file name is valid UTF-8; a bad one raises ConfigError or, when skipping, warns."""
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        problem = f"data file name '{_printable_name(name)}' is not valid UTF-8"
+    if skip_bad:
+        get_logger("data").warning("skipping %s", problem)
+        return False
+    raise ConfigError(f"{problem}; rename it, or set --data.skip_bad_files True to skip such files")
+
+
+def _is_symlink_loop(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as err:
+        return err.errno == errno.ELOOP
+    return False
+
+
+def _files_under(root: Path, pattern: str) -> list[Path]:
+    """The regular files under `root` matching `pattern`; symbolic-link loops skipped with a warning."""
+    files = []
+    for path in root.glob(pattern):
+        if path.is_file():
+            files.append(path)
+        elif path.is_symlink() and _is_symlink_loop(path):
+            get_logger("data").warning("skipping data file '%s': it is a symbolic link loop",
+                                       _printable_name(path.relative_to(root).as_posix()))
+    return files
+
+
 def _file_documents(root: Path, files: list[Path], skip_bad: bool) -> list[Document]:
     documents = []
     for path in files:
         name = path.relative_to(root).as_posix()
+        if not _utf8_name(name, skip_bad):
+            continue
         text = _read_text(path, name, skip_bad)
         if text is not None:
             documents.append(Document(name, text))
@@ -94,7 +138,7 @@ def directory_documents(cfg: DataConfig) -> list[Document]:
     root = Path(cfg.path or "")
     if not root.is_dir():
         raise ConfigError(f"data.path = {cfg.path!r} is not a directory (data.source = 'dir')")
-    files = sorted((f for f in root.glob(cfg.glob) if f.is_file()), key=lambda f: f.relative_to(root).as_posix())
+    files = sorted(_files_under(root, cfg.glob), key=lambda f: f.relative_to(root).as_posix())
     if not files:
         raise ConfigError(f"data.path = {cfg.path!r} has no files matching data.glob = {cfg.glob!r}")
     return _file_documents(root, files, cfg.skip_bad_files)

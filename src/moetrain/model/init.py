@@ -24,6 +24,7 @@ so a config validates without importing the model; a test keeps the two in step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Mapping
@@ -241,19 +242,26 @@ def _olmo_mitchell() -> Scheme:
 
 
 def _olmo_megatron() -> Scheme:
-    """OLMo 1 `full_megatron`: inputs 0.02, block outputs 0.02/sqrt(2L), embedding 0.02·sqrt(d), LM head d^-0.5.
+    """OLMo `full_megatron`: inputs 0.02, block outputs 0.02/sqrt(2L), embedding 0.02, LM head d^-0.5, ±3σ.
 
-    Source: allenai/OLMo olmo/initialization.py @ce5f30d56e90f85d87e2fc8b9158dffe442c0fbd (`full_megatron`:
-    in_module std=init_std; out_module init_std/sqrt(2·n_layers); emb init_std·sqrt(d_model);
-    final_out d_model^-0.5; all trunc_normal cut at ±cutoff_factor·std with cutoff_factor 3 by default).
-    Router and expert gate/up are "in" modules, expert down an "out" module (moetrain's extension).
+    Source: allenai/OLMo main branch, olmo/model.py @59a53e3f68e546330ca5a99ec626e58f9ab96494:
+    `OLMo.reset_parameters` (full_megatron: wte_std = init_std, multiplied by sqrt(d_model) only when
+    `scale_emb_init` is set, default False, and replaced by `emb_init_std` when given; ff_out
+    d_model^-0.5; cutoff init_cutoff_factor or 3), `OLMoBlock.reset_parameters` (attn_out and ff_out
+    init_std/sqrt(2·n_layers)), `OLMoSequentialBlock.reset_parameters` (att_proj, ff_proj init_std);
+    `init_normal` in olmo/initialization.py truncates at ±cutoff_factor·std. init_std defaults to 0.02.
+    `model.init_scale_embedding = True` is `scale_emb_init` (embedding 0.02·sqrt(d)). Router and expert
+    gate/up are "in" modules, expert down an "out" module (moetrain's extension).
     """
     inputs, outputs = _trunc(*STD_002), _trunc(*STD_DEPTH_TOTAL)
     rules = {kind: inputs for kind in KINDS}
-    rules.update(attn_out=outputs, ffn_down=outputs, expert_down=outputs,
-                 embedding=_trunc("0.02·sqrt(d)", lambda D: 0.02 * math.sqrt(D.d)),
+    rules.update(attn_out=outputs, ffn_down=outputs, expert_down=outputs, embedding=_trunc(*STD_002),
                  lm_head=_trunc(*STD_INV_SQRT_D), norm=ONES)
     return Scheme("olmo-megatron", _olmo_megatron.__doc__ or "", rules)
+
+
+# OLMo's `scale_emb_init` (model.init_scale_embedding), the one option a catalog scheme takes.
+SCALED_EMBEDDING = _trunc("0.02·sqrt(d)", lambda D: 0.02 * math.sqrt(D.d))
 
 
 def _gpt2_like(name: str, doc: str) -> Scheme:
@@ -315,10 +323,17 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     _gpt2(), _megatron(), _neox())}
 
 
-def get_scheme(name: str) -> Scheme:
+def get_scheme(name: str, scale_embedding: bool = False) -> Scheme:
+    """The catalog scheme `name`; `scale_embedding` (olmo-megatron only) scales its embedding std by sqrt(d)."""
     if name not in SCHEMES:
         raise ConfigError(f"init scheme {name!r} is unknown; valid schemes: {', '.join(SCHEMES)}")
-    return SCHEMES[name]
+    scheme = SCHEMES[name]
+    if not scale_embedding:
+        return scheme
+    if name != "olmo-megatron":
+        raise ConfigError(f"model.init_scale_embedding = True is invalid with init scheme {name!r}: only "
+                          "'olmo-megatron' has it")
+    return dataclasses.replace(scheme, rules={**scheme.rules, "embedding": SCALED_EMBEDDING})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,8 +486,8 @@ def single_cpu_thread():
 
 def init_model(model: nn.Module, scheme_name: str, seed: int = 0) -> None:
     """Initialise every parameter of a `Transformer` (plain or FSDP-sharded) and reset its buffers."""
-    scheme = get_scheme(scheme_name)
     cfg: ModelConfig = model.cfg
+    scheme = get_scheme(scheme_name, cfg.init_scale_embedding)
     with single_cpu_thread():
         for name, param in model.named_parameters():
             canonical = canonical_name(name)

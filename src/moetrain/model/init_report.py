@@ -44,7 +44,7 @@ class Options:
 
 def report_rows(model: nn.Module, scheme_name: str) -> list[dict]:
     """Intended vs measured distribution of every parameter (fused expert weights: one row per half)."""
-    scheme = get_scheme(scheme_name)
+    scheme = get_scheme(scheme_name, model.cfg.init_scale_embedding)
     rows = []
     with single_cpu_thread():
         _collect_rows(model, scheme, rows)
@@ -80,7 +80,7 @@ def _collect_rows(model: nn.Module, scheme: Scheme, rows: list[dict]) -> None:
 
 def build_initialised(cfg: ModelConfig, scheme_name: str, seed: int = 0) -> Transformer:
     """A `Transformer(cfg)` built on meta, materialised on the CPU and initialised with a scheme."""
-    get_scheme(scheme_name)
+    get_scheme(scheme_name, cfg.init_scale_embedding)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     options = parse_typed_args(Options, argv, "moetrain init-report", bool_flags=True)
     cfg = load(options.config) if options.config else JobConfig().validate()
     scheme = options.scheme or cfg.model.init_scheme
-    get_scheme(scheme)
+    get_scheme(scheme, cfg.model.init_scale_embedding)
     seed = cfg.train.seed if options.seed is None else options.seed
     rows = report_rows(build_initialised(cfg.model, scheme, seed), scheme)
     if options.json:

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from moetrain.errors import ConfigError
+from moetrain.train.disk import append_line, no_space_left
 from moetrain.train.rundir import METRICS_FILE
 
 LN2 = math.log(2.0)
@@ -77,8 +78,8 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record, allow_nan=True) + "\n")
+        with no_space_left(self.path, "metrics file"):
+            append_line(self.path, json.dumps(record, allow_nan=True))
         if self._tb is not None and "step" in record:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":

@@ -36,6 +36,8 @@ from moetrain.parallel.collectives import barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.disk import no_space_left
+from moetrain.train.memory_check import refuse_if_too_big
 from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.train.rundir import RunDir
 from moetrain.train.sample import generate
@@ -46,6 +48,7 @@ log = get_logger("train")
 
 def run(cfg: JobConfig) -> dict[str, Any]:
     """Train per `cfg`; return the final record (rank 0's view)."""
+    refuse_if_too_big(cfg)  # before reading data or allocating anything
     data = load_training_data(cfg)
     owns_process_group = not distributed()
     completed = False
@@ -79,7 +82,8 @@ def _start(trainer: Trainer, run_dir: RunDir, resume_from: ckpt.CheckpointRef | 
     if trainer.rank == 0:
         run_dir.root.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(run_dir.checkpoints)  # writes interrupted in an earlier run, never complete
-        run_dir.config.write_text(json.dumps(trainer.cfg.to_dict(), indent=2))
+        with no_space_left(run_dir.config, "run config"):
+            run_dir.config.write_text(json.dumps(trainer.cfg.to_dict(), indent=2))
         if resume_from is None and run_dir.metrics.exists():
             run_dir.metrics.unlink()  # no checkpoint: nothing of that run can continue
     setup_logging(log_dir=run_dir.logs if trainer.cfg.logging.all_ranks_to_files else None)
@@ -111,6 +115,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
     window: list[StepResult] = []
     run_start = time.perf_counter()
     steps_this_run = 0
+    consecutive_skips = 0
     try:
         redirect = logging_redirect_tqdm(loggers=[logging.getLogger("moetrain")]) if bar.active else nullcontext()
         with redirect:
@@ -118,8 +123,9 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                 result = trainer.train_step()
                 steps_this_run += 1
                 window.append(result)
+                consecutive_skips = consecutive_skips + 1 if result.skipped else 0
                 if result.skipped:
-                    _handle_nonfinite(trainer, result, metrics, checkpointer)
+                    _handle_nonfinite(trainer, result, metrics, checkpointer, consecutive_skips)
                 bar.update({"loss": f"{result.loss:.3f}", "lr": f"{result.lr:.1e}"})
                 if metrics.due(trainer.step):
                     record = trainer.train_record(result, window)
@@ -132,7 +138,8 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                     metrics.write({"kind": "eval", "step": trainer.step, **ev})
                     log.info("step %d | held-out loss %.4f | %.4f bits/byte", trainer.step, ev["heldout_loss"],
                              ev["heldout_bpb"])
-                saved = checkpointer.maybe_save(trainer.step, trainer)
+                with no_space_left(run_dir.checkpoints, "checkpoint"):
+                    saved = checkpointer.maybe_save(trainer.step, trainer)
                 if saved is not None:
                     log.info("checkpoint saved: %s", saved.path)
         bar.close()
@@ -150,12 +157,16 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
 
 
 def _handle_nonfinite(trainer: Trainer, result: StepResult, metrics: MetricsWriter,
-                      checkpointer: Checkpointer) -> None:
+                      checkpointer: Checkpointer, consecutive_skips: int) -> None:
     what = f"step {trainer.step}: loss {result.loss} / grad norm {result.grad_norm} is not finite"
+    latest = checkpointer.latest()
+    where = f"newest complete checkpoint: step {latest.step}" if latest else "no checkpoint was written"
     if trainer.cfg.train.nan_policy == "stop":
-        latest = checkpointer.latest()
-        where = f"newest complete checkpoint: step {latest.step}" if latest else "no checkpoint was written"
         raise TrainingDiverged(f"{what}; stopping (train.nan_policy = 'stop'); {where}")
+    cap = trainer.cfg.train.max_consecutive_skips
+    if consecutive_skips >= cap:
+        raise TrainingDiverged(f"{what}; {consecutive_skips} non-finite steps in a row, giving up "
+                               f"(train.nan_policy = 'skip', train.max_consecutive_skips = {cap}); {where}")
     trainer.skipped_steps += 1
     metrics.write({"kind": "event", "event": "skipped_step", "step": trainer.step, "loss": result.loss,
                    "grad_norm": result.grad_norm, "skipped_steps": trainer.skipped_steps})

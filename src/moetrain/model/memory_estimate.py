@@ -1,0 +1,85 @@
+"""Training memory per rank estimated from the config alone, before anything is allocated.
+
+`estimate_training_memory(cfg, dp_shard)` adds up, in bytes per rank:
+- parameters and optimizer state: 16 bytes per parameter (float32 weight, float32 gradient,
+  AdamW's two float32 moments), the parameters sharded over the `dp_shard` ranks (FSDP;
+  replicas under HSDP hold a full shard each);
+- activations saved for backward by one microbatch (`train.microbatch_size` × `data.seq_len`
+  tokens; only one microbatch is alive at a time): per token and layer the norm inputs and
+  outputs, q/k/v, the attention output, the FFN's hidden activations (MoE: router logits and
+  the top-k experts' hidden H, as the memory-efficient backward saves them), then the float32
+  logits and their log-softmax. With activation checkpointing only each layer's input stays,
+  plus one layer recomputed at a time;
+- the document-causal attention mask `[microbatch, 1, seq, seq]` of booleans, built once per
+  forward (`moetrain.model.layers.document_causal_mask`).
+
+It is an estimate of what certainly gets allocated (no allocator overhead, no temporary
+buffers, no FSDP all-gather buffers), so a config it says does not fit certainly does not.
+This module reads the config; it never builds a model, allocates tensors or looks at the machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.config import JobConfig
+from moetrain.model.flops import count_params
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# float32 weight + float32 gradient + AdamW exp_avg and exp_avg_sq.
+TRAINING_BYTES_PER_PARAM = 16
+LOGITS_BYTES = 4  # the loss is computed on float32 logits
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank of each part; `total` is their sum."""
+
+    parameters: int  # weights, gradients and optimizer state (this rank's shard)
+    activations: int  # saved for backward by one microbatch
+    attention_mask: int  # one microbatch's boolean document mask
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.activations + self.attention_mask
+
+    def describe(self) -> str:
+        return (f"{format_bytes(self.total)} (parameters + optimizer {format_bytes(self.parameters)}, "
+                f"activations {format_bytes(self.activations)}, attention mask {format_bytes(self.attention_mask)})")
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def activation_elements_per_token(cfg: JobConfig) -> tuple[int, int, int]:
+    """Elements saved per token: (a dense layer, an MoE layer, a layer's input alone)."""
+    m, moe = cfg.model, cfg.model.moe
+    head_dim = m.attention_head_dim()
+    kv_heads = m.n_kv_heads or m.n_heads
+    # Both norms' inputs and outputs, q, k, v and the attention output before wo.
+    attention = 4 * m.dim + (2 * m.n_heads + 2 * kv_heads) * head_dim
+    dense_ffn = 3 * m.ffn_hidden  # w1 and w3 outputs, their gated product
+    w1_width = 2 * moe.expert_hidden if moe.activation == "swiglu" else moe.expert_hidden
+    moe_ffn = moe.n_experts + moe.top_k * w1_width + 3 * moe.expert_hidden * moe.n_shared_experts
+    return attention + dense_ffn, attention + moe_ffn, m.dim
+
+
+def estimate_training_memory(cfg: JobConfig, dp_shard: int = 1) -> MemoryEstimate:
+    """Bytes per rank to train `cfg` with parameters sharded over `dp_shard` ranks."""
+    m, t = cfg.model, cfg.train
+    parameters = TRAINING_BYTES_PER_PARAM * count_params(m)["total"] // max(dp_shard, 1)
+    tokens = t.microbatch_size * cfg.data.seq_len
+    dense, moe, layer_input = activation_elements_per_token(cfg)
+    n_dense, n_moe = m.n_dense_layers, m.n_layers - m.n_dense_layers
+    if t.activation_checkpointing:
+        per_token = m.n_layers * layer_input + (moe if n_moe else dense)
+    else:
+        per_token = n_dense * dense + n_moe * moe
+    act_bytes = DTYPE_BYTES[cfg.parallel.param_dtype]
+    activations = tokens * (per_token * act_bytes + 2 * m.vocab_size * LOGITS_BYTES)
+    attention_mask = t.microbatch_size * cfg.data.seq_len ** 2  # torch.bool: one byte per element
+    return MemoryEstimate(parameters, activations, attention_mask)

@@ -1,0 +1,83 @@
+"""Refuse a job whose estimated memory obviously exceeds the machine's, before anything is allocated.
+
+`refuse_if_too_big(cfg)` runs first in a training run, before the data is read, the model
+built or anything written to the run directory. It compares the per-rank estimate of
+`moetrain.model.memory_estimate` (parameters and optimizer state, one microbatch's
+activations, the attention mask) with the memory the ranks will have: on CPU the machine's
+physical memory shared by the ranks on this machine, on CUDA one device's memory per rank.
+The estimate counts only what certainly gets allocated, so a refusal is never a false alarm;
+a job that passes may still run out of memory. A refusal is one ConfigError line (exit 2)
+that says the estimate, its parts, the memory available and which fields to change.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moetrain.config import JobConfig, check_world_size
+from moetrain.errors import ConfigError
+from moetrain.model.memory_estimate import MemoryEstimate, estimate_training_memory, format_bytes
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory (MemTotal of /proc/meminfo, else sysconf), or None when unknown."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _device_type(cfg: JobConfig) -> str:
+    # The rule of moetrain.parallel.mesh, evaluated before the process group exists.
+    parallel = cfg.parallel
+    if parallel.device != "auto":
+        return parallel.device
+    if dist.is_available() and dist.is_initialized():
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if parallel.backend != "gloo" and torch.cuda.is_available() else "cpu"
+
+
+def _ranks() -> tuple[int, int]:
+    """(world size, ranks on this machine), from the process group or torchrun's environment."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def _what_to_change(estimate: MemoryEstimate) -> str:
+    largest = max((estimate.attention_mask, "mask"), (estimate.activations, "activations"),
+                  (estimate.parameters, "parameters"))[1]
+    if largest == "mask":
+        return "lower data.seq_len (the mask grows with its square) or train.microbatch_size"
+    if largest == "activations":
+        return "lower train.microbatch_size or data.seq_len, or set train.activation_checkpointing True"
+    return "shrink the model (model.dim, model.n_layers, model.moe.n_experts) or shard it over more ranks"
+
+
+def refuse_if_too_big(cfg: JobConfig) -> MemoryEstimate:
+    """Raise ConfigError when the job cannot fit; return the estimate otherwise."""
+    world, local = _ranks()
+    _, dp_shard = check_world_size(cfg.parallel, world)
+    estimate = estimate_training_memory(cfg, dp_shard)
+    if _device_type(cfg) == "cuda":
+        device = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+        available, sharers, where = torch.cuda.get_device_properties(device).total_memory, 1, "CUDA device"
+    else:
+        available, sharers, where = physical_memory_bytes(), local, "machine (CPU)"
+    if available is None or estimate.total * sharers <= available:
+        return estimate
+    shared = f" shared by {sharers} ranks" if sharers > 1 else ""
+    raise ConfigError(f"this job needs an estimated {estimate.describe()} per rank, more than the "
+                      f"{format_bytes(available)} of this {where}{shared} (train.microbatch_size = "
+                      f"{cfg.train.microbatch_size}, data.seq_len = {cfg.data.seq_len}); {_what_to_change(estimate)}")
