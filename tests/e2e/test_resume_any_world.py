@@ -18,18 +18,16 @@ from moetrain.train import run
 LATER_STEPS = [3, 4, 5]
 
 
-@pytest.fixture
-def short_documents(corpus_dir, tmp_path) -> dict[str, object]:
-    """Overrides for a JSONL corpus of 1 to 4 source lines per document.
+def _short_documents(corpus_dir, path, n_lines: int) -> dict[str, object]:
+    """Overrides for a JSONL corpus of 1 to 4 source lines per document (the first n_lines lines of two modules).
 
     Short documents make the valid-token count of a packed batch vary with its content, and
-    let several documents share a 64-token budget.
+    let several documents share a token budget.
     """
     lines = [line for name in ("bisect.py", "colorsys.py") for line in (corpus_dir / name).read_text().splitlines()]
-    path = tmp_path / "short.jsonl"
     with path.open("w") as out:
         start, size = 0, 1
-        while start < len(lines):
+        while start < min(n_lines, len(lines)):
             out.write(json.dumps({"text": "\n".join(lines[start: start + size])}) + "\n")
             start, size = start + size, size % 4 + 1
     return {"data__source": "jsonl", "data__path": path}
@@ -42,15 +40,19 @@ def _resume_copy(source, target) -> None:
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH next to this interpreter")
-def test_4_rank_checkpoint_resumes_exactly_on_2_and_on_1_rank(job_args, short_documents, read_train_records,
-                                                             tmp_path):
+def test_4_rank_checkpoint_resumes_exactly_on_2_and_on_1_rank(job_args, corpus_dir, read_train_records, tmp_path):
+    # A corpus of 25 sequences of 32 tokens (not a multiple of 4): steps 3-5 read global
+    # units 16-39, across the end of the first epoch, where a per-rank split of each epoch would
+    # differ between 4, 2 and 1 ranks.
     job = {"train__steps": 5, "train__microbatch_size": 2, "checkpoint__every": 2, "train__eval_every": 0,
-           **short_documents}
+           **_short_documents(corpus_dir, tmp_path / "short.jsonl", n_lines=36)}
     four = tmp_path / "four"
     done = _torchrun(4, job_args(four, train__grad_accum=1, **job))
     assert done.returncode == 0, done.stderr[-3000:]
     expected = read_train_records(four)
     assert sorted(expected) == [1, 2, 3, 4, 5]
+    start = json.loads((four / "metrics.jsonl").read_text().splitlines()[0])
+    assert 16 < start["train_sequences"] < 40 and start["train_sequences"] % 4, start["train_sequences"]
 
     two, one = tmp_path / "two", tmp_path / "one"
     for target in (two, one):
@@ -73,10 +75,10 @@ def test_4_rank_checkpoint_resumes_exactly_on_2_and_on_1_rank(job_args, short_do
     assert len({expected[step]["valid_tokens"] for step in LATER_STEPS}) > 1
 
 
-def test_token_budget_run_resumes_bitwise_with_varying_microbatches(job_args, short_documents, read_train_records,
+def test_token_budget_run_resumes_bitwise_with_varying_microbatches(job_args, corpus_dir, read_train_records,
                                                                      tmp_path):
     budget = {"data__batching": "token_budget", "data__token_budget": 64, "model__max_seq_len": 64,
-              **short_documents}
+              **_short_documents(corpus_dir, tmp_path / "short.jsonl", n_lines=10**6)}
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert run.main(job_args(straight, **budget)) == 0
     assert run.main(job_args(split, train__stop_at_step=3, **budget)) == 0
