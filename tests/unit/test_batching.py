@@ -7,6 +7,7 @@ built from, plain loops over them, and the world-1 loader for the multi-rank spl
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -195,3 +196,16 @@ def test_token_budget_config():
     cfg.data.batching, cfg.data.token_budget = "token_budget", None
     batching = build_batching(_sequences(_documents(10)), cfg.validate().data, 4, 0)
     assert isinstance(batching, TokenBudgetBatching) and batching.token_budget == cfg.data.seq_len
+
+
+def test_token_budget_bins_read_a_memory_mapped_stream_like_the_in_memory_one(tmp_path):
+    documents = _documents(30, seed=6, longest=50)
+    in_memory = _sequences(documents)
+    tokens = np.array([t for d in documents for t in d], dtype=np.uint16)
+    path = tmp_path / "tokens.bin"
+    tokens.tofile(path)
+    mapped = SimpleNamespace(stream=np.memmap(path, dtype=np.uint16, mode="r"), eos_id=EOS, pad_id=PAD,
+                             document_starts=in_memory.document_starts)
+    a, b = TokenBudgetBatching(in_memory, 20, seed=1), TokenBudgetBatching(mapped, 20, seed=1)
+    assert a.n_units == b.n_units
+    assert all(_equal(a.microbatch([u]), b.microbatch([u])) for u in range(a.n_units))
