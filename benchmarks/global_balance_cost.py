@@ -58,8 +58,7 @@ def main() -> int:
             moe_cfg.aux_loss_scope = scope
             timed(scope, trainer.train_step, keep=pair > 0)
         moe_cfg.aux_loss_scope = "global_batch"
-        microbatches = [trainer.loader.next_batch(cfg.train.microbatch_size).to(device)
-                        for _ in range(cfg.train.grad_accum)]
+        microbatches = [batch.to(device) for batch in trainer.loader.next_microbatches()]
         timed("pre_pass", lambda mbs=microbatches: prepare_global_balance(trainer.model, mbs), keep=pair > 0)
         if pair:
             print(f"pair {pair}: " + ", ".join(f"{k} {wall[k][-1]:.2f}s wall / {cpu[k][-1]:.2f}s cpu" for k in names),

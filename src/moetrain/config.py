@@ -124,6 +124,11 @@ class DataConfig:
     heldout_fraction: float = 0.05
     skip_bad_files: bool = False
     max_documents: int | None = None
+    # packed: microbatches of train.microbatch_size sequences of seq_len tokens. token_budget: each
+    # microbatch is one row of as many whole documents as fit data.token_budget tokens (longer
+    # documents cut into budget-size pieces), so lengths vary; train.microbatch_size then only sizes evaluation.
+    batching: Literal["packed", "token_budget"] = "packed"
+    token_budget: int | None = None  # None = data.seq_len
 
 
 @dataclass
@@ -271,6 +276,10 @@ def _validate(cfg: JobConfig) -> None:
     _check(moe.top_k <= moe.n_experts, "model.moe.top_k", moe.top_k,
            f"must be <= model.moe.n_experts = {moe.n_experts}")
     _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}")
+    if d.token_budget is not None:
+        # A piece of a long document is budget tokens long, so positions reach budget - 1.
+        _check(1 <= d.token_budget <= m.max_seq_len, "data.token_budget", d.token_budget,
+               f"must be in [1, model.max_seq_len = {m.max_seq_len}] or None (= data.seq_len)")
     _check(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", p.dp_shard, "must be -1 (auto) or >= 1")
     if p.ep > 1:
         _check(m.n_dense_layers < m.n_layers, "parallel.ep", p.ep,

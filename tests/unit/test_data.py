@@ -1,4 +1,4 @@
-"""Data pipeline: tokenizer, corpus sources and bad data, packing against a plain-loop reference, loader."""
+"""Data pipeline: tokenizer, corpus sources and bad data, packing against a plain-loop reference."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 
 from moetrain.config import DataConfig
 from moetrain.data.corpus import STDLIB_EXCLUDED_DIRS, Document, is_heldout, load_corpus, stdlib_files
-from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX, PackedSequences, encode_documents, pack_documents
 from moetrain.data.tokenizer import ByteTokenizer, build_tokenizer
 from moetrain.errors import ConfigError
@@ -237,74 +236,3 @@ def test_packing_empty_stream_gives_no_sequences():
     packed = PackedSequences(torch.empty(0, dtype=torch.int32), 8, eos_id=257, pad_id=258)
     assert len(packed) == 0
     assert encode_documents([], ByteTokenizer()).numel() == 0
-
-
-# ---------------------------------------------------------------- loader
-
-
-def _sequences(n: int, seq_len: int = 4) -> PackedSequences:
-    # n * seq_len + 1 distinct-ish tokens, so sequence i is identified by its first token.
-    return PackedSequences(torch.arange(n * seq_len + 1, dtype=torch.int32) % 250, seq_len, eos_id=257, pad_id=258)
-
-
-def test_ranks_read_disjoint_slices_covering_the_epoch():
-    seqs = _sequences(23)
-    world = 3
-    loaders = [DataLoader(seqs, seed=5, dp_rank=r, dp_world=world) for r in range(world)]
-    per_rank = [lo.next_indices(23 // world) for lo in loaders]
-    flat = [i for part in per_rank for i in part]
-    assert len(flat) == len(set(flat)) == 21
-    assert all(lo.position.epoch == 1 and lo.position.cursor == 0 for lo in loaders)
-
-
-def test_loader_is_deterministic_and_seed_dependent():
-    seqs = _sequences(50)
-    a = [DataLoader(seqs, seed=1).next_indices(30) for _ in range(2)]
-    b = DataLoader(seqs, seed=2).next_indices(30)
-    assert a[0] == a[1] and a[0] != b
-    assert sorted(DataLoader(seqs, seed=1).next_indices(50)) == list(range(50))
-
-
-def test_variable_batch_sizes_read_the_same_stream_across_epochs():
-    seqs = _sequences(10)
-    fixed = DataLoader(seqs, seed=3).next_indices(37)
-    variable_loader = DataLoader(seqs, seed=3)
-    variable = [i for size in [1, 5, 2, 9, 3, 7, 10] for i in variable_loader.next_indices(size)]
-    assert variable == fixed
-    # Epoch e is a permutation of all sequences, different from epoch e + 1.
-    assert sorted(fixed[:10]) == list(range(10)) and fixed[:10] != fixed[10:20]
-
-
-def test_state_dict_resumes_exactly_the_same_batches():
-    seqs = _sequences(13, seq_len=6)
-    reference = DataLoader(seqs, seed=7, dp_rank=1, dp_world=2)
-    expected = [reference.next_batch(4) for _ in range(8)]
-    first = DataLoader(seqs, seed=7, dp_rank=1, dp_world=2)
-    for _ in range(3):
-        first.next_batch(4)
-    state = json.loads(json.dumps(first.state_dict()))  # must survive plain serialisation
-    resumed = DataLoader(seqs, seed=7, dp_rank=1, dp_world=2)
-    resumed.load_state_dict(state)
-    for want in expected[3:]:
-        got = resumed.next_batch(4)
-        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.targets, want.targets)
-
-
-def test_loader_rejects_changed_data_or_seed_and_too_few_sequences():
-    state = DataLoader(_sequences(13), seed=7).state_dict()
-    with pytest.raises(ConfigError, match="resume with the same data settings"):
-        DataLoader(_sequences(12), seed=7).load_state_dict(state)
-    with pytest.raises(ConfigError, match="differs from the checkpoint's seed"):
-        DataLoader(_sequences(13), seed=8).load_state_dict(state)
-    with pytest.raises(ConfigError, match="fewer than the 4 data-parallel ranks"):
-        DataLoader(_sequences(3), seed=0, dp_rank=0, dp_world=4)
-
-
-def test_resume_from_other_world_keeps_epoch_progress():
-    seqs = _sequences(40)
-    old = [DataLoader(seqs, seed=0, dp_rank=r, dp_world=4) for r in range(4)]
-    for lo in old:
-        lo.next_indices(6)
-    new = DataLoader(seqs, seed=0, dp_rank=1, dp_world=2)
-    new.resume_from_other_world([lo.state_dict() for lo in old])
-    assert new.position.epoch == 0 and new.position.cursor == 12  # 24 consumed over 2 ranks

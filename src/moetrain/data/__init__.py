@@ -1,1 +1,1 @@
-"""Data: tokenizer, corpora, packing, resumable loader."""
+"""Data: tokenizer, corpora, packing, batching, a loader whose order does not depend on the world size."""

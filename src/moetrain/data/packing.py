@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moetrain.data.corpus import Document
@@ -82,6 +83,14 @@ def sequence_fields(window: torch.Tensor, eos_id: int, pad_id: int) -> dict[str,
     return {"tokens": inputs, "positions": positions, "document_ids": document_ids, "targets": targets}
 
 
+def document_starts(stream: torch.Tensor, eos_id: int) -> np.ndarray:
+    """Offsets of the documents of a `[BOS] tokens [EOS] ...` stream: 0 and every position after an EOS."""
+    if stream.numel() == 0:
+        return np.zeros(0, dtype=np.int64)
+    after_eos = torch.nonzero(stream == eos_id).flatten() + 1
+    return torch.cat([torch.zeros(1, dtype=torch.long), after_eos[after_eos < stream.numel()]]).numpy()
+
+
 class PackedSequences:
     """Fixed-length sequences over a token stream; sequence(i) is cheap (a slice)."""
 
@@ -90,6 +99,8 @@ class PackedSequences:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.seq_len = seq_len
         self.eos_id, self.pad_id = eos_id, pad_id
+        # int64[n_documents]: the stream offset of each document's BOS (token-budget batching).
+        self.document_starts = document_starts(stream, eos_id)
         n_sequences = max(0, -(-(stream.numel() - 1) // seq_len))
         padded = n_sequences * seq_len + 1
         pad = torch.full((max(0, padded - stream.numel()),), pad_id, dtype=stream.dtype)

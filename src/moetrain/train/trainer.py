@@ -4,13 +4,14 @@ Built by `moetrain.train.run` once the process group, mesh and data exist. It bu
 the model on the meta device, parallelizes it (`moetrain.parallel.parallelize`),
 initialises it, and owns the optimizer, schedule and data loader.
 
-One step: take `grad_accum` microbatches from the loader, count the step's valid
+One step: take this rank's `grad_accum` microbatches of the step's global batch from
+the loader (the same global batch for any number of ranks: moetrain.data.loader), count the step's valid
 target tokens over all ranks (one all-reduce), under the global-batch balance loss
 count the step's expert assignments (`global_balance`), run forward/backward per
 microbatch under the sync policy (`grad_sync.accumulation`), each microbatch's loss
 being its summed token loss over the global count plus its part of the MoE router
 losses (`loss.router_loss_terms`); then one small all-reduce of [loss sum, balance
-loss, z-loss, non-finite flag] — the time a rank
+loss, z-loss, non-finite flag, input tokens] — the time a rank
 spends in it is its wait for the slowest rank — clip by the global gradient norm,
 and step the optimizer unless the loss or norm is NaN/inf. Under expert parallelism
 the time in the MoE token all-to-alls is reported on its own (`all_to_all_s`, with the
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.config import JobConfig
+from moetrain.data.batching import build_batching
 from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
@@ -93,7 +95,10 @@ class Trainer:
         self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.schedule = LRSchedule.from_config(cfg.train)
-        self.loader = DataLoader(data.train, seed=cfg.train.seed, dp_rank=self.rank, dp_world=self.world)
+        batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, cfg.train.seed)
+        self.loader = DataLoader(batching, seed=cfg.train.seed, dp_rank=self.rank, dp_world=self.world,
+                                 microbatches_per_rank=cfg.train.grad_accum)
+        self.step_input_tokens = 0  # all ranks' input tokens in the last step (varies under token budgets)
         self.token_bytes = data.token_bytes.to(device)
         self.params = count_params(cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -102,9 +107,9 @@ class Trainer:
         self.tokens_seen = 0
 
     @property
-    def tokens_per_rank_step(self) -> int:
-        train = self.cfg.train
-        return train.microbatch_size * train.grad_accum * self.cfg.data.seq_len
+    def tokens_per_rank_step(self) -> float:
+        """Input tokens per rank in the last step (the mean over ranks: token-budget microbatches differ)."""
+        return self.step_input_tokens / self.world
 
     # ---- state
 
@@ -120,15 +125,15 @@ class Trainer:
         self.skipped_steps = int(state["skipped_steps"])
         self.tokens_seen = int(state["tokens_seen"])
         ranks = state["ranks"]
+        # The loader position is a global cursor, the same on every rank and for any world
+        # size, so the data order continues exactly on any number of ranks.
+        self.loader.load_state_dict(ranks[0]["loader"])
         if len(ranks) == self.world:
-            self.loader.load_state_dict(ranks[self.rank]["loader"])
             ckpt.restore_rng_state(ranks[self.rank]["rng"])
         else:
-            # Different data-parallel world: weights and optimizer were resharded by DCP;
-            # the data order cannot be replayed exactly (see docs/training.md).
-            self.loader.resume_from_other_world([r["loader"] for r in ranks])
-            log.warning("checkpoint was written by %d ranks, resuming on %d: data order continues approximately",
-                        len(ranks), self.world)
+            # Weights and optimizer were resharded by DCP; per-rank RNG states have no counterpart.
+            log.info("checkpoint was written by %d ranks, resuming on %d: same global data order, "
+                     "RNG states not restored", len(ranks), self.world)
 
     # ---- one step
 
@@ -139,7 +144,8 @@ class Trainer:
         start = time.perf_counter()
         if self.all_to_all is not None:
             self.all_to_all.take()  # what evaluation or sampling moved belongs to no step
-        microbatches = [self.loader.next_batch(cfg.microbatch_size).to(self.device) for _ in range(cfg.grad_accum)]
+        microbatches = [batch.to(self.device) for batch in self.loader.next_microbatches()]
+        input_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
         global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
         prepare_global_balance(self.model, microbatches)
         aux_is_share = self.cfg.model.moe.aux_loss_scope == "global_batch"
@@ -169,7 +175,8 @@ class Trainer:
         wait_start = time.perf_counter()
         local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
         flag = torch.tensor(0.0 if local_finite else 1.0, dtype=torch.float64)
-        summary = all_reduce_sum(torch.stack([loss_sum, aux_sum, z_sum, flag]).to(self.device)).cpu()
+        inputs = torch.tensor(input_tokens, dtype=torch.float64)
+        summary = all_reduce_sum(torch.stack([loss_sum, aux_sum, z_sum, flag, inputs]).to(self.device)).cpu()
         wait_s = time.perf_counter() - wait_start
         denominator = max(global_tokens, 1)
         loss = float(summary[0]) / denominator
@@ -185,7 +192,8 @@ class Trainer:
         else:
             self.model.discard_pending_expert_load()  # this step's loads are not applied
         self.step += 1
-        self.tokens_seen += self.tokens_per_rank_step * self.world
+        self.step_input_tokens = int(summary[4])
+        self.tokens_seen += self.step_input_tokens
         return StepResult(loss, aux_loss, grad_norm, lr, global_tokens, compute_s, wait_s,
                           time.perf_counter() - start, not finite, expert_load, a2a_s, a2a_sent, a2a_received,
                           z_loss)
