@@ -94,3 +94,13 @@ def test_on_cuda_each_rank_is_compared_with_one_device(monkeypatch):
     assert asked == [5] and "shared by" not in str(err.value)
     Properties.total_memory = need
     assert memory_check.refuse_if_too_big(hsdp).total == need
+
+
+def test_token_budget_microbatch_is_one_row_of_the_budget():
+    # seq_len 64 × 2 rows would under-count a one-row microbatch of 512 tokens.
+    cfg = parse_job_args(SMALL + ["--data.batching", "token_budget", "--data.token_budget", "512"])
+    mask = document_causal_mask(torch.zeros(1, 512, dtype=torch.long))
+    estimate = estimate_training_memory(cfg)
+    assert estimate.attention_mask == mask.numel() * mask.element_size()
+    packed = estimate_training_memory(parse_job_args(SMALL))
+    assert estimate.activations == packed.activations * 512 // (2 * 64)

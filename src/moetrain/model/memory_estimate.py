@@ -5,8 +5,9 @@
   AdamW's two float32 moments), the parameters sharded over the `dp_shard` ranks (FSDP;
   replicas under HSDP hold a full shard each);
 - activations saved for backward by one microbatch (`train.microbatch_size` × `data.seq_len`
-  tokens; only one microbatch is alive at a time): per token and layer the norm inputs and
-  outputs, q/k/v, the attention output, the FFN's hidden activations (MoE: router logits and
+  tokens, or one row of `data.token_budget` tokens; only one microbatch is alive at a time):
+  per token and layer the norm inputs and outputs, q/k/v, the attention output, the FFN's
+  hidden activations (MoE: router logits and
   the top-k experts' hidden H, as the memory-efficient backward saves them), then the float32
   logits and their log-softmax. With activation checkpointing only each layer's input stays,
   plus one layer recomputed at a time;
@@ -72,7 +73,12 @@ def estimate_training_memory(cfg: JobConfig, dp_shard: int = 1) -> MemoryEstimat
     """Bytes per rank to train `cfg` with parameters sharded over `dp_shard` ranks."""
     m, t = cfg.model, cfg.train
     parameters = TRAINING_BYTES_PER_PARAM * count_params(m)["total"] // max(dp_shard, 1)
-    tokens = t.microbatch_size * cfg.data.seq_len
+    # A microbatch is microbatch_size rows of seq_len tokens, or one row of up to data.token_budget tokens.
+    if cfg.data.batching == "token_budget":
+        rows, row_len = 1, cfg.data.token_budget or cfg.data.seq_len
+    else:
+        rows, row_len = t.microbatch_size, cfg.data.seq_len
+    tokens = rows * row_len
     dense, moe, layer_input = activation_elements_per_token(cfg)
     n_dense, n_moe = m.n_dense_layers, m.n_layers - m.n_dense_layers
     if t.activation_checkpointing:
@@ -81,5 +87,5 @@ def estimate_training_memory(cfg: JobConfig, dp_shard: int = 1) -> MemoryEstimat
         per_token = n_dense * dense + n_moe * moe
     act_bytes = DTYPE_BYTES[cfg.parallel.param_dtype]
     activations = tokens * (per_token * act_bytes + 2 * m.vocab_size * LOGITS_BYTES)
-    attention_mask = t.microbatch_size * cfg.data.seq_len ** 2  # torch.bool: one byte per element
+    attention_mask = rows * row_len ** 2  # torch.bool: one byte per element
     return MemoryEstimate(parameters, activations, attention_mask)
