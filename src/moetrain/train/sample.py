@@ -4,7 +4,8 @@
 must call it (each forward gathers parameters) and rank 0's choice of each token is
 broadcast so all ranks extend the same text. `main` is `moetrain sample`: it loads the
 newest intact checkpoint's model weights (verified against its manifest, skipping a damaged
-newer one with a warning) in one process, built from the config saved with that checkpoint, and prints a continuation of the prompt.
+newer one with a warning) in one process, built from the config saved with that checkpoint,
+and prints a continuation of the prompt.
 There is no KV cache: each new token reruns the (short) context, which is fine for
 the small models this is meant for. Nothing here changes the model or checkpoint.
 """
@@ -103,13 +104,14 @@ def main(argv: list[str]) -> int:
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p = {args.top_p} is invalid: must be in (0, 1]")
     run_dir = RunDir(Path(args.run))
+    run_cfg = run_dir.load_config()  # also says when --run is not a training run's directory
     ref, skipped = newest_intact(run_dir.checkpoints)
     for problem in skipped:
         log.warning("skipping a damaged checkpoint: %s", problem)
     if ref is None:
         why = f": {skipped[0]}" if skipped else ""
         raise ConfigError(f"--run {args.run!r} has no intact checkpoint under {args.run}/checkpoints{why}")
-    cfg = stored_config(ref) or run_dir.load_config()  # the config the weights were trained with
+    cfg = stored_config(ref) or run_cfg  # the config the weights were trained with
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     with torch.device("meta"):
         model = Transformer(cfg.model)
