@@ -68,6 +68,7 @@ from typing import Any, Protocol
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -299,11 +300,24 @@ def _from_json(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+
+
 def _read_trainer_state(path: Path) -> dict[str, Any]:
     tensors_file = path / TRAINER_TENSORS_FILE
-    tensors = safetensors.torch.load_file(tensors_file) if tensors_file.exists() else {}
     try:
-        return _from_json(json.loads((path / TRAINER_FILE).read_text()), tensors)
+        tensors = safetensors.torch.load_file(tensors_file) if tensors_file.exists() else {}
+    except SafetensorError as err:
+        raise ConfigError(f"{tensors_file} is not a readable safetensors file: {err}") from None
+    state = _read_json(path / TRAINER_FILE)
+    if not isinstance(state, dict):
+        raise ConfigError(f"{path / TRAINER_FILE} does not hold a JSON object")
+    try:
+        return _from_json(state, tensors)
     except KeyError as err:
         raise ConfigError(f"{path / TRAINER_FILE} refers to tensor {err} that {tensors_file} does not hold") from None
 
@@ -314,8 +328,11 @@ def stored_config(ref: CheckpointRef) -> JobConfig | None:
     path = ref.path / CONFIG_FILE
     if not path.exists():
         return None
+    stored = _read_json(path)
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
     try:
-        return from_dict(json.loads(path.read_text()))
+        return from_dict(stored)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
 
@@ -502,9 +519,9 @@ def _load_tensors(ref: CheckpointRef, state: dict[str, Any]) -> None:
     try:
         with _quiet_single_process():
             dcp.load(state, storage_reader=reader, no_dist=not distributed())
-    except CheckpointException as err:  # DCP's wrapper of every rank's failure (shape, missing tensor)
+    except (CheckpointException, SafetensorError) as err:  # DCP's wrapper of a rank's failure; a bad header
         first = str(err).strip().splitlines()
-        raise ConfigError(f"checkpoint {ref.path} does not fit this model: "
+        raise ConfigError(f"checkpoint {ref.path} cannot be loaded into this model: "
                           f"{first[-1] if first else type(err).__name__}") from None
 
 
