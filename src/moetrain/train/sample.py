@@ -106,11 +106,11 @@ def main(argv: list[str]) -> int:
     run_dir = RunDir(Path(args.run))
     run_cfg = run_dir.load_config()  # also says when --run is not a training run's directory
     ref, skipped = newest_intact(run_dir.checkpoints)
-    for problem in skipped:
-        log.warning("skipping a damaged checkpoint: %s", problem)
     if ref is None:
         why = f": {skipped[0]}" if skipped else ""
         raise ConfigError(f"--run {args.run!r} has no intact checkpoint under {args.run}/checkpoints{why}")
+    for problem in skipped:
+        log.warning("skipping a damaged checkpoint: %s; sampling from %s", problem, ref.path.name)
     cfg = stored_config(ref) or run_cfg  # the config the weights were trained with
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     with torch.device("meta"):
