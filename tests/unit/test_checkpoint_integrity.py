@@ -12,6 +12,7 @@ import os
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -151,7 +152,7 @@ def test_damage_is_found_before_reading_and_the_older_checkpoint_is_used(tmp_pat
 
 
 def test_the_small_state_round_trips_as_json_and_tensors(tmp_path):
-    per_rank = {"loader": {"epoch": 1, "cursor": 7, "order": (3, 1, 2), "nested": [{"a": None, "b": 1.5}]},
+    per_rank = {"loader": {"epoch": np.int64(1), "cursor": 7, "order": (3, 1, 2), "nested": [{"a": None, "b": 1.5}]},
                 "rng": ckpt.capture_rng_state(), "counts": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
     model, optimizer = _model_and_optimizer(0)
     ref = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {"skipped_steps": 2}, per_rank, keep_last=1)

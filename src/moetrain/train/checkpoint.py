@@ -65,6 +65,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
@@ -287,6 +288,8 @@ def _to_json(obj: Any, tensors: dict[str, torch.Tensor], key: str) -> Any:
         return [_to_json(value, tensors, f"{key}.{i}") for i, value in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if isinstance(obj, np.generic):  # a numpy scalar (e.g. from an index computation) as its Python value
+        return obj.item()
     raise TypeError(f"checkpoint state {key}: a {type(obj).__name__} cannot be stored as JSON or a tensor")
 
 
