@@ -177,6 +177,8 @@ def test_the_resume_check_names_the_first_differing_field(tmp_path):
     changed = JobConfig()
     changed.model.moe.impl = "loop"  # same parameters, same function
     changed.model.init_from = "hf:somewhere"
+    changed.model.init_scheme = "olmo-megatron"  # initialisation only: the checkpoint replaces the weights
+    changed.model.init_scale_embedding = True
     changed.train.steps = cfg.train.steps + 100  # training longer is what resuming is for
     changed.parallel.dp_shard = 2
     ckpt.check_resume_config(ref, changed)

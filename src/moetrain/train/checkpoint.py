@@ -100,10 +100,11 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = "moetrain-checkpoint-v2"
 TENSOR_REF = "__tensor__"  # {"__tensor__": key}: a tensor stored in trainer_tensors.safetensors
 
-# Fields a resumed job may change without changing what the checkpoint means: where the initial
-# weights came from (the checkpoint replaces them), the expert kernel (same parameters, same
+# Fields a resumed job may change without changing what the checkpoint means: how the initial
+# weights were made (the checkpoint replaces them), the expert kernel (same parameters, same
 # function) and whether unreadable files are skipped (a corpus that loads is the same corpus).
-RESUME_MAY_DIFFER = frozenset({"model.init_from", "model.moe.impl", "data.skip_bad_files"})
+RESUME_MAY_DIFFER = frozenset({"model.init_from", "model.init_scheme", "model.init_scale_embedding",
+                               "model.moe.impl", "data.skip_bad_files"})
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _HASH_CHUNK = 1 << 20
