@@ -192,3 +192,15 @@ def test_the_resume_check_names_the_first_differing_field(tmp_path):
         setattr(owner, field, value)
         with pytest.raises(ConfigError, match=rf"^{section}\.{field} = {value} differs from {old} in checkpoint "):
             ckpt.check_resume_config(ref, bad)
+
+
+def test_a_listed_link_is_refused_before_it_is_read(tmp_path):
+    older, _ = _save(tmp_path / "ckpts", 2)
+    newer, _ = _save(tmp_path / "ckpts", 4, seed=1)
+    link = newer.path / "endless"
+    link.symlink_to("/dev/zero")  # hashing it would never end
+    manifest = json.loads((newer.path / ckpt.MANIFEST_FILE).read_text())
+    manifest["files"]["endless"] = {"sha256": hashlib.sha256(b"").hexdigest(), "bytes": 0}
+    (newer.path / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    ref, skipped = ckpt.newest_intact(tmp_path / "ckpts")
+    assert ref.path == older.path and skipped == [f"{link} is not a regular file"]

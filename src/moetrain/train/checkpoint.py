@@ -225,6 +225,8 @@ def _local_problem(path: Path, part: int, parts: int) -> str | None:
         return f"{path / name} is missing"
     for name in sorted(entries)[part::parts]:
         file = path / name
+        if file.is_symlink() or not file.is_file():  # a link to /dev/zero or a FIFO would never finish hashing
+            return f"{file} is not a regular file"
         size = file.stat().st_size
         if size != entries[name]["bytes"]:
             return f"{file} has {size} bytes, the manifest says {entries[name]['bytes']} (truncated or damaged)"
