@@ -18,8 +18,9 @@ A checkpoint is a directory `RUN_DIR/checkpoints/step_00000100/` holding
 What loading trusts: nothing is unpickled. Files are parsed only as JSON and safetensors (whose
 header is JSON and whose payload is raw tensor bytes), and only after every file in the directory
 has matched its sha256 in the manifest and no file outside the manifest is present. sha256 rather
-than a faster non-cryptographic hash: on this machine it hashes at about the disk's read speed
-(docs/reliability.md), and it makes an accidental match impossible in practice. The manifest
+than a cheaper checksum (crc32, xxhash): it is in the standard library, any machine can recheck a
+copied checkpoint with `sha256sum`, no accidental or crafted match is within reach, and its cost
+is one pass over the bytes (benchmarks/checkpoint_hash_cost.py). The manifest
 lives beside the files, so it detects damage (flipped bytes, truncation, missing or extra files),
 not deliberate tampering: someone who can write the directory can rewrite the manifest too. That
 is safe because the loader cannot execute code whatever the files contain.
