@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 # Resume is on so that a second `make train` continues (or just reports) the same run
 # instead of refusing to overwrite its checkpoints.
 train: $(STAMP)
-	$(BIN)/moetrain train --config $(CONFIG) --checkpoint.resume True $(ARGS)
+	$(BIN)/moetrain train --config $(CONFIG) --checkpoint.resume auto $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests

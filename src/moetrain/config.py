@@ -175,7 +175,7 @@ class CheckpointConfig:
     enabled: bool = True
     every: int = 100
     keep_last: int = 2
-    resume: bool = False
+    resume: bool | Literal["auto"] = False  # "auto": resume when a checkpoint exists, else start fresh
 
 
 @dataclass

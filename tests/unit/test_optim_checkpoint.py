@@ -14,6 +14,7 @@ from moetrain.train.checkpoint import (
     list_complete,
     load_checkpoint,
     load_model_weights,
+    newest_intact,
     remove_partial,
     restore_rng_state,
     save_checkpoint,
@@ -78,9 +79,11 @@ def test_keep_last_and_partial_directories_are_never_picked(tmp_path):
     partial = tmp_path / ".tmp-step_00000008"
     partial.mkdir()
     (partial / ".metadata").write_bytes(b"half")
-    # ... and so is a final-looking directory without meta.json.
+    # ... and a final-looking directory without a manifest is skipped as damaged, naming the file.
     (tmp_path / "step_00000010").mkdir()
-    assert latest_complete(tmp_path) == CheckpointRef(6, tmp_path / "step_00000006")
+    ref, skipped = newest_intact(tmp_path)
+    assert ref == CheckpointRef(6, tmp_path / "step_00000006", verified=True)
+    assert skipped == [f"{tmp_path / 'step_00000010' / 'manifest.json'} is missing"]
     assert remove_partial(tmp_path) == [partial] and not partial.exists()
     assert latest_complete(tmp_path / "missing") is None
 

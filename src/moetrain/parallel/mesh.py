@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.rendezvous import rendezvous
 
 from moetrain.config import ParallelConfig, check_world_size
 from moetrain.errors import ConfigError
@@ -81,7 +82,13 @@ def init_distributed(parallel: ParallelConfig) -> tuple[int, int, torch.device]:
     device = _local_device(device_type)
     if all(var in os.environ for var in _TORCHRUN_VARS):
         init_kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, **init_kwargs)
+        # torchrun keeps one store for all restarts of a job (`--max-restarts`) and does not
+        # prefix it per attempt, so a restarted rank could read a dead peer's address left by
+        # the previous attempt and fail to connect. One key prefix per attempt avoids that.
+        store, rank, world = next(rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"moetrain.attempt_{attempt}", store), rank=rank,
+                                world_size=world, **init_kwargs)
     else:
         # One rank, no launcher: a HashStore needs no port, so tests and laptops never
         # collide on MASTER_PORT, and FSDP still gets the group it requires.

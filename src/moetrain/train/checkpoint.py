@@ -1,34 +1,61 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): written whole or not at all.
+"""Checkpoints: written whole or not at all, verified before anything reads them, never unpickled.
 
-A checkpoint is a directory `RUN_DIR/checkpoints/step_00000100/` holding the DCP
-files of the model and optimizer state (sharded tensors stay sharded: each rank
-writes its own shards, and DCP can reshard them on load into a different mesh),
-plus one pickled `trainer` entry with the step, the schedule's step, counters and
-every rank's loader position and RNG states (gathered, so one copy serves all
-ranks), and `meta.json` (step, world size, time).
+A checkpoint is a directory `RUN_DIR/checkpoints/step_00000100/` holding
 
-Atomicity: all ranks write into `checkpoints/.tmp-step_00000100/`; only when every
-rank has finished does rank 0 add `meta.json` and rename the directory to its final
-name. A rename within one directory is atomic, so a `step_*` directory is always
-complete; a run killed mid-write leaves only a `.tmp-*` directory, which is never
-read and is deleted by the next save or resume. Before writing, the model and
-optimizer state are checked to be finite on every rank, so a diverged run cannot
-leave a poisoned checkpoint. The newest `keep_last` complete checkpoints are kept.
+- `tensors/*.safetensors`: the model and optimizer tensors, written through torch.distributed.checkpoint
+  (DCP) with its safetensors storage. Sharded tensors stay sharded: each rank writes one file with its
+  own shards and their offsets (in the file's JSON header), and on load DCP reads, from every file,
+  the pieces that the loading rank's shards need, so a checkpoint reshards to any mesh, world size
+  and expert-parallel layout. Optimizer hyperparameters (param groups) are not stored: they come
+  from the config, and the learning rate is set by the schedule every step.
+- `trainer.json` (+ `trainer_tensors.safetensors`): the step, counters and every rank's
+  `per_rank_state()` (loader position, RNG states), gathered so one copy serves all ranks. Any
+  tensor inside is stored in the safetensors file and referenced from the JSON.
+- `config.json`: the job's config at the save, compared with a resuming job's before anything loads.
+- `meta.json`: step, world size, time.
+- `manifest.json`: the sha256 and size of every other file, written last.
 
-`Checkpointer` decides when a run saves (`maybe_save(step)`: every
-`checkpoint.every` steps and at the run's last step) and where it resumes from
-(`resume_point()`); the functions below it do the saving and loading.
-Test hook: with MOETRAIN_TEST_PAUSE_IN_CHECKPOINT_WRITE=<step> in the environment,
-rank 0 stops inside the write of that step, after the data files are written and
-before the rename, writes `PAUSED` in the temporary directory and sleeps, so a test
-can SIGKILL the run mid-write.
+What loading trusts: nothing is unpickled. Files are parsed only as JSON and safetensors (whose
+header is JSON and whose payload is raw tensor bytes), and only after every file in the directory
+has matched its sha256 in the manifest and no file outside the manifest is present. sha256 rather
+than a cheaper checksum (crc32, xxhash): it is in the standard library, any machine can recheck a
+copied checkpoint with `sha256sum`, no accidental or crafted match is within reach, and its cost
+is one pass over the bytes: 0.19x the time of a whole save of the default model's checkpoint,
+crc32 being 0.34x of sha256 (benchmarks/checkpoint_hash_cost.py, docs/reliability.md). The manifest
+lives beside the files, so it detects damage (flipped bytes, truncation, missing or extra files),
+not deliberate tampering: someone who can write the directory can rewrite the manifest too. That
+is safe because the loader cannot execute code whatever the files contain.
+
+Fallback: `newest_intact()` verifies checkpoints newest first and returns the first intact one
+with one line per skipped one naming its bad file; with none intact a resume stops with one line.
+
+Atomicity: all ranks write into `checkpoints/.tmp-step_00000100/`; only when every rank has
+finished does rank 0 add the state, config, meta and manifest files and rename the directory to
+its final name. A rename within one directory is atomic, so a `step_*` directory is always
+complete; a run killed mid-write leaves only a `.tmp-*` directory, which is never read and is
+deleted by the next save or resume. Before writing, the model and optimizer state are checked to
+be finite on every rank, so a diverged run cannot leave a poisoned checkpoint. The newest
+`keep_last` checkpoints are kept.
+
+`Checkpointer` decides when a run saves (`maybe_save(step)`: every `checkpoint.every` steps and at
+the run's last step) and where it resumes from (`resume_point()`: per `checkpoint.resume` =
+true/false/"auto", the newest intact checkpoint, after comparing the job's config with the
+checkpoint's). This module never reads a file it has not verified and never writes outside the
+checkpoint directory.
+
+Test hooks: with MOETRAIN_TEST_PAUSE_IN_CHECKPOINT_WRITE=<step> in the environment, rank 0 stops
+inside the write of that step, after the data files are written and before the rename, writes
+`PAUSED` in the temporary directory and sleeps, so a test can SIGKILL the run mid-write. With
+MOETRAIN_TEST_CRASH_AFTER_STEP=<step> and MOETRAIN_TEST_CRASH_MARKER=<file>, rank 0 exits with
+status 17 right after that step (before its checkpoint) unless the marker file exists, which it
+creates first: a crash that happens once, for the elastic-restart test.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -36,13 +63,18 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -51,18 +83,42 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from moetrain.config import CheckpointConfig
+from moetrain.config import CheckpointConfig, JobConfig, from_dict
 from moetrain.errors import ConfigError, PoisonedStateError, TrainingDiverged
+from moetrain.logging import get_logger
 from moetrain.parallel.collectives import all_gather_objects, all_ranks_true, barrier, distributed, rank_and_world
 
 PAUSE_ENV = "MOETRAIN_TEST_PAUSE_IN_CHECKPOINT_WRITE"
+CRASH_STEP_ENV = "MOETRAIN_TEST_CRASH_AFTER_STEP"
+CRASH_MARKER_ENV = "MOETRAIN_TEST_CRASH_MARKER"
+CRASH_EXIT_CODE = 17
+
+TENSORS_DIR = "tensors"
+TRAINER_FILE = "trainer.json"
+TRAINER_TENSORS_FILE = "trainer_tensors.safetensors"
+CONFIG_FILE = "config.json"
+META_FILE = "meta.json"
+MANIFEST_FILE = "manifest.json"
+FORMAT = "moetrain-checkpoint-v2"
+TENSOR_REF = "__tensor__"  # {"__tensor__": key}: a tensor stored in trainer_tensors.safetensors
+
+# Fields a resumed job may change without changing what the checkpoint means: how the initial
+# weights were made (the checkpoint replaces them), the expert kernel (same parameters, same
+# function) and whether unreadable files are skipped (a corpus that loads is the same corpus).
+RESUME_MAY_DIFFER = frozenset({"model.init_from", "model.init_scheme", "model.init_scale_embedding",
+                               "model.moe.impl", "data.skip_bad_files"})
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_HASH_CHUNK = 1 << 20
+
+log = get_logger("checkpoint")
 
 
 @dataclass(frozen=True)
 class CheckpointRef:
     step: int
     path: Path
+    verified: bool = False  # its files matched the manifest (set by verify/newest_intact)
 
 
 @contextmanager
@@ -79,14 +135,14 @@ def step_dir_name(step: int) -> str:
 
 
 def list_complete(checkpoint_dir: str | Path) -> list[CheckpointRef]:
-    """Complete checkpoints (final name, DCP metadata and meta.json present), oldest first."""
+    """Checkpoints under their final name (whole when written; `verify` says whether still intact), oldest first."""
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return []
     refs = []
     for entry in root.iterdir():
         match = _STEP_DIR.match(entry.name)
-        if match and (entry / ".metadata").is_file() and (entry / "meta.json").is_file():
+        if match and entry.is_dir():
             refs.append(CheckpointRef(int(match.group(1)), entry))
     return sorted(refs, key=lambda r: r.step)
 
@@ -106,6 +162,222 @@ def remove_partial(checkpoint_dir: str | Path) -> list[Path]:
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
     return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity: the manifest
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files_under(root: Path) -> list[str]:
+    """Every file below `root` as a '/'-separated relative path, sorted (symlinks count as files)."""
+    found = []
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            found.append((Path(dirpath) / name).relative_to(root).as_posix())
+    return sorted(found)
+
+
+def _manifest_entries(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: {"sha256": _sha256(root / name), "bytes": (root / name).stat().st_size} for name in names}
+
+
+def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's file entries; ValueError (one line) when it is not a manifest of this format."""
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"is not readable JSON ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("algorithm") != "sha256":
+        raise ValueError(f"is not a {FORMAT} sha256 manifest")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(name, str) and isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("bytes"), int) for name, entry in files.items()):
+        raise ValueError("has a malformed file list")
+    for name in files:
+        if name.startswith("/") or ".." in name.split("/") or name == MANIFEST_FILE:
+            raise ValueError(f"names a file outside its checkpoint: {name!r}")
+    return files
+
+
+def _local_problem(path: Path, part: int, parts: int) -> str | None:
+    """What is wrong with checkpoint `path` (one line naming the file), checking every `parts`-th file from `part`."""
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        if (path / ".metadata").exists():
+            return (f"{path} was written by an older moetrain (pickled DCP metadata, no {MANIFEST_FILE}); "
+                    "such checkpoints are not loaded")
+        return f"{manifest} is missing"
+    try:
+        entries = _read_manifest(manifest)
+    except ValueError as err:
+        return f"{manifest} {err}"
+    present = set(_files_under(path)) - {MANIFEST_FILE}
+    for name in sorted(present - entries.keys()):
+        return f"{path / name} is not in the checkpoint's manifest"
+    for name in sorted(entries.keys() - present):
+        return f"{path / name} is missing"
+    for name in sorted(entries)[part::parts]:
+        file = path / name
+        if file.is_symlink() or not file.is_file():  # a link to /dev/zero or a FIFO would never finish hashing
+            return f"{file} is not a regular file"
+        size = file.stat().st_size
+        if size != entries[name]["bytes"]:
+            return f"{file} has {size} bytes, the manifest says {entries[name]['bytes']} (truncated or damaged)"
+        if _sha256(file) != entries[name]["sha256"]:
+            return f"{file} does not match its sha256 in the manifest (damaged)"
+    return None
+
+
+def verify(ref: CheckpointRef) -> tuple[CheckpointRef, str | None]:
+    """(ref marked verified, None) when every file matches the manifest, else (ref, one line naming the file).
+
+    Collective under torch.distributed (every rank calls it): each rank hashes its share of the
+    files and all ranks get the same answer.
+    """
+    rank, world = rank_and_world()
+    problems = all_gather_objects(_local_problem(ref.path, rank, world))
+    problem = next((p for p in problems if p is not None), None)
+    return (ref if problem else replace(ref, verified=True)), problem
+
+
+def newest_intact(checkpoint_dir: str | Path) -> tuple[CheckpointRef | None, list[str]]:
+    """The newest checkpoint whose files all match its manifest, and one line per newer, damaged one.
+
+    Collective under torch.distributed. Logs nothing: the caller says what the skipped ones mean.
+    """
+    skipped = []
+    for ref in reversed(list_complete(checkpoint_dir)):
+        checked, problem = verify(ref)
+        if problem is None:
+            return checked, skipped
+        skipped.append(problem)
+    return None, skipped
+
+
+def _require_verified(ref: CheckpointRef) -> CheckpointRef:
+    if ref.verified:
+        return ref
+    checked, problem = verify(ref)
+    if problem is not None:
+        raise ConfigError(f"checkpoint {ref.path} is damaged: {problem}")
+    return checked
+
+
+# ---------------------------------------------------------------------------------------------
+# Small state as JSON (+ safetensors for the tensors inside it)
+
+
+def _to_json(obj: Any, tensors: dict[str, torch.Tensor], key: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        # A copy: safetensors refuses tensors that share memory, and views of larger storages.
+        tensors[key] = obj.detach().cpu().clone().contiguous()
+        return {TENSOR_REF: key}
+    if isinstance(obj, dict):
+        out = {}
+        for name, value in obj.items():
+            if not isinstance(name, str) or name == TENSOR_REF:
+                raise TypeError(f"checkpoint state {key}: key {name!r} cannot be stored (string keys only, "
+                                f"not {TENSOR_REF!r})")
+            out[name] = _to_json(value, tensors, f"{key}.{name}")
+        return out
+    if isinstance(obj, (list, tuple)):  # tuples come back as lists
+        return [_to_json(value, tensors, f"{key}.{i}") for i, value in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.generic):  # a numpy scalar (e.g. from an index computation) as its Python value
+        return obj.item()
+    raise TypeError(f"checkpoint state {key}: a {type(obj).__name__} cannot be stored as JSON or a tensor")
+
+
+def _from_json(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {TENSOR_REF}:
+            return tensors[obj[TENSOR_REF]]
+        return {name: _from_json(value, tensors) for name, value in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(value, tensors) for value in obj]
+    return obj
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+
+
+def _read_trainer_state(path: Path) -> dict[str, Any]:
+    tensors_file = path / TRAINER_TENSORS_FILE
+    try:
+        tensors = safetensors.torch.load_file(tensors_file) if tensors_file.exists() else {}
+    except SafetensorError as err:
+        raise ConfigError(f"{tensors_file} is not a readable safetensors file: {err}") from None
+    state = _read_json(path / TRAINER_FILE)
+    if not isinstance(state, dict):
+        raise ConfigError(f"{path / TRAINER_FILE} does not hold a JSON object")
+    try:
+        return _from_json(state, tensors)
+    except KeyError as err:
+        raise ConfigError(f"{path / TRAINER_FILE} refers to tensor {err} that {tensors_file} does not hold") from None
+
+
+def stored_config(ref: CheckpointRef) -> JobConfig | None:
+    """The job config saved with the checkpoint (None for checkpoints saved without one)."""
+    ref = _require_verified(ref)
+    path = ref.path / CONFIG_FILE
+    if not path.exists():
+        return None
+    stored = _read_json(path)
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    try:
+        return from_dict(stored)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def check_resume_config(ref: CheckpointRef, job: JobConfig) -> None:
+    """Refuse (one line naming the field) a job whose model, data or seed differ from the checkpoint's.
+
+    The same check whatever the world sizes of the writer and the reader: the checkpoint's stored
+    config is compared field by field, before the model is built or any tensor is read.
+    """
+    saved = stored_config(ref)
+    if saved is None:
+        raise ConfigError(f"checkpoint {ref.path} has no {CONFIG_FILE}: cannot check that this job continues it")
+    old, new = _flatten(saved.to_dict()), _flatten(job.to_dict())
+    checked = [k for k in sorted(new) if k.startswith("model.")] + \
+              [k for k in sorted(new) if k.startswith("data.") or k == "train.seed"]
+    for key in checked:
+        if key in RESUME_MAY_DIFFER or old.get(key) == new[key]:
+            continue
+        why = ("the model's architecture cannot change on resume" if key.startswith("model.") else
+               "another seed or other data would not continue the same run")
+        raise ConfigError(f"{key} = {new[key]!r} differs from {old.get(key)!r} in checkpoint {ref.path} ({why}); "
+                          "use the checkpoint's value or another --logging.run_dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# Save and load
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -132,7 +404,8 @@ def _all_finite(state: Any) -> bool:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss_next]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -140,37 +413,67 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What DCP saves and loads: tensors only (the optimizer's param groups come from the config)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = {"state": get_optimizer_state_dict(model, optimizer)["state"]}
+    return state
+
+
 def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], per_rank_state: dict[str, Any], keep_last: int) -> CheckpointRef:
+                    trainer_state: dict[str, Any], per_rank_state: dict[str, Any], keep_last: int,
+                    config: dict[str, Any] | None = None) -> CheckpointRef:
     """Write a complete checkpoint for `step` (collective: every rank calls it).
 
     `trainer_state` must be the same on every rank; `per_rank_state` (loader position,
-    RNG states) is gathered from every rank and stored as a list indexed by rank.
+    RNG states: JSON values and tensors) is gathered from every rank and stored as a list
+    indexed by rank. `config` (the job's config as a dict) is stored for `check_resume_config`.
     """
     root = Path(checkpoint_dir)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}"
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = _tensor_state(model, optimizer)
     if not _all_finite(state):
         raise PoisonedStateError(f"refusing to save step {step}: the model or optimizer state holds NaN/inf")
     ranks_state = all_gather_objects(per_rank_state)
     world = len(ranks_state)
-    state["trainer"] = pickle.dumps({**trainer_state, "step": step, "world_size": world, "ranks": ranks_state})
-    if rank_and_world()[0] == 0:
+    rank = rank_and_world()[0]
+    if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt at this same step
+        (tmp / TENSORS_DIR).mkdir(parents=True)
     barrier()
+    # save_distributed: every rank writes its own shards into its own file (none is gathered).
+    writer = HuggingFaceStorageWriter(str(tmp / TENSORS_DIR), save_distributed=True)
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed())
+        dcp.save(state, storage_writer=writer, no_dist=not distributed())
     barrier()
-    if rank_and_world()[0] == 0:
+    # Each rank hashes its share of the tensor files; rank 0 writes the manifest.
+    tensor_files = [f"{TENSORS_DIR}/{name}" for name in _files_under(tmp / TENSORS_DIR)]
+    hashed = all_gather_objects(_manifest_entries(tmp, tensor_files[rank::world]))
+    if rank == 0:
+        tensors: dict[str, torch.Tensor] = {}
+        small = _to_json({**trainer_state, "step": step, "world_size": world, "ranks": ranks_state}, tensors, "trainer")
+        (tmp / TRAINER_FILE).write_text(json.dumps(small))
+        if tensors:
+            safetensors.torch.save_file(tensors, tmp / TRAINER_TENSORS_FILE)
+        if config is not None:
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        (tmp / META_FILE).write_text(json.dumps({"step": step, "world_size": world, "time": time.time()}))
+        entries = {name: entry for part in hashed for name, entry in part.items()}
+        small_files = [name for name in _files_under(tmp) if not name.startswith(f"{TENSORS_DIR}/")]
+        entries.update(_manifest_entries(tmp, small_files))
         _maybe_pause_for_test(step, tmp)
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "time": time.time()}))
+        _write_durably(tmp / MANIFEST_FILE,
+                       json.dumps({"format": FORMAT, "algorithm": "sha256", "files": dict(sorted(entries.items()))},
+                                  indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -181,11 +484,30 @@ def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, opt
     return CheckpointRef(step, final)
 
 
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _maybe_pause_for_test(step: int, tmp: Path) -> None:
     if os.environ.get(PAUSE_ENV) == str(step):
         (tmp / "PAUSED").write_text("paused inside the checkpoint write for a kill test\n")
         while True:  # until the test kills this process
             time.sleep(1)
+
+
+def _maybe_crash_for_test(step: int) -> None:
+    marker = os.environ.get(CRASH_MARKER_ENV)
+    if os.environ.get(CRASH_STEP_ENV) != str(step) or not marker or rank_and_world()[0] != 0:
+        return
+    try:
+        with open(marker, "x") as f:  # exclusive create: the crash happens once across restarts
+            f.write(f"crashed after step {step}\n")
+    except FileExistsError:
+        return
+    os._exit(CRASH_EXIT_CODE)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -200,29 +522,43 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _load_tensors(ref: CheckpointRef, state: dict[str, Any]) -> None:
+    reader = HuggingFaceStorageReader(str(ref.path / TENSORS_DIR))
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=reader, no_dist=not distributed())
+    except (CheckpointException, SafetensorError) as err:  # DCP's wrapper of a rank's failure; a bad header
+        first = str(err).strip().splitlines()
+        raise ConfigError(f"checkpoint {ref.path} cannot be loaded into this model: "
+                          f"{first[-1] if first else type(err).__name__}") from None
+
+
 def load_checkpoint(ref: CheckpointRef, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore model and optimizer in place (resharding as needed); return the trainer state."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
-             "trainer": b""}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(ref.path), no_dist=not distributed())
+    """Verify, then restore model and optimizer in place (resharding as needed); return the trainer state."""
+    ref = _require_verified(ref)
+    trainer_state = _read_trainer_state(ref.path)
+    state = _tensor_state(model, optimizer)
+    param_groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    _load_tensors(ref, state)
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    return pickle.loads(state["trainer"])
+    set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"]["state"], "param_groups": param_groups})
+    return trainer_state
 
 
 def load_model_weights(ref: CheckpointRef, model: nn.Module) -> dict[str, Any]:
-    """Restore only the model (e.g. for sampling in one process); return the trainer state."""
-    state = {"model": get_model_state_dict(model), "trainer": b""}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(ref.path), no_dist=not distributed())
+    """Verify, then restore only the model (e.g. for sampling in one process); return the trainer state."""
+    ref = _require_verified(ref)
+    trainer_state = _read_trainer_state(ref.path)
+    state = _tensor_state(model, None)
+    _load_tensors(ref, state)
     set_model_state_dict(model, state["model"])
-    return pickle.loads(state["trainer"])
+    return trainer_state
 
 
 class CheckpointState(Protocol):
-    """What a checkpoint holds of a trainer: model, optimizer and the small state beside them."""
+    """What a checkpoint holds of a trainer: model, optimizer, config and the small state beside them."""
 
+    cfg: JobConfig
     model: nn.Module
     optimizer: torch.optim.Optimizer
 
@@ -240,25 +576,44 @@ class Checkpointer:
         self.last_step = last_step
         self.run_dir_name = run_dir_name
 
-    def resume_point(self) -> CheckpointRef | None:
-        """The checkpoint to resume from, or None; refuses to start a fresh run over existing checkpoints."""
-        latest = latest_complete(self.dir)
-        if latest is not None and not self.cfg.resume:
+    def resume_point(self, job: JobConfig | None = None) -> CheckpointRef | None:
+        """The checkpoint to resume from (verified, and its config checked against `job`), or None.
+
+        resume = false refuses a run directory that has checkpoints, true requires one, "auto"
+        starts fresh when there is none. A damaged newest checkpoint is skipped with one warning
+        line naming the file; with none intact the run stops (ConfigError). Collective.
+        """
+        existing = list_complete(self.dir)
+        if not existing:
+            if self.cfg.resume is True:
+                raise ConfigError(f"checkpoint.resume = true but logging.run_dir = {self.run_dir_name!r} has no "
+                                  "checkpoint; use --checkpoint.resume auto to start fresh when there is none")
+            return None
+        if self.cfg.resume is False:
             raise ConfigError(f"logging.run_dir = {self.run_dir_name!r} already has checkpoints (newest: step "
-                              f"{latest.step}); pass --checkpoint.resume True to continue it, or choose another "
-                              "--logging.run_dir")
-        return latest if self.cfg.resume else None
+                              f"{existing[-1].step}); pass --checkpoint.resume True (or auto) to continue it, or "
+                              "choose another --logging.run_dir")
+        ref, skipped = newest_intact(self.dir)
+        if ref is None:
+            raise ConfigError(f"no intact checkpoint to resume from under {self.dir}: {skipped[0]}")
+        if rank_and_world()[0] == 0:
+            for problem in skipped:
+                log.warning("skipping a damaged checkpoint: %s; resuming from %s", problem, ref.path.name)
+        if job is not None:
+            check_resume_config(ref, job)
+        return ref
 
     def due(self, step: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.every == 0 or step == self.last_step)
 
     def maybe_save(self, step: int, state: CheckpointState) -> CheckpointRef | None:
         """Save `state` as step `step` when one is due (collective: every rank calls it)."""
+        _maybe_crash_for_test(step)
         if not self.due(step):
             return None
         try:
             return save_checkpoint(self.dir, step, state.model, state.optimizer, state.trainer_state(),
-                                   state.per_rank_state(), self.cfg.keep_last)
+                                   state.per_rank_state(), self.cfg.keep_last, state.cfg.to_dict())
         except PoisonedStateError as err:
             raise TrainingDiverged(str(err)) from None
 

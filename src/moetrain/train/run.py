@@ -3,7 +3,8 @@
 Order of work, chosen so that a bad config or bad data fails before anything is
 written: parse and validate the config, read and pack the corpus, join the process
 group and build the mesh, check the run directory (existing checkpoints need
-`--checkpoint.resume True`), build the Trainer (model, optimizer, loader), and only
+`--checkpoint.resume True` or `auto`; the newest intact one is verified and its config compared
+with this job's), build the Trainer (model, optimizer, loader), and only
 then restore a checkpoint and start writing into the run directory.
 
 The run owns the process group's lifetime, logging and the schedule of everything
@@ -60,7 +61,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         run_dir = RunDir(Path(cfg.logging.run_dir))
         checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
                                     cfg.logging.run_dir)
-        resume_from = checkpointer.resume_point()
+        resume_from = checkpointer.resume_point(cfg)
         trainer = Trainer(cfg, data, mesh, device)
         result = _run(trainer, run_dir, checkpointer, resume_from)
         completed = True

@@ -2,9 +2,10 @@
 
 `generate` works on a plain or an FSDP-sharded model; with several ranks every rank
 must call it (each forward gathers parameters) and rank 0's choice of each token is
-broadcast so all ranks extend the same text. `main` is `moetrain sample`: it reads
-the config a training run saved in its run directory, loads the newest complete
-checkpoint's model weights in one process and prints a continuation of the prompt.
+broadcast so all ranks extend the same text. `main` is `moetrain sample`: it loads the
+newest intact checkpoint's model weights (verified against its manifest, skipping a damaged
+newer one with a warning) in one process, built from the config saved with that checkpoint,
+and prints a continuation of the prompt.
 There is no KV cache: each new token reruns the (short) context, which is fine for
 the small models this is meant for. Nothing here changes the model or checkpoint.
 """
@@ -21,9 +22,12 @@ from torch import nn
 from moetrain.args import parse_typed_args
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
 from moetrain.errors import ConfigError
+from moetrain.logging import get_logger
 from moetrain.model.transformer import Transformer
-from moetrain.train.checkpoint import latest_complete, load_model_weights
+from moetrain.train.checkpoint import load_model_weights, newest_intact, stored_config
 from moetrain.train.rundir import RunDir
+
+log = get_logger("sample")
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -100,10 +104,14 @@ def main(argv: list[str]) -> int:
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p = {args.top_p} is invalid: must be in (0, 1]")
     run_dir = RunDir(Path(args.run))
-    cfg = run_dir.load_config()
-    ref = latest_complete(run_dir.checkpoints)
+    run_cfg = run_dir.load_config()  # also says when --run is not a training run's directory
+    ref, skipped = newest_intact(run_dir.checkpoints)
     if ref is None:
-        raise ConfigError(f"--run {args.run!r} has no complete checkpoint under {args.run}/checkpoints")
+        why = f": {skipped[0]}" if skipped else ""
+        raise ConfigError(f"--run {args.run!r} has no intact checkpoint under {args.run}/checkpoints{why}")
+    for problem in skipped:
+        log.warning("skipping a damaged checkpoint: %s; sampling from %s", problem, ref.path.name)
+    cfg = stored_config(ref) or run_cfg  # the config the weights were trained with
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     with torch.device("meta"):
         model = Transformer(cfg.model)
