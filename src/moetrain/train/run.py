@@ -41,7 +41,7 @@ from moetrain.config import JobConfig, parse_job_args
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, TrainingDiverged
 from moetrain.logging import get_logger, setup_logging
-from moetrain.parallel.collectives import barrier, distributed
+from moetrain.parallel.collectives import distributed, leave_together
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
@@ -100,9 +100,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         # Also when the Trainer could not be built (e.g. a mesh that does not fit the world).
         if owns_process_group and dist.is_initialized():
             if completed:
-                # Without it a rank that finishes first tears down its gloo connections while
-                # a peer is still in its last collective, and the peer aborts at exit.
-                barrier()
+                # Ranks leave together, and only once gloo's worker threads have released the
+                # last collective: otherwise a rank can abort at interpreter exit (SIGABRT).
+                leave_together()
             dist.destroy_process_group()
 
 
