@@ -10,7 +10,8 @@ how many runs exited non-zero and, for those, the lines that say why.
 Not part of the test suite (minutes, not seconds). On a shared machine run it under
 the heavy lock:
     flock /tmp/moetrain-heavy.lock .venv/bin/python benchmarks/stress_exit.py --runs 50
-The counts and the failing runs' last lines go to --out (JSON) as well as stdout.
+The counts and the failing runs' last lines go to --out (JSON, rewritten after every run, so
+an interrupted stress run still reports what it counted) as well as stdout.
 """
 
 from __future__ import annotations
@@ -95,14 +96,19 @@ def main() -> int:
                     failures.append({"run": i, "exit": code, "stderr_tail": tail})
                     print(f"world {nproc} run {i}: exit {code}\n  " + "\n  ".join(tail), flush=True)
                 shutil.rmtree(run_dir, ignore_errors=True)
+                summary["results"][str(nproc)] = {"runs": i + 1, "nonzero": len(failures), "exit_codes": codes,
+                                                  "wall_s": round(time.perf_counter() - start, 1),
+                                                  "failures": failures}
+                write(args.out, summary)
             wall = time.perf_counter() - start
-            summary["results"][str(nproc)] = {"runs": args.runs, "nonzero": len(failures), "exit_codes": codes,
-                                              "wall_s": round(wall, 1), "failures": failures}
             print(f"world size {nproc}: {len(failures)} of {args.runs} runs exited non-zero "
                   f"(exit codes {codes}; {wall:.0f} s)", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def write(path: Path, summary: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":
