@@ -93,9 +93,9 @@ def test_a_fresh_run_keeps_the_config_and_metrics_another_run_left(job_args, tmp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config.json and metrics.jsonl of another run" in err, err
     assert _snapshot(run_dir) == before
-    # Asking to continue that run claims its files: it restarts in place.
+    # Asking to continue that run ("auto": resume if a checkpoint exists) claims its files: it restarts in place.
     assert cli.main(["train", *job_args(run_dir, train__steps=3, train__eval_every=0,
-                                        checkpoint__resume=True)]) == 0
+                                        checkpoint__resume="auto")]) == 0
     assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 3
 
 

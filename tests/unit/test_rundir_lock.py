@@ -75,6 +75,7 @@ def test_a_fresh_run_refuses_another_runs_config_or_metrics(tmp_path):
     with pytest.raises(ConfigError, match=r"already holds config.json and metrics.jsonl"):
         refuse_foreign_outputs(run_dir, fresh)
     refuse_foreign_outputs(run_dir, from_dict({"checkpoint": {"resume": True}}).validate())
+    refuse_foreign_outputs(run_dir, from_dict({"checkpoint": {"resume": "auto"}}).validate())
 
 
 @pytest.mark.parametrize("section, name, value", [

@@ -237,9 +237,10 @@ def _stop_on_signal(trainer: Trainer, checkpointer: Checkpointer, metrics: Metri
     final = {"kind": "stopped", "step": step, "wall_s": wall_s, "signal": signal_name,
              "checkpoint_step": None if latest is None else latest.step}
     metrics.write(final)
+    then = "resume with --checkpoint.resume True" if latest is not None else "nothing to resume from"
     if trainer.rank == 0:
-        print(f"moetrain: stopped by {signal_name} after step {step} of {cfg.train.steps}; {outcome}; resume with "
-              "--checkpoint.resume True", file=sys.stderr, flush=True)
+        print(f"moetrain: stopped by {signal_name} after step {step} of {cfg.train.steps}; {outcome}; {then}",
+              file=sys.stderr, flush=True)
     return final
 
 

@@ -144,7 +144,8 @@ def refuse_foreign_outputs(run_dir: RunDir, cfg: JobConfig) -> None:
     """A fresh run must not replace a config.json or metrics.jsonl some other run left here.
 
     Allowed under `checkpoint.resume`: the files are then the run's own, continued from its
-    checkpoint, or restarted in place when it has none yet (a crash before the first save).
+    checkpoint, or under "auto" restarted in place when it has none yet (a crash before the
+    first save; `True` without a checkpoint is refused by the checkpointer).
     """
     if cfg.checkpoint.resume:
         return
@@ -152,4 +153,4 @@ def refuse_foreign_outputs(run_dir: RunDir, cfg: JobConfig) -> None:
     if found:
         raise ConfigError(f"logging.run_dir = {str(run_dir.root)!r} already holds {' and '.join(found)} of another "
                           "run and no checkpoint: choose another --logging.run_dir, remove them, or pass "
-                          "--checkpoint.resume True to restart that run from scratch in place")
+                          "--checkpoint.resume auto to restart that run in place")
