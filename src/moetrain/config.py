@@ -110,6 +110,9 @@ class ParallelConfig:
     output_dtype: DType | None = None
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # How long a collective waits for its peers before the rank gives up (a hung or lost
+    # peer); passed to init_process_group. Torch's own default is 30 minutes.
+    collective_timeout_s: float = 300.0
 
 
 @dataclass
@@ -176,6 +179,9 @@ class CheckpointConfig:
     every: int = 100
     keep_last: int = 2
     resume: bool | Literal["auto"] = False  # "auto": resume when a checkpoint exists, else start fresh
+    # On SIGTERM/SIGINT the run stops at the next step boundary and saves there when a
+    # save is due or the last save (or the run's start) is older than this many seconds.
+    signal_save_after_s: float = 0.0
 
 
 @dataclass
@@ -287,6 +293,10 @@ def _validate(cfg: JobConfig) -> None:
         _check(moe.n_experts % p.ep == 0, "parallel.ep", p.ep,
                f"must divide model.moe.n_experts = {moe.n_experts} (each rank owns whole experts)")
     _check(t.lr > 0, "train.lr", t.lr, "must be > 0")
+    _check(0 < p.collective_timeout_s < float("inf"), "parallel.collective_timeout_s", p.collective_timeout_s,
+           "must be a finite number of seconds > 0")
+    _check(0 <= c.signal_save_after_s < float("inf"), "checkpoint.signal_save_after_s", c.signal_save_after_s,
+           "must be a finite number of seconds >= 0")
     _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
     _check(0 < t.decay_fraction <= 1, "train.decay_fraction", t.decay_fraction, "must be in (0, 1]")
     _check(0 <= t.beta1 < 1, "train.beta1", t.beta1, "must be in [0, 1)")

@@ -3,7 +3,8 @@
 `ConfigError` is every user-caused problem (a bad config field, a bad file, a bad
 command-line option): its message is one line naming the field or file, the value
 and what would be valid, and the CLI turns it into `moetrain: error: ...` with exit
-status 2. `TrainingDiverged` ends a run whose loss or state became NaN/inf (exit 1).
+status 2. `TrainingDiverged` ends a run whose loss or state became NaN/inf (exit 1),
+`CollectiveFailed` one whose collective timed out or lost a peer (exit 3).
 This module defines types only; it imports nothing from the project.
 """
 
@@ -20,3 +21,7 @@ class TrainingDiverged(RuntimeError):
 
 class PoisonedStateError(RuntimeError):
     """The model or optimizer state to be saved holds NaN or inf; nothing was written."""
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective timed out or lost a peer during a run; the message (one line) names the step."""

@@ -8,6 +8,8 @@ values between ranks; it must not know about models, optimizers or files.
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 import torch
@@ -40,6 +42,29 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 def barrier() -> None:
     if _multi_rank():
         dist.barrier()
+
+
+def leave_together(timeout_s: float = 10.0) -> None:
+    """The last collective of a process: a barrier that returns once the backend has let go of it.
+
+    A backend's worker thread drops its reference to a finished collective's tensors after
+    the caller has already been told the collective is done, and dropping a tensor that
+    Python also knows takes the GIL. When that happens after the interpreter has begun to
+    shut down, the worker thread is torn down inside C++ code and the process aborts
+    ("terminate called without an active exception", SIGABRT), after a run that
+    succeeded. So the last collective is an all-reduce of a tensor whose Python
+    reference count is watched until the worker has released it (its count is back to
+    where it was), sleeping meanwhile so the worker can take the GIL. Earlier
+    collectives' workers got the GIL during this one's wait.
+    """
+    if not _multi_rank():
+        return
+    token = torch.zeros(1, device=collective_device())
+    baseline = sys.getrefcount(token)
+    dist.all_reduce(token)
+    deadline = time.monotonic() + timeout_s
+    while sys.getrefcount(token) > baseline and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -70,9 +71,10 @@ def _local_device(device_type: str) -> torch.device:
 def init_distributed(parallel: ParallelConfig) -> tuple[int, int, torch.device]:
     """Join or reuse the default process group; return (rank, world_size, device).
 
-    Order of precedence: an already-initialised group (test harness, caller), the
-    torchrun environment (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, multi-node too),
-    else a private single-rank group on an in-memory store.
+    Order of precedence: an already-initialised group (test harness, caller; its own
+    timeout stays), the torchrun environment (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT,
+    multi-node too), else a private single-rank group on an in-memory store. A group
+    made here times out collectives after `parallel.collective_timeout_s`.
     """
     if dist.is_initialized():
         device_type = _device_type(parallel, dist.get_backend())
@@ -80,6 +82,9 @@ def init_distributed(parallel: ParallelConfig) -> tuple[int, int, torch.device]:
     device_type = _device_type(parallel, None)
     backend = _backend_for(device_type, parallel)
     device = _local_device(device_type)
+    # Every collective on this group (and the groups the mesh cuts from it) gives up after
+    # this long: a hung peer then ends the run with an error instead of a 30-minute wait.
+    timeout = timedelta(seconds=parallel.collective_timeout_s)
     if all(var in os.environ for var in _TORCHRUN_VARS):
         init_kwargs = {"device_id": device} if device.type == "cuda" else {}
         # torchrun keeps one store for all restarts of a job (`--max-restarts`) and does not
@@ -88,11 +93,11 @@ def init_distributed(parallel: ParallelConfig) -> tuple[int, int, torch.device]:
         store, rank, world = next(rendezvous("env://"))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend, store=dist.PrefixStore(f"moetrain.attempt_{attempt}", store), rank=rank,
-                                world_size=world, **init_kwargs)
+                                world_size=world, timeout=timeout, **init_kwargs)
     else:
         # One rank, no launcher: a HashStore needs no port, so tests and laptops never
         # collide on MASTER_PORT, and FSDP still gets the group it requires.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -606,10 +606,10 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.every == 0 or step == self.last_step)
 
-    def maybe_save(self, step: int, state: CheckpointState) -> CheckpointRef | None:
-        """Save `state` as step `step` when one is due (collective: every rank calls it)."""
+    def maybe_save(self, step: int, state: CheckpointState, force: bool = False) -> CheckpointRef | None:
+        """Save `state` as step `step` when one is due or `force`d (collective: every rank calls it)."""
         _maybe_crash_for_test(step)
-        if not self.due(step):
+        if not (force or self.due(step)):
             return None
         try:
             return save_checkpoint(self.dir, step, state.model, state.optimizer, state.trainer_state(),

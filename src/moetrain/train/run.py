@@ -13,6 +13,14 @@ around the steps: the components decide when they act (`metrics.due(step)`,
 non-finite step is skipped or stops the run per `train.nan_policy`, and the end of
 the run evaluates, samples and writes the final record. The step itself is the
 Trainer's (`moetrain.train.trainer`).
+
+One writer: rank 0 holds the run directory's lock (`rundir.WriterLock`) from before the
+checkpoint check to the end, and a fresh run refuses a directory holding another run's
+config.json or metrics.jsonl. A collective that times out (`parallel.collective_timeout_s`)
+or loses a peer ends the rank with one line naming the step (exit 3). SIGTERM/SIGINT stop
+every rank at the next step boundary, saving first when due (`moetrain.train.signals`;
+exit 75). Exit codes: 0 done (or stopped at train.stop_at_step), 1 diverged, 2 user
+error, 3 collective failed, 75 stopped by a signal.
 """
 
 from __future__ import annotations
@@ -31,20 +39,28 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from moetrain.config import JobConfig, parse_job_args
 from moetrain.data.dataset import load_training_data
-from moetrain.errors import TrainingDiverged
+from moetrain.errors import CollectiveFailed, TrainingDiverged
 from moetrain.logging import get_logger, setup_logging
-from moetrain.parallel.collectives import barrier, distributed
+from moetrain.parallel.collectives import distributed, leave_together
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.disk import no_space_left
 from moetrain.train.memory_check import refuse_if_too_big
 from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
-from moetrain.train.rundir import RunDir
+from moetrain.train.rundir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.train.sample import generate
+from moetrain.train.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals, maybe_hang_for_test
 from moetrain.train.trainer import Trainer
 
 log = get_logger("train")
+EXIT_COLLECTIVE_FAILED = 3
+
+
+class _Phase:
+    """What the run is doing, for the line that reports a failed collective."""
+
+    where = "the start of the run"
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
@@ -53,27 +69,56 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     data = load_training_data(cfg)
     owns_process_group = not distributed()
     completed = False
+    lock: WriterLock | None = None
     try:
         if cfg.train.num_threads > 0:
             torch.set_num_threads(cfg.train.num_threads)
-        _, world, device = init_distributed(cfg.parallel)
+        rank, world, device = init_distributed(cfg.parallel)
         mesh = build_mesh(cfg.parallel, world, device.type)
         run_dir = RunDir(Path(cfg.logging.run_dir))
+        lock = WriterLock(run_dir)
+        lock.acquire()  # before the checkpoint check: a concurrent run could be writing one
         checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
                                     cfg.logging.run_dir)
         resume_from = checkpointer.resume_point(cfg)
+        refuse_foreign_outputs(run_dir, cfg)
         trainer = Trainer(cfg, data, mesh, device)
-        result = _run(trainer, run_dir, checkpointer, resume_from)
+        phase = _Phase()
+        try:
+            with StopSignals(rank, grace_s=cfg.parallel.collective_timeout_s) as stop:
+                result = _run(trainer, run_dir, checkpointer, resume_from, stop, phase)
+        except RuntimeError as err:
+            if not _is_collective_failure(err):
+                raise
+            raise CollectiveFailed(_collective_failure(err, rank, phase.where, cfg.parallel.collective_timeout_s)) \
+                from None
         completed = True
         return result
     finally:
+        if lock is not None:
+            lock.release()
         # Also when the Trainer could not be built (e.g. a mesh that does not fit the world).
         if owns_process_group and dist.is_initialized():
             if completed:
-                # Without it a rank that finishes first tears down its gloo connections while
-                # a peer is still in its last collective, and the peer aborts at exit.
-                barrier()
+                # Ranks leave together, and only once gloo's worker threads have released the
+                # last collective: otherwise a rank can abort at interpreter exit (SIGABRT).
+                leave_together()
             dist.destroy_process_group()
+
+
+def _is_collective_failure(err: RuntimeError) -> bool:
+    # gloo reports a timeout or a lost peer as a plain RuntimeError raised from its sources.
+    text = str(err)
+    return isinstance(err, dist.DistError) or "/gloo/" in text or "Timed out waiting" in text
+
+
+def _collective_failure(err: RuntimeError, rank: int, where: str, timeout_s: float) -> str:
+    text = str(err).strip()
+    first_line = text.splitlines()[0][:200] if text else type(err).__name__
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (f"rank {rank}: a collective did not complete within parallel.collective_timeout_s = {timeout_s:g} s "
+                f"during {where}: a peer rank is hung or gone ({first_line})")
+    return f"rank {rank}: a collective failed during {where}: a peer rank is gone ({first_line})"
 
 
 def _start(trainer: Trainer, run_dir: RunDir, resume_from: ckpt.CheckpointRef | None) -> None:
@@ -91,7 +136,7 @@ def _start(trainer: Trainer, run_dir: RunDir, resume_from: ckpt.CheckpointRef | 
 
 
 def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
-         resume_from: ckpt.CheckpointRef | None) -> dict[str, Any]:
+         resume_from: ckpt.CheckpointRef | None, stop: StopSignals, phase: _Phase) -> dict[str, Any]:
     cfg = trainer.cfg
     _start(trainer, run_dir, resume_from)
     is_rank0 = trainer.rank == 0
@@ -115,12 +160,15 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
     bar = ProgressBar(total=cfg.train.steps, initial=trainer.step, enabled=is_rank0 and cfg.logging.progress_bar)
     window: list[StepResult] = []
     run_start = time.perf_counter()
+    last_save_at = time.monotonic()  # the work a signal-stop without a save would lose starts here
     steps_this_run = 0
     consecutive_skips = 0
     try:
         redirect = logging_redirect_tqdm(loggers=[logging.getLogger("moetrain")]) if bar.active else nullcontext()
         with redirect:
             while trainer.step < last_step:
+                phase.where = f"step {trainer.step + 1}"
+                maybe_hang_for_test(trainer.rank, trainer.step + 1)
                 result = trainer.train_step()
                 steps_this_run += 1
                 window.append(result)
@@ -135,14 +183,23 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                     log.info(console_line(record, cfg.train.steps))
                 evaluate_now = cfg.train.eval_every > 0 and trainer.step % cfg.train.eval_every == 0
                 if data.heldout is not None and evaluate_now and trainer.step != cfg.train.steps:
+                    phase.where = f"the evaluation after step {trainer.step}"
                     ev = trainer.evaluate()
                     metrics.write({"kind": "eval", "step": trainer.step, **ev})
                     log.info("step %d | held-out loss %.4f | %.4f bits/byte", trainer.step, ev["heldout_loss"],
                              ev["heldout_bpb"])
+                phase.where = f"the checkpoint of step {trainer.step}"
                 with no_space_left(run_dir.checkpoints, "checkpoint"):
                     saved = checkpointer.maybe_save(trainer.step, trainer)
                 if saved is not None:
                     log.info("checkpoint saved: %s", saved.path)
+                    last_save_at = time.monotonic()
+                if trainer.step < last_step:
+                    phase.where = f"the stop check after step {trainer.step}"
+                    stopping, save = stop.agree(time.monotonic() - last_save_at > cfg.checkpoint.signal_save_after_s)
+                    if stopping:
+                        return _stop_on_signal(trainer, checkpointer, metrics, stop, save and saved is None,
+                                               time.perf_counter() - run_start)
         bar.close()
         wall_s = time.perf_counter() - run_start
         if trainer.step < cfg.train.steps:
@@ -151,10 +208,40 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
             final = {"kind": "stopped", "step": trainer.step, "wall_s": wall_s}
             metrics.write(final)
             return final
+        phase.where = f"the final evaluation after step {trainer.step}"
         return _finish(trainer, metrics, wall_s, steps_this_run)
     finally:
         bar.close()
         metrics.close()
+
+
+def _stop_on_signal(trainer: Trainer, checkpointer: Checkpointer, metrics: MetricsWriter, stop: StopSignals,
+                    save: bool, wall_s: float) -> dict[str, Any]:
+    """End the run after a signal: save when agreed (and enabled), write the record, say one line."""
+    cfg, step = trainer.cfg, trainer.step
+    saved = None
+    if save and cfg.checkpoint.enabled:
+        with no_space_left(checkpointer.dir, "checkpoint"):
+            saved = checkpointer.maybe_save(step, trainer, force=True)
+    latest = checkpointer.latest()
+    if saved is not None:
+        outcome = f"checkpoint {saved.path.name} saved"
+    elif not cfg.checkpoint.enabled:
+        outcome = "no checkpoint (checkpoint.enabled = false)"
+    elif latest is not None:
+        outcome = (f"newest checkpoint: step {latest.step} (saved less than checkpoint.signal_save_after_s = "
+                   f"{cfg.checkpoint.signal_save_after_s:g} s ago)")
+    else:
+        outcome = "no checkpoint yet"
+    signal_name = stop.name or "a signal to another rank"
+    final = {"kind": "stopped", "step": step, "wall_s": wall_s, "signal": signal_name,
+             "checkpoint_step": None if latest is None else latest.step}
+    metrics.write(final)
+    then = "resume with --checkpoint.resume True" if latest is not None else "nothing to resume from"
+    if trainer.rank == 0:
+        print(f"moetrain: stopped by {signal_name} after step {step} of {cfg.train.steps}; {outcome}; {then}",
+              file=sys.stderr, flush=True)
+    return final
 
 
 def _handle_nonfinite(trainer: Trainer, result: StepResult, metrics: MetricsWriter,
@@ -206,8 +293,11 @@ def main(argv: list[str]) -> int:
     cfg = parse_job_args(argv, prog="moetrain train")
     setup_logging()
     try:
-        run(cfg)
+        final = run(cfg)
     except TrainingDiverged as err:
         print(f"moetrain: error: {err}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    except CollectiveFailed as err:
+        print(f"moetrain: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_COLLECTIVE_FAILED
+    return EXIT_STOPPED_BY_SIGNAL if final.get("signal") else 0

@@ -4,20 +4,36 @@ RUN_DIR/config.json (the run's resolved JobConfig), metrics.jsonl (records, see
 `moetrain.train.metrics`), checkpoints/step_XXXXXXXX/ (see `moetrain.train.checkpoint`),
 logs/rank{R}.log (optional per-rank logs) and training_curve.png (`moetrain plot`).
 Every reader and writer of a run directory takes its paths from here. This module
-names paths and reads the stored config; it writes nothing.
+names paths, reads the stored config and holds the run's writer lock; it writes no
+run output (config, metrics, checkpoints are the run's and the checkpointer's).
+
+One writer per run directory: a training run holds `RUN_DIR/run.lock` with an
+exclusive `fcntl.flock` for its whole lifetime (`WriterLock`). Only rank 0 takes it,
+because rank 0 is the rank that writes the config, the metrics and renames
+checkpoints, and because every rank of one job locking the same file would lock
+each other out (flock locks belong to open files, not to jobs); rank 0 broadcasts
+the outcome so every rank of a second job stops. The kernel drops a flock when its
+process exits however it exits (SIGKILL, OOM, power loss of the holder's node), so
+a crashed run never leaves a lock that blocks its resume. The file itself stays: a
+lock file that is deleted while another process waits on it would let two writers
+hold locks on two different files.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from moetrain.config import JobConfig, from_dict
 from moetrain.errors import ConfigError
+from moetrain.parallel.collectives import broadcast_int, rank_and_world
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
+LOCK_FILE = "run.lock"
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,10 @@ class RunDir:
         return self.root / "logs"
 
     @property
+    def lock(self) -> Path:
+        return self.root / LOCK_FILE
+
+    @property
     def curve(self) -> Path:
         return self.root / "training_curve.png"
 
@@ -53,3 +73,84 @@ class RunDir:
             return from_dict(json.loads(self.config.read_text())).validate()
         except json.JSONDecodeError as err:
             raise ConfigError(f"{self.config} is not valid JSON: {err}") from None
+
+
+class WriterLock:
+    """The exclusive writer lock of a run directory, held by rank 0 from `acquire` to `release`.
+
+    `acquire` is collective (every rank calls it): rank 0 tries the lock without waiting
+    and broadcasts whether it got it; on every rank a lock held by another process is a
+    one-line ConfigError naming the holder. A directory the lock had to create, still
+    empty but for the lock file at `release` (the run stopped before writing anything),
+    is removed again so a refused run leaves nothing behind.
+    """
+
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
+        self._fd: int | None = None
+        self._created_dir = False
+
+    def acquire(self) -> None:
+        refusal = ""
+        if rank_and_world()[0] == 0:
+            try:
+                refusal = self._try_lock()
+            except OSError as err:
+                refusal = f"cannot create its lock file {str(self.run_dir.lock)!r}: {err.strerror}"
+        if broadcast_int(1 if refusal else 0) == 0:
+            return
+        where = f"logging.run_dir = {str(self.run_dir.root)!r}"
+        raise ConfigError(f"{where} {refusal}" if refusal else f"{where} could not be locked by rank 0 (see its error)")
+
+    def _try_lock(self) -> str:
+        """Take the lock; '' on success, else why not. The file stays empty: a refused run writes nothing."""
+        root = self.run_dir.root
+        self._created_dir = not root.exists()
+        root.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.run_dir.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return (f"is in use by another training run (it holds {LOCK_FILE}); wait for it to end or choose "
+                        "another --logging.run_dir")
+            # The holder before us may have removed the file (its run wrote nothing) after we
+            # opened it: a lock on an unlinked file guards nothing, so take the new file's.
+            try:
+                same_file = os.fstat(fd).st_ino == os.stat(self.run_dir.lock).st_ino
+            except FileNotFoundError:
+                same_file = False
+            if same_file:
+                break
+            os.close(fd)
+        self._fd = fd
+        return ""
+
+    def release(self) -> None:
+        """Let go of the lock (rank 0; a no-op elsewhere and when never taken)."""
+        if self._fd is None:
+            return
+        root = self.run_dir.root
+        if self._created_dir and [p.name for p in root.iterdir()] == [LOCK_FILE]:
+            # Still holding the lock, so no other writer can be using the file or directory.
+            self.run_dir.lock.unlink()
+            root.rmdir()
+        os.close(self._fd)  # closing the last descriptor releases the flock
+        self._fd = None
+
+
+def refuse_foreign_outputs(run_dir: RunDir, cfg: JobConfig) -> None:
+    """A fresh run must not replace a config.json or metrics.jsonl some other run left here.
+
+    Allowed under `checkpoint.resume`: the files are then the run's own, continued from its
+    checkpoint, or under "auto" restarted in place when it has none yet (a crash before the
+    first save; `True` without a checkpoint is refused by the checkpointer).
+    """
+    if cfg.checkpoint.resume:
+        return
+    found = [path.name for path in (run_dir.config, run_dir.metrics) if path.exists()]
+    if found:
+        raise ConfigError(f"logging.run_dir = {str(run_dir.root)!r} already holds {' and '.join(found)} of another "
+                          "run and no checkpoint: choose another --logging.run_dir, remove them, or pass "
+                          "--checkpoint.resume auto to restart that run in place")
