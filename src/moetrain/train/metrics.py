@@ -25,6 +25,7 @@ from tqdm import tqdm
 from moetrain.errors import ConfigError
 from moetrain.train.disk import append_line, no_space_left
 from moetrain.train.rundir import METRICS_FILE
+from moetrain.train.tracking import WandbTracker
 
 LN2 = math.log(2.0)
 
@@ -57,19 +58,26 @@ class StepResult:
 
 
 class MetricsWriter:
-    """Appends records to RUN_DIR/metrics.jsonl (and TensorBoard when asked); a no-op off rank 0."""
+    """Appends records to RUN_DIR/metrics.jsonl (and TensorBoard, W&B when asked); a no-op off rank 0.
+
+    `wandb_config` (the job's resolved config) turns on W&B tracking (`moetrain.train.tracking`).
+    """
 
     def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool = False, log_every: int = 1,
-                 last_step: int | None = None):
+                 last_step: int | None = None, wandb_config: dict[str, Any] | None = None,
+                 wandb_project: str = "moetrain"):
         self.enabled = enabled
         self.log_every = log_every
         self.last_step = last_step
         self.path = Path(run_dir) / METRICS_FILE
         self._tb = None
+        self._wandb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
                 self._tb = _tensorboard_writer(Path(run_dir) / "tensorboard")
+            if wandb_config is not None:
+                self._wandb = WandbTracker(Path(run_dir), wandb_config, wandb_project)
 
     def due(self, step: int) -> bool:
         """Whether a train record is written after `step` (on every rank: building one may communicate)."""
@@ -84,10 +92,15 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                     self._tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(record)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def _tensorboard_writer(log_dir: Path):
