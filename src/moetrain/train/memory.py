@@ -80,3 +80,14 @@ class PeakMemory:
         if self.window_peaks:
             self._reset_rss_peak()
         return values
+
+
+def growth_per_step(steps: list[int], values: list[float]) -> float:
+    """Least-squares slope of `values` against `steps` (bytes per step for memory readings); 0 for < 2 points."""
+    if len(steps) < 2:
+        return 0.0
+    mean_step = sum(steps) / len(steps)
+    mean_value = sum(values) / len(values)
+    covariance = sum((s - mean_step) * (v - mean_value) for s, v in zip(steps, values, strict=True))
+    variance = sum((s - mean_step) ** 2 for s in steps)
+    return covariance / variance if variance else 0.0
