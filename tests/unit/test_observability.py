@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from moetrain.train.memory import PeakMemory, current_rss_bytes
 from moetrain.train.metrics import console_line, expert_health
 from moetrain.train.plot import expert_load_figure
+from moetrain.train.profiler import ProfilerWindow
 
 
 def _loads() -> np.ndarray:
@@ -91,3 +94,16 @@ def test_console_line_shows_the_largest_peak_over_ranks():
     assert console_line(record, 10).endswith("| peak RSS 3.00G")
     record.update(cuda_max_allocated_bytes_per_rank=[2**30, 2 * 2**30], cuda_max_reserved_bytes_per_rank=[5 * 2**29])
     assert console_line(record, 10).endswith("| CUDA max alloc 2.00G reserved 2.50G")
+
+
+def test_profiler_window_ending_early_still_writes_what_it_traced(tmp_path):
+    window = ProfilerWindow((2, 5), tmp_path, rank=3, device=torch.device("cpu"))
+    x = torch.randn(64, 64)
+    for step in (1, 2, 3):  # the run stops at step 3, inside the window
+        with window.step(step):
+            x @ x
+    assert not (tmp_path / "rank3_steps2-5.json").exists()
+    window.close()
+    window.close()  # idempotent
+    names = {event.get("name") for event in json.loads((tmp_path / "rank3_steps2-5.json").read_text())["traceEvents"]}
+    assert {"step 2", "step 3"} <= names and "step 1" not in names
