@@ -54,7 +54,7 @@ run_step() {
     fi
 }
 
-run_step cuda_tests 150 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider -rs tests
+run_step cuda_tests 120 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider -rs tests
 # pytest exits 0 when every selected test is skipped (5 when none is selected): a GPU run must run them.
 if [ "${STATUS[-1]}" = "ok" ] && grep -Eq "skipped|no tests ran" "$OUT/cuda_tests.log"; then
     STATUS[-1]="FAILED (tests skipped)"
@@ -62,7 +62,7 @@ if [ "${STATUS[-1]}" = "ok" ] && grep -Eq "skipped|no tests ran" "$OUT/cuda_test
     grep -E "SKIPPED|skipped" "$OUT/cuda_tests.log" >&2
 fi
 
-run_step bench_moe_bf16 60 "$MOETRAIN" bench moe --device "$DEVICE" --dtype bfloat16 --json "$OUT/bench_moe_bf16.json"
+run_step bench_moe_bf16 90 "$MOETRAIN" bench moe --device "$DEVICE" --dtype bfloat16 --json "$OUT/bench_moe_bf16.json"
 
 run_step bench_train_flex_bf16 150 "$MOETRAIN" bench train --config configs/qwen3_moe_debug.toml \
     --model.attention flex --parallel.param_dtype bfloat16 --parallel.device "$DEVICE" \
