@@ -50,6 +50,7 @@ class WandbTracker:
             raise ConfigError("logging.wandb = True needs the `wandb` package, which is not installed; install the "
                               "extra `pip install moetrain[wandb]` or set it to False") from None
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._wandb = wandb
         self._run = wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=config,
                                settings=wandb.Settings(console="off"))
 
@@ -60,3 +61,6 @@ class WandbTracker:
 
     def finish(self) -> None:
         self._run.finish()
+        # finish() returns before W&B's service process has written everything of an offline run;
+        # teardown waits for it, so the run directory is complete when the job returns.
+        self._wandb.teardown()
