@@ -8,7 +8,8 @@ Trains the config on `--world` spawned gloo ranks (FSDP over all of them unless 
 say otherwise) with a record every step, no evaluation, checkpoints or sample, then reads every
 rank's end-of-step RSS and per-step peak RSS from the records and reports, per rank: the
 least-squares slope of RSS after warm-up (bytes per step), the slope in consecutive windows
-(to see whether a drift settles or keeps going) and the RSS at warm-up and at the end. The
+(to see whether a drift settles or keeps going) and the RSS at warm-up and at the end, as JSON
+and as a table beside it (same name, .txt). The
 remaining arguments are config overrides: on a 2-core machine the full qwen3_moe_debug
 (8 layers, 2 x 512 tokens) takes minutes per step on 4 ranks, so shorter rows and fewer
 layers keep its shapes per layer (dim 256, 16/8 heads of width 128, 64 experts top-8 of width
@@ -74,17 +75,19 @@ def main() -> int:
         })
     result = {"config": config, "overrides": overrides, "world": world, "steps": steps, "warmup": warmup,
               "median_step_s": step_s, "wall_s": wall_s, "ranks": ranks}
-    print(f"{config} {' '.join(overrides)}: {world} ranks, {steps} steps, median step {step_s:.2f} s")
-    print(f"{'rank':>4} {'RSS@warmup MiB':>15} {'RSS@end MiB':>12} {'peak MiB':>9} {'slope KiB/step':>15}  "
-          f"windows of {WINDOW} steps (KiB/step)")
+    lines = [f"{config} {' '.join(overrides)}: {world} ranks, {steps} steps, median step {step_s:.2f} s",
+             f"{'rank':>4} {'RSS@warmup MiB':>15} {'RSS@end MiB':>12} {'peak MiB':>9} {'slope KiB/step':>15}  "
+             f"windows of {WINDOW} steps (KiB/step)"]
     for r in ranks:
         window_text = " ".join(f"{w['slope_bytes_per_step'] / 1024:.0f}" for w in r["windows"])
-        print(f"{r['rank']:>4} {r['rss_at_warmup_bytes'] / 2**20:>15.1f} {r['rss_at_end_bytes'] / 2**20:>12.1f} "
-              f"{r['max_peak_rss_bytes'] / 2**20:>9.1f} {r['slope_after_warmup_bytes_per_step'] / 1024:>15.1f}  "
-              f"{window_text}")
+        lines.append(f"{r['rank']:>4} {r['rss_at_warmup_bytes'] / 2**20:>15.1f} {r['rss_at_end_bytes'] / 2**20:>12.1f} "
+                     f"{r['max_peak_rss_bytes'] / 2**20:>9.1f} {r['slope_after_warmup_bytes_per_step'] / 1024:>15.1f}  "
+                     f"{window_text}")
+    print("\n".join(lines))
     path = Path(json_path or "benchmarks/results/memory_flat.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+    path.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     return 0
 
 
