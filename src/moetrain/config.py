@@ -11,6 +11,7 @@ by `check_world_size` once the world is known.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import tomllib
 import typing
@@ -191,6 +192,28 @@ class LoggingConfig:
     all_ranks_to_files: bool = False
     progress_bar: bool = True
     tensorboard: bool = False
+    # Weights & Biases tracking beside metrics.jsonl (extra `wandb`; WANDB_MODE=offline works without network).
+    wandb: bool = False
+    wandb_project: str = "moetrain"
+
+
+@dataclass
+class ProfileConfig:
+    # Trace steps A to B (inclusive, the step numbers of the log) with torch.profiler, "A-B" or "A";
+    # each rank writes a Chrome trace into RUN_DIR/profile/. "" = off.
+    steps: str = ""
+
+
+def parse_step_range(text: str) -> tuple[int, int] | None:
+    """profile.steps "A-B" (or "A") -> (A, B); "" -> None; ConfigError when malformed."""
+    if not text:
+        return None
+    first, dash, last = text.partition("-")
+    valid = "must be 'A-B' (first and last step to trace, 1 <= A <= B) or '' (off)"
+    _check(first.strip().isdigit() and (not dash or last.strip().isdigit()), "profile.steps", text, valid)
+    bounds = int(first), int(last if dash else first)
+    _check(1 <= bounds[0] <= bounds[1], "profile.steps", text, valid)
+    return bounds
 
 
 @dataclass
@@ -201,6 +224,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def validate(self) -> JobConfig:
         _validate(self)
@@ -314,6 +338,9 @@ def _validate(cfg: JobConfig) -> None:
     _check(d.source == "stdlib" or d.path is not None, "data.path", d.path,
            f"a path is required when data.source = {d.source!r}")
     _check(bool(lg.run_dir), "logging.run_dir", lg.run_dir, "must be a non-empty path")
+    parse_step_range(cfg.profile.steps)
+    _check(not lg.wandb or importlib.util.find_spec("wandb") is not None, "logging.wandb", lg.wandb,
+           "needs the `wandb` package: pip install moetrain[wandb], or set it to False")
     schemes = typing.get_args(InitScheme)
     _check(m.init_scheme in schemes, "model.init_scheme", m.init_scheme, f"valid schemes: {', '.join(schemes)}")
     _check(not m.init_scale_embedding or m.init_scheme == "olmo-megatron", "model.init_scale_embedding",

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from moetrain.errors import ConfigError
 from moetrain.train.disk import append_line, no_space_left
 from moetrain.train.rundir import METRICS_FILE
+from moetrain.train.tracking import WandbTracker
 
 LN2 = math.log(2.0)
 
@@ -57,19 +58,26 @@ class StepResult:
 
 
 class MetricsWriter:
-    """Appends records to RUN_DIR/metrics.jsonl (and TensorBoard when asked); a no-op off rank 0."""
+    """Appends records to RUN_DIR/metrics.jsonl (and TensorBoard, W&B when asked); a no-op off rank 0.
+
+    `wandb_config` (the job's resolved config) turns on W&B tracking (`moetrain.train.tracking`).
+    """
 
     def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool = False, log_every: int = 1,
-                 last_step: int | None = None):
+                 last_step: int | None = None, wandb_config: dict[str, Any] | None = None,
+                 wandb_project: str = "moetrain"):
         self.enabled = enabled
         self.log_every = log_every
         self.last_step = last_step
         self.path = Path(run_dir) / METRICS_FILE
         self._tb = None
+        self._wandb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
                 self._tb = _tensorboard_writer(Path(run_dir) / "tensorboard")
+            if wandb_config is not None:
+                self._wandb = WandbTracker(Path(run_dir), wandb_config, wandb_project)
 
     def due(self, step: int) -> bool:
         """Whether a train record is written after `step` (on every rank: building one may communicate)."""
@@ -84,10 +92,15 @@ class MetricsWriter:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                     self._tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(record)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def _tensorboard_writer(log_dir: Path):
@@ -136,13 +149,17 @@ def format_si(x: float) -> str:
 def train_record(step: int, result: StepResult, window: list[StepResult], tokens_per_rank_step: int,
                  per_rank_times: list[list[float]], expert_load: torch.Tensor | None, flops_per_token: float,
                  peak_flops: float, tokens_seen: int, skipped_steps: int,
-                 all_to_all_per_rank: list[list[float]] | None = None) -> dict[str, Any]:
+                 all_to_all_per_rank: list[list[float]] | None = None,
+                 memory_per_rank: dict[str, list[float]] | None = None,
+                 expert_bias: torch.Tensor | None = None) -> dict[str, Any]:
     """The "train" record of a log step.
 
     `per_rank_times` is every rank's [compute_s, wait_s, step_s]; `expert_load` the step's
     routed assignments per (MoE layer, expert) summed over ranks, or None without MoE layers;
     `all_to_all_per_rank` every rank's [all-to-all seconds, rows sent, rows received] under
-    expert parallelism, else None.
+    expert parallelism, else None; `memory_per_rank` every rank's peak memory since the previous
+    record (`moetrain.train.memory.PeakMemory`: name -> bytes per rank); `expert_bias` the
+    aux-loss-free bias per (MoE layer, expert), or None.
     """
     world = len(per_rank_times)
     global_tokens_per_s = tokens_per_rank_step * world / result.step_s
@@ -166,7 +183,44 @@ def train_record(step: int, result: StepResult, window: list[StepResult], tokens
         ratio = (expert_load.max(dim=1).values / expert_load.mean(dim=1).clamp_min(1e-9)).tolist()
         record["expert_load_max_over_mean"] = sum(ratio) / len(ratio)
         record["expert_load_max_over_mean_per_layer"] = ratio
+        record.update(expert_health(expert_load, expert_bias))
+    if memory_per_rank is not None:
+        for name, per_rank in memory_per_rank.items():
+            record[f"{name}_bytes_per_rank"] = [int(v) for v in per_rank]
     return record
+
+
+def expert_health(load: torch.Tensor, bias: torch.Tensor | None = None) -> dict[str, Any]:
+    """Per MoE layer: min, max and coefficient of variation of the step's expert load, idle experts, bias range.
+
+    `load` [n_moe_layers, n_experts] counts routed assignments (summed over microbatches and
+    ranks); the coefficient of variation is the population standard deviation over the mean
+    (0 for perfectly even routing, sqrt(E - 1) when one expert takes everything); an idle
+    expert received no token in the step. `bias` (aux-loss-free balancing) gives each
+    layer's max - min expert bias, which grows while the bias fights a persistent imbalance.
+    """
+    load = load.double()
+    mean = load.mean(dim=1)
+    std = load.std(dim=1, correction=0)
+    cv = torch.where(mean > 0, std / mean.clamp_min(1e-300), torch.zeros_like(mean))
+    idle = (load == 0).sum(dim=1)
+    health: dict[str, Any] = {
+        "expert_load_min_per_layer": [int(v) for v in load.min(dim=1).values.tolist()],
+        "expert_load_max_per_layer": [int(v) for v in load.max(dim=1).values.tolist()],
+        "expert_load_cv_per_layer": cv.tolist(),
+        "experts_without_tokens_per_layer": [int(v) for v in idle.tolist()],
+        "expert_load_cv": float(cv.mean()),
+        "experts_without_tokens": int(idle.sum()),
+    }
+    if bias is not None:
+        bias_range = (bias.double().max(dim=1).values - bias.double().min(dim=1).values).tolist()
+        health["expert_bias_range_per_layer"] = bias_range
+        health["expert_bias_range"] = max(bias_range)
+    return health
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f}G" if n >= 2**30 else f"{n / 2**20:.0f}M"
 
 
 def console_line(record: dict[str, Any], total_steps: int) -> str:
@@ -177,4 +231,10 @@ def console_line(record: dict[str, Any], total_steps: int) -> str:
             + f"wait {max(record['wait_s_per_rank']):.2f}) | MFU {100 * record['mfu']:.2f}%")
     if "expert_load_max_over_mean" in record:
         line += f" | experts max/mean {record['expert_load_max_over_mean']:.2f}"
+        line += f" cv {record['expert_load_cv']:.2f} idle {record['experts_without_tokens']}"
+    if "peak_rss_bytes_per_rank" in record:  # the largest over ranks; every rank's value is in the record
+        line += f" | peak RSS {format_bytes(max(record['peak_rss_bytes_per_rank']))}"
+    if "cuda_max_allocated_bytes_per_rank" in record:
+        line += (f" | CUDA max alloc {format_bytes(max(record['cuda_max_allocated_bytes_per_rank']))}"
+                 f" reserved {format_bytes(max(record['cuda_max_reserved_bytes_per_rank']))}")
     return line

@@ -1,8 +1,11 @@
 """`moetrain plot RUN_DIR [--out PNG]`: a run's loss, held-out bits per byte and throughput, drawn from its metrics.
 
 Reads `RUN_DIR/metrics.jsonl` (the last record wins for a repeated (kind, step): the
-one that led to the final model) and draws three panels to a PNG. This module only
-reads and draws; it never writes into a run except the figure it is asked for.
+one that led to the final model) and draws three panels to a PNG. A run with MoE layers
+also gets a second figure of expert load per MoE layer against step (max/mean, coefficient
+of variation, experts without a token, and the aux-loss-free bias range when present),
+written next to the first as `<stem>_experts.png`. This module only reads and draws; it
+never writes into a run except the figures it is asked for.
 """
 
 from __future__ import annotations
@@ -49,8 +52,49 @@ def series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list[int
     return [s for s, _ in rows], [v for _, v in rows]
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw loss (train, held-out), held-out bits per byte and throughput against step to a PNG."""
+def per_layer_series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[list[float]]]:
+    """Steps and, for each MoE layer, the values of a per-layer train field (`key` holds one value per layer)."""
+    rows = sorted((r["step"], r[key]) for r in records if r.get("kind") == "train" and isinstance(r.get(key), list))
+    if not rows:
+        return [], []
+    n_layers = min(len(values) for _, values in rows)
+    return [s for s, _ in rows], [[values[layer] for _, values in rows] for layer in range(n_layers)]
+
+
+EXPERT_PANELS = (
+    ("expert_load_max_over_mean_per_layer", "max / mean load", "busiest expert over the mean"),
+    ("expert_load_cv_per_layer", "coefficient of variation", "expert load CV (std / mean)"),
+    ("experts_without_tokens_per_layer", "experts", "experts without a token"),
+    ("expert_bias_range_per_layer", "max - min bias", "aux-free expert bias range"),
+)
+
+
+def expert_load_figure(records: list[dict[str, Any]], title: str) -> Figure | None:
+    """Expert load per MoE layer against step (one line per layer), or None when no record has it."""
+    panels = [(key, ylabel, panel_title, *per_layer_series(records, key)) for key, ylabel, panel_title in EXPERT_PANELS]
+    panels = [panel for panel in panels if panel[3]]
+    if not panels:
+        return None
+    fig = Figure(figsize=(5 * len(panels), 4.2))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (_key, ylabel, panel_title, steps, layers) in zip(axes, panels):
+        for index, values in enumerate(layers):
+            ax.plot(steps, values, linewidth=1, label=f"MoE layer {index}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel_title)
+        ax.set_ylim(bottom=0)
+    axes[0].legend(loc="upper right", fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
+    """Draw loss (train, held-out), held-out bits per byte and throughput against step to a PNG.
+
+    With MoE layers also the expert-load figure, beside it as `<stem>_experts.png`; returns the paths written.
+    """
     run_dir = Path(run_dir)
     path = RunDir(run_dir).metrics
     if not path.is_file():
@@ -99,7 +143,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out_path = Path(out) if out is not None else RunDir(run_dir).curve
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=110)
-    return out_path
+    written = [out_path]
+    experts = expert_load_figure(records, f"moetrain run {run_dir.name}: expert load per MoE layer")
+    if experts is not None:
+        written.append(out_path.with_name(f"{out_path.stem}_experts{out_path.suffix}"))
+        experts.savefig(written[-1], dpi=110)
+    return written
 
 
 @dataclass
@@ -112,5 +161,6 @@ class PlotOptions:
 
 def main(argv: list[str]) -> int:
     opts = parse_typed_args(PlotOptions, argv, "moetrain plot", bool_flags=True)
-    print(plot_run(opts.run_dir, opts.out))
+    for path in plot_run(opts.run_dir, opts.out):
+        print(path)
     return 0

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from moetrain.config import JobConfig, parse_job_args
+from moetrain.config import JobConfig, parse_job_args, parse_step_range
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, TrainingDiverged
 from moetrain.logging import get_logger, setup_logging
@@ -48,6 +48,7 @@ from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.disk import no_space_left
 from moetrain.train.memory_check import refuse_if_too_big
 from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
+from moetrain.train.profiler import ProfilerWindow
 from moetrain.train.rundir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.train.sample import generate
 from moetrain.train.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals, maybe_hang_for_test
@@ -142,7 +143,9 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
     is_rank0 = trainer.rank == 0
     last_step = checkpointer.last_step
     metrics = MetricsWriter(run_dir.root, enabled=is_rank0, tensorboard=cfg.logging.tensorboard,
-                            log_every=cfg.logging.log_every, last_step=last_step)
+                            log_every=cfg.logging.log_every, last_step=last_step,
+                            wandb_config=cfg.to_dict() if cfg.logging.wandb else None,
+                            wandb_project=cfg.logging.wandb_project)
     data = trainer.data
     start_record = {
         "kind": "event", "event": "resume" if resume_from else "start", "step": trainer.step,
@@ -158,6 +161,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
              trainer.params["total"] / 1e6, trainer.params["active"] / 1e6, data.n_train_documents,
              len(data.train), cfg.data.seq_len, data.n_heldout_documents)
     bar = ProgressBar(total=cfg.train.steps, initial=trainer.step, enabled=is_rank0 and cfg.logging.progress_bar)
+    profiler = ProfilerWindow(parse_step_range(cfg.profile.steps), run_dir.profile, trainer.rank, trainer.device)
     window: list[StepResult] = []
     run_start = time.perf_counter()
     last_save_at = time.monotonic()  # the work a signal-stop without a save would lose starts here
@@ -169,7 +173,8 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
             while trainer.step < last_step:
                 phase.where = f"step {trainer.step + 1}"
                 maybe_hang_for_test(trainer.rank, trainer.step + 1)
-                result = trainer.train_step()
+                with profiler.step(trainer.step + 1):
+                    result = trainer.train_step()
                 steps_this_run += 1
                 window.append(result)
                 consecutive_skips = consecutive_skips + 1 if result.skipped else 0
@@ -211,6 +216,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
         phase.where = f"the final evaluation after step {trainer.step}"
         return _finish(trainer, metrics, wall_s, steps_this_run)
     finally:
+        profiler.close()
         bar.close()
         metrics.close()
 

@@ -2,7 +2,8 @@
 
 RUN_DIR/config.json (the run's resolved JobConfig), metrics.jsonl (records, see
 `moetrain.train.metrics`), checkpoints/step_XXXXXXXX/ (see `moetrain.train.checkpoint`),
-logs/rank{R}.log (optional per-rank logs) and training_curve.png (`moetrain plot`).
+logs/rank{R}.log (optional per-rank logs), profile/rank{R}_steps{A}-{B}.json (torch.profiler
+traces, `profile.steps`) and training_curve.png (`moetrain plot`).
 Every reader and writer of a run directory takes its paths from here. This module
 names paths, reads the stored config and holds the run's writer lock; it writes no
 run output (config, metrics, checkpoints are the run's and the checkpointer's).
@@ -63,6 +64,10 @@ class RunDir:
     @property
     def curve(self) -> Path:
         return self.root / "training_curve.png"
+
+    @property
+    def profile(self) -> Path:
+        return self.root / "profile"
 
     def load_config(self) -> JobConfig:
         """The JobConfig a training run saved here (one-line ConfigError when missing or bad)."""

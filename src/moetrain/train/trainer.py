@@ -45,6 +45,7 @@ from moetrain.parallel.parallelize import parallelize_model
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
+from moetrain.train.memory import PeakMemory
 from moetrain.train.metrics import StepResult, bits_per_byte, train_record
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
 
@@ -105,6 +106,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.tokens_seen = 0
+        self.memory = PeakMemory(device)  # the first record's peak includes building the model
 
     @property
     def tokens_per_rank_step(self) -> float:
@@ -200,13 +202,23 @@ class Trainer:
 
     def train_record(self, result: StepResult, window: list[StepResult]) -> dict[str, Any]:
         """The metrics record of the step just taken (collective: every rank calls it)."""
+        memory = self.memory.read_and_reset()  # peaks since the previous record, this rank
         gathered = all_gather_floats([result.compute_s, result.wait_s, result.step_s, result.all_to_all_s,
-                                      result.all_to_all_rows_sent, result.all_to_all_rows_received])
+                                      result.all_to_all_rows_sent, result.all_to_all_rows_received,
+                                      *memory.values()])
+        memory_per_rank = {name: [r[6 + i] for r in gathered] for i, name in enumerate(memory)}
         load = None if result.expert_load is None else all_reduce_sum(result.expert_load.clone())
-        all_to_all = [r[3:] for r in gathered] if self.all_to_all is not None else None
-        return train_record(self.step, result, window, self.tokens_per_rank_step, [r[:3] for r in gathered], load,
-                            self.flops_per_token, self.cfg.train.peak_flops, self.tokens_seen, self.skipped_steps,
-                            all_to_all)
+        all_to_all = [r[3:6] for r in gathered] if self.all_to_all is not None else None
+        record = train_record(self.step, result, window, self.tokens_per_rank_step, [r[:3] for r in gathered], load,
+                              self.flops_per_token, self.cfg.train.peak_flops, self.tokens_seen, self.skipped_steps,
+                              all_to_all, memory_per_rank, self._expert_bias())
+        record["peak_rss_since_previous_record"] = self.memory.window_peaks  # else the process's lifetime peak
+        return record
+
+    def _expert_bias(self) -> torch.Tensor | None:
+        """The aux-loss-free expert bias [n_moe_layers, E] (the same on every rank), or None without it."""
+        layers = [moe for moe in self.model.moe_layers() if moe.cfg.load_balance == "aux_free"]
+        return torch.stack([moe.expert_bias.detach().cpu() for moe in layers]) if layers else None
 
     # ---- evaluation
 
