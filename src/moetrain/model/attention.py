@@ -29,6 +29,7 @@ and no projections (layers.Attention does); it imports nothing else from moetrai
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -169,8 +170,10 @@ def _attend_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tens
             raise NotImplementedError("model.attention = 'flex' has no backward on CPU in torch 2.13; "
                                       "use 'segments' or 'auto' to train on CPU")
         kernel = flex_attention
-    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-                 enable_gqa=q.shape[2] != k.shape[2])
+    with warnings.catch_warnings():  # eager on CPU is deliberate (inference, tests): no "use torch.compile" notice
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+                     enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 
