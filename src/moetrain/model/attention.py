@@ -147,16 +147,53 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
                                           enable_gqa=q.shape[2] != k.shape[2], **kwargs).transpose(1, 2)
 
 
+class _GatherIntoSegments(torch.autograd.Function):
+    """x [N, ...] -> x[gather] [P, ...]; backward reads each token's gradient from its own slot only.
+
+    The padding slots' gradients are exactly zero (their queries' outputs are dropped, their keys
+    lie after every real query under the causal mask), so picking `scatter` instead of summing
+    over all slots is exact, and saves autograd's zero fill and accumulating index_put.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, gather: Tensor, scatter: Tensor) -> Tensor:
+        ctx.save_for_backward(scatter)
+        return x[gather]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (scatter,) = ctx.saved_tensors
+        return grad[scatter], None, None
+
+
+class _ScatterFromSegments(torch.autograd.Function):
+    """out_padded [P, ...] -> out_padded[scatter] [N, ...]; backward puts each gradient in its slot, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scatter: Tensor) -> Tensor:
+        ctx.save_for_backward(scatter)
+        ctx.padded_rows = x.shape[0]
+        return x[scatter]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (scatter,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.padded_rows, *grad.shape[1:]).index_copy_(0, scatter, grad), None
+
+
 def _attend_segments(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout) -> Tensor:
     batch, seq, heads, head_dim = q.shape
-    q_pad, k_pad, v_pad = (t.reshape(batch * seq, *t.shape[2:])[layout.gather] for t in (q, k, v))
-    outputs, slot = [], 0
-    for documents, length in layout.groups:
-        rows = slice(slot, slot + documents * length)
-        slot += documents * length
-        q_g, k_g, v_g = (t[rows].unflatten(0, (documents, length)) for t in (q_pad, k_pad, v_pad))
+    q_pad, k_pad, v_pad = (_GatherIntoSegments.apply(t.reshape(batch * seq, *t.shape[2:]), layout.gather,
+                                                     layout.scatter) for t in (q, k, v))
+    # split, not slicing: its backward is one cat, where each slice's backward would fill a full-size zero gradient.
+    sizes = [documents * length for documents, length in layout.groups]
+    outputs = []
+    for (documents, length), q_g, k_g, v_g in zip(layout.groups, *(t.split(sizes) for t in (q_pad, k_pad, v_pad)),
+                                                  strict=True):
+        q_g, k_g, v_g = (t.unflatten(0, (documents, length)) for t in (q_g, k_g, v_g))
         outputs.append(_sdpa(q_g, k_g, v_g, is_causal=True).flatten(0, 1))
-    return torch.cat(outputs)[layout.scatter].view(batch, seq, heads, head_dim)
+    out_pad = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return _ScatterFromSegments.apply(out_pad, layout.scatter).view(batch, seq, heads, head_dim)
 
 
 def _attend_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
