@@ -39,10 +39,12 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 METHODS = ("auto", "dense", "segments", "flex")
 # Documents are padded to a multiple of this many tokens, so documents of nearby lengths share one
-# SDPA call. Measured with `moetrain bench attention` (docs/performance.md): 16 was fastest of
-# exact lengths, 16, 32, 64 and powers of two on packed rows of mean document length 64.
+# SDPA call. `moetrain bench attention` (docs/performance.md): the best median of tiles 1, 16, 32, 64
+# on float32 rows of mean document length 64 (an earlier experiment: better than powers of two);
+# other mixes favoured 32 or 64, within the noise of a shared machine.
 SEGMENT_TILE = 16
-# "auto" takes "segments" on CPU when Σ padded_length² ≤ this fraction of B·S² (see docs/performance.md).
+# "auto" takes "segments" on CPU when Σ padded_length² ≤ this fraction of B·S². A first guess: the
+# benchmark found segments faster at 0.64 too (docs/performance.md), to be re-measured quietly.
 SEGMENTS_PAY_OFF = 0.5
 
 _compiled_flex = None  # torch.compile(flex_attention), built on the first CUDA call
