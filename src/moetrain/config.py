@@ -77,6 +77,9 @@ class ModelConfig:
     # RMSNorm on queries and keys before RoPE: over each head's channels (Qwen3) or over the whole
     # projected width (OLMoE).
     qk_norm: Literal["none", "per_head", "full"] = "none"
+    # Document-masked attention (moetrain.model.attention): "auto" = flex attention on CUDA, per-document
+    # SDPA ("segments") on CPU when the documents make it cheaper; "dense" = the S×S mask (reference).
+    attention: Literal["auto", "dense", "segments", "flex"] = "auto"
     # Clamp q, k and v to [-clip_qkv, clip_qkv] after the projections (and QK-norm); None = off (OLMoE option).
     clip_qkv: float | None = None
     norm_eps: float = 1e-5

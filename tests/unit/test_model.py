@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.layers import apply_rope, document_causal_mask, positions_from_documents, rope_cos_sin
+from moetrain.model.attention import document_causal_mask
+from moetrain.model.layers import apply_rope, positions_from_documents, rope_cos_sin
 from moetrain.model.transformer import Transformer
 
 

@@ -1,4 +1,4 @@
-"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync|ep`.
+"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync|ep|attention`.
 
 `main` dispatches `moetrain bench NAME` to the benchmark's own `main`, importing that module
 only when it is asked for (as moetrain.cli does for subcommands), so `moetrain bench --help`
@@ -18,6 +18,8 @@ BENCHMARKS = {
     "sync": ("HSDP sync policies under inhomogeneous microbatches", "moetrain.bench.sync:main"),
     "ep": ("FSDP-only vs expert parallelism: step time, all-to-all, memory, expert bytes gathered",
            "moetrain.bench.ep:main"),
+    "attention": ("document-masked attention methods vs the dense mask: fwd+bwd speedup",
+                  "moetrain.bench.attention:main"),
 }
 
 
@@ -25,7 +27,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: moetrain bench {" + ",".join(BENCHMARKS) + "} [options]\n")
         for name, (help_text, _) in BENCHMARKS.items():
-            print(f"  {name:6s} {help_text}")
+            print(f"  {name:9s} {help_text}")
         return 0
     if argv[0] not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark {argv[0]!r}; valid benchmarks: {', '.join(BENCHMARKS)}")

@@ -1,12 +1,13 @@
-"""Shared transformer layers: RoPE, document masking, grouped-query attention, SwiGLU feed-forward.
+"""Shared transformer layers: RoPE, document positions, grouped-query attention, SwiGLU feed-forward.
 
 These are the building blocks both the transformer (transformer.py) and the MoE layer (moe.py,
 for its shared expert) use; parameter names inside each layer (`wq`, `wk`, `wv`, `wo`, `q_norm`,
 `k_norm`, `w1`, `w2`, `w3`) follow torchtitan so init schemes, sharding and checkpoints can match
 by name. Attention supports a free head width, QK-norm (per head or over the full projected
 width), both RoPE channel layouts and q/k/v clipping, which the Hugging Face families need.
-This module sits at the bottom of `moetrain.model`: it imports no other model module, holds
-no initialisation (init.py fills the parameters) and no distributed code.
+The attention computation itself (document masking and its methods) lives in attention.py; this
+module imports no other model module but that one, holds no initialisation (init.py fills the
+parameters) and no distributed code.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moetrain.config import ModelConfig
+from moetrain.model.attention import AttentionPlan, attend
 
 ROPE_LAYOUTS = ("interleaved", "half")
 
@@ -78,16 +80,11 @@ def positions_from_documents(document_ids: Tensor) -> Tensor:
     return index - torch.cummax(start_index, dim=1).values
 
 
-def document_causal_mask(document_ids: Tensor) -> Tensor:
-    """Boolean mask [B, 1, S, S]: True where query i may attend key j (same document, j <= i)."""
-    seq = document_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    same_doc = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
-    return (same_doc & causal).unsqueeze(1)
-
-
 class Attention(nn.Module):
-    """Multi-head attention: grouped-query heads (n_kv_heads divides n_heads), optional QK-norm, RoPE, SDPA."""
+    """Multi-head attention: grouped-query heads (n_kv_heads divides n_heads), optional QK-norm, RoPE.
+
+    The document-masked attention runs by the forward's plan (attention.plan_attention).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -124,21 +121,12 @@ class Attention(nn.Module):
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         return q, k, v
 
-    def forward(self, x: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None = None) -> Tensor:
         batch, seq, _ = x.shape
         q, k, v = self._project(x)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin, self.rope_layout), apply_rope(k, cos, sin, self.rope_layout)
-        repeats = self.n_heads // self.n_kv_heads
-        if repeats > 1:  # each kv head serves `repeats` consecutive query heads
-            k = k.repeat_interleave(repeats, dim=2)
-            v = v.repeat_interleave(repeats, dim=2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.wo(attend(q, k, v, plan).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):

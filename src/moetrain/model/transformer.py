@@ -1,8 +1,9 @@
 """Decoder-only transformer: embedding, pre-norm blocks (attention + dense or MoE FFN), RMSNorm, LM head.
 
 The first `n_dense_layers` blocks (0: every block is MoE, as in Qwen3-MoE and OLMoE) use a dense
-SwiGLU feed-forward (`layers.FeedForward`), the rest an MoE layer (`moe.MoE`); attention, RoPE and
-document masking come from layers.py. Parameter names follow torchtitan (`tok_embeddings.weight`,
+SwiGLU feed-forward (`layers.FeedForward`), the rest an MoE layer (`moe.MoE`); attention and RoPE
+come from layers.py, the document-masked attention methods (`model.attention`) from attention.py,
+planned once per forward. Parameter names follow torchtitan (`tok_embeddings.weight`,
 `layers.{i}.attention.wq.weight`, `layers.{i}.attention.q_norm.weight`,
 `layers.{i}.feed_forward.w1.weight`, `layers.{i}.moe.experts.w1`, `norm.weight`, `output.weight`)
 so init schemes, sharding and checkpoints can match by name (interop/hf.py maps them to Hugging
@@ -23,8 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from moetrain.config import ModelConfig
+from moetrain.model.attention import AttentionPlan, plan_attention
 from moetrain.model.init import init_model
-from moetrain.model.layers import Attention, FeedForward, document_causal_mask, positions_from_documents
+from moetrain.model.layers import Attention, FeedForward, positions_from_documents
 from moetrain.model.moe import MoE
 
 
@@ -43,8 +45,8 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), positions, mask)
+    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), positions, plan)
         ffn = self.moe if self.is_moe else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -81,12 +83,10 @@ class Transformer(nn.Module):
         MoE layer's `tokens_per_expert` set without paying for the later blocks and the LM head.
         """
         batch, seq = tokens.shape
-        mask = None
-        if document_ids is not None:
-            if document_ids.shape != tokens.shape:
-                raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != tokens shape "
-                                 f"{tuple(tokens.shape)}")
-            mask = document_causal_mask(document_ids)
+        if document_ids is not None and document_ids.shape != tokens.shape:
+            raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != tokens shape "
+                             f"{tuple(tokens.shape)}")
+        plan = plan_attention(document_ids, self.cfg.attention)  # once per forward, shared by every layer
         if positions is None:
             if document_ids is not None:
                 positions = positions_from_documents(document_ids)
@@ -97,7 +97,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         last_moe = max((i for i, layer in enumerate(self.layers) if layer.is_moe), default=-1)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, mask)
+            h = layer(h, positions, plan)
             if until_last_moe and i == last_moe:
                 return None
         if until_last_moe:

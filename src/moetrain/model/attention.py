@@ -1,0 +1,243 @@
+"""Document-masked causal attention: the methods `model.attention` selects, and the plan they share.
+
+A packed row holds several documents; a query may attend only to earlier keys of its own document.
+`plan_attention` looks at the batch's `document_ids` once per forward and returns an
+`AttentionPlan` that every layer reuses; `attend` runs the plan's method on q [B, S, H, D] and
+k, v [B, S, H_kv, D] (grouped-query heads: query head h reads kv head h // (H / H_kv), as
+`repeat_interleave` lays them out) and returns [B, S, H, D]. The methods:
+
+- "dense": SDPA with a boolean [B, 1, S, S] mask. Cost follows S², whatever the documents;
+  it is the reference every other method is tested against.
+- "causal": SDPA with `is_causal` and no mask, for rows that are one document each (or no
+  document ids). Chosen by the plan, never configured.
+- "segments": exact per-document SDPA. Every document (a run of equal ids inside a row) is
+  right-padded to a multiple of `SEGMENT_TILE` tokens, documents of equal padded length are
+  gathered into one batch and run through SDPA with `is_causal`; the outputs are gathered back.
+  Right padding is exact under a causal mask: a real query never sees the padded keys after it,
+  and padded queries' outputs are dropped (so their gradients are zero). One SDPA call per padded
+  length, no Python loop over documents; cost follows Σ padded_length² instead of S².
+- "flex": `flex_attention` with a block mask (same document and causal). Compiled on CUDA,
+  where it skips the masked blocks; eager on CPU, where torch 2.13 has no backward for it, so
+  it serves inference and the forward tests only.
+- "auto": "causal" when every row is one document; else "flex" on CUDA; on CPU "segments"
+  when the padded segment work is at most `SEGMENTS_PAY_OFF` of the dense work, else "dense".
+
+Documents must be contiguous runs (each id appears in one run per row, as packing produces):
+"dense" and "flex" compare ids, "segments" cuts at id changes. This module holds no parameters
+and no projections (layers.Attention does); it imports nothing else from moetrain.model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+METHODS = ("auto", "dense", "segments", "flex")
+# Documents are padded to a multiple of this many tokens, so documents of nearby lengths share one
+# SDPA call. `moetrain bench attention` (docs/performance.md): the best median of tiles 1, 16, 32, 64
+# on float32 rows of mean document length 64 (an earlier experiment: better than powers of two);
+# other mixes favoured 32 or 64, within the noise of a shared machine.
+SEGMENT_TILE = 16
+# "auto" takes "segments" on CPU when Σ padded_length² ≤ this fraction of B·S². A first guess: the
+# benchmark found segments faster at 0.64 too (docs/performance.md), to be re-measured quietly.
+SEGMENTS_PAY_OFF = 0.5
+
+_compiled_flex = None  # torch.compile(flex_attention), built on the first CUDA call
+
+
+@dataclass
+class SegmentLayout:
+    """Where each document's tokens go in the padded, length-grouped layout ("segments").
+
+    `gather` [P] picks, for each of the P padded slots, a flat token index b*S + s (padding
+    slots repeat a token of their own document: any finite value is exact, see the module
+    docstring); `scatter` [B*S] is the slot holding each token's output; `groups` lists
+    (documents, padded length) in slot order.
+    """
+
+    gather: Tensor
+    scatter: Tensor
+    groups: list[tuple[int, int]]
+
+    def padded_work(self) -> int:
+        """Σ over documents of padded_length², the attention scores the layout computes (per head)."""
+        return sum(n * length * length for n, length in self.groups)
+
+
+@dataclass
+class AttentionPlan:
+    """The method one forward uses in every layer, with what it needs, built once from the document ids."""
+
+    method: str  # "dense" | "causal" | "segments" | "flex"
+    mask: Tensor | None = None  # "dense": [B, 1, S, S] bool
+    segments: SegmentLayout | None = None
+    block_mask: BlockMask | None = None
+
+
+def document_causal_mask(document_ids: Tensor) -> Tensor:
+    """Boolean mask [B, 1, S, S]: True where query i may attend key j (same document, j <= i)."""
+    seq = document_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same_doc = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
+    return (same_doc & causal).unsqueeze(1)
+
+
+def segment_layout(document_ids: Tensor, tile: int = SEGMENT_TILE) -> SegmentLayout:
+    """Group the documents (runs of equal ids in each row) of [B, S] ids by length rounded up to `tile`."""
+    batch, seq = document_ids.shape
+    device = document_ids.device
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.nonzero(starts.reshape(-1)).squeeze(1)  # flat index of each document's first token
+    lengths = torch.diff(first, append=torch.tensor([batch * seq], device=device))
+    padded = (lengths + tile - 1) // tile * tile
+    order = torch.sort(padded, stable=True).indices  # documents of one padded length become adjacent
+    first, lengths, padded = first[order], lengths[order], padded[order]
+    doc_of_slot = torch.repeat_interleave(torch.arange(first.numel(), device=device), padded)
+    slot_start = torch.cumsum(padded, 0) - padded
+    offset = torch.arange(doc_of_slot.numel(), device=device) - slot_start[doc_of_slot]
+    valid = offset < lengths[doc_of_slot]
+    gather = first[doc_of_slot] + torch.minimum(offset, lengths[doc_of_slot] - 1)
+    scatter = torch.empty(batch * seq, dtype=torch.long, device=device)
+    scatter[gather[valid]] = torch.nonzero(valid).squeeze(1)
+    lengths_of_groups, documents = torch.unique_consecutive(padded, return_counts=True)
+    groups = list(zip(documents.tolist(), lengths_of_groups.tolist(), strict=True))
+    return SegmentLayout(gather=gather, scatter=scatter, groups=groups)
+
+
+def document_block_mask(document_ids: Tensor) -> BlockMask:
+    """flex_attention's block mask for "same document and causal" over [B, S] ids (all heads alike)."""
+    batch, seq = document_ids.shape
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+
+
+def plan_attention(document_ids: Tensor | None, method: str) -> AttentionPlan:
+    """Resolve `method` (one of METHODS) for this batch and prepare what it needs once for all layers."""
+    if method not in METHODS:
+        raise ValueError(f"attention method {method!r} is not one of {METHODS}")
+    if document_ids is None:
+        return AttentionPlan("causal")
+    if method == "dense":
+        return AttentionPlan("dense", mask=document_causal_mask(document_ids))
+    if method == "flex":
+        return AttentionPlan("flex", block_mask=document_block_mask(document_ids))
+    if method == "segments":
+        return AttentionPlan("segments", segments=segment_layout(document_ids))
+    if bool((document_ids == document_ids[:, :1]).all()):  # auto: one document per row
+        return AttentionPlan("causal")
+    if document_ids.is_cuda:
+        return AttentionPlan("flex", block_mask=document_block_mask(document_ids))
+    layout = segment_layout(document_ids)
+    batch, seq = document_ids.shape
+    if layout.padded_work() <= SEGMENTS_PAY_OFF * batch * seq * seq:
+        return AttentionPlan("segments", segments=layout)
+    return AttentionPlan("dense", mask=document_causal_mask(document_ids))
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+    """SDPA on [N, L, H, D] tensors (heads-second views for the kernel), grouped-query heads expanded."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          enable_gqa=q.shape[2] != k.shape[2], **kwargs).transpose(1, 2)
+
+
+class _GatherIntoSegments(torch.autograd.Function):
+    """x [N, ...] -> x[gather] [P, ...]; backward reads each token's gradient from its own slot only.
+
+    The padding slots' gradients are exactly zero (their queries' outputs are dropped, their keys
+    lie after every real query under the causal mask), so picking `scatter` instead of summing
+    over all slots is exact, and saves autograd's zero fill and accumulating index_put.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, gather: Tensor, scatter: Tensor) -> Tensor:
+        ctx.save_for_backward(scatter)
+        return x[gather]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (scatter,) = ctx.saved_tensors
+        return grad[scatter], None, None
+
+
+class _ScatterFromSegments(torch.autograd.Function):
+    """out_padded [P, ...] -> out_padded[scatter] [N, ...]; backward puts each gradient in its slot, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scatter: Tensor) -> Tensor:
+        ctx.save_for_backward(scatter)
+        ctx.padded_rows = x.shape[0]
+        return x[scatter]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (scatter,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.padded_rows, *grad.shape[1:]).index_copy_(0, scatter, grad), None
+
+
+def _attend_segments(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout) -> Tensor:
+    batch, seq, heads, head_dim = q.shape
+    q_pad, k_pad, v_pad = (_GatherIntoSegments.apply(t.reshape(batch * seq, *t.shape[2:]), layout.gather,
+                                                     layout.scatter) for t in (q, k, v))
+    # split, not slicing: its backward is one cat, where each slice's backward would fill a full-size zero gradient.
+    sizes = [documents * length for documents, length in layout.groups]
+    outputs = []
+    for (documents, length), q_g, k_g, v_g in zip(layout.groups, *(t.split(sizes) for t in (q_pad, k_pad, v_pad)),
+                                                  strict=True):
+        q_g, k_g, v_g = (t.unflatten(0, (documents, length)) for t in (q_g, k_g, v_g))
+        outputs.append(_sdpa(q_g, k_g, v_g, is_causal=True).flatten(0, 1))
+    out_pad = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return _ScatterFromSegments.apply(out_pad, layout.scatter).view(batch, seq, heads, head_dim)
+
+
+def _attend_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
+    global _compiled_flex
+    if q.is_cuda:
+        if _compiled_flex is None:  # eager flex materialises the full scores; compiled it skips masked blocks
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        kernel = _compiled_flex
+    else:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise NotImplementedError("model.attention = 'flex' has no backward on CPU in torch 2.13; "
+                                      "use 'segments' or 'auto' to train on CPU")
+        kernel = flex_attention
+    with warnings.catch_warnings():  # eager on CPU is deliberate (inference, tests): no "use torch.compile" notice
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+                     enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _sdpa_repeated_kv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """SDPA with the kv heads repeated to the query heads: the computation moetrain has always done."""
+    repeats = q.shape[2] // k.shape[2]
+    if repeats > 1:  # each kv head serves `repeats` consecutive query heads
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan | None) -> Tensor:
+    """Document-masked causal attention of q [B, S, H, D] over k, v [B, S, H_kv, D] -> [B, S, H, D].
+
+    `plan` None: plain causal attention (every row one document).
+    """
+    if plan is None or plan.method == "causal":
+        return _sdpa_repeated_kv(q, k, v, None)
+    if plan.method == "dense":
+        return _sdpa_repeated_kv(q, k, v, plan.mask)
+    if plan.method == "segments":
+        return _attend_segments(q, k, v, plan.segments)
+    if plan.method == "flex":
+        return _attend_flex(q, k, v, plan.block_mask)
+    raise ValueError(f"attention plan method {plan.method!r} is unknown")
