@@ -1,7 +1,5 @@
 """`python -m moetrain` (used under torchrun) is the `moetrain` command."""
 
-import sys
+from moetrain.cli import entry
 
-from moetrain.cli import main
-
-sys.exit(main())
+entry()

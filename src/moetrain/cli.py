@@ -11,8 +11,10 @@ status 2.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
+from typing import NoReturn
 
 from moetrain.errors import ConfigError
 
@@ -61,5 +63,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def entry() -> NoReturn:
+    """The console script and `python -m moetrain`: run `main` and end the process with its code.
+
+    One rank of a multi-rank job (torchrun sets WORLD_SIZE > 1) ends with `os._exit` once its
+    output is flushed, skipping the interpreter's and C++ static teardown. gloo's worker threads
+    outlive `destroy_process_group`; when the teardown reaches them, a rank can abort with
+    "terminate called without an active exception" (SIGABRT) after a run that succeeded, and
+    torchrun then reports the whole job as failed (1 in 49 two-rank runs did, with only a final
+    barrier; benchmarks/stress_exit.py). Every file the run writes is closed before `main` returns.
+    """
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing left to say
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()
