@@ -41,15 +41,12 @@ import tqdm
 from moetrain.args import parse_typed_args
 from moetrain.data.corpus import is_heldout, stdlib_files
 from moetrain.data.shards import (
-    FORMAT,
-    MANIFEST,
     SPLITS,
-    VERSION,
     read_shard_entry,
     shard_stem,
     token_dtype,
     tokenizer_identity,
-    write_json_atomically,
+    write_manifest,
     write_shard,
 )
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
@@ -319,28 +316,15 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
     finally:
         bar.close()
     seconds = time.perf_counter() - started
-    manifest = {
-        "format": FORMAT, "version": VERSION,
-        "tokenizer": {"spec": args.tokenizer, **identity},
-        "dtype": str(token_dtype(tokenizer.vocab_size)),
-        "heldout_fraction": args.heldout_fraction, "text_field": args.text_field, "inputs": list(args.input),
-        "splits": {split: [_public(entries[key]) for key in sorted(k for k in entries if k[0] == split)]
-                   for split in SPLITS},
-    }
-    for split in SPLITS:
-        manifest[f"{split}_tokens"] = sum(e["n_tokens"] for e in manifest["splits"][split])
-        manifest[f"{split}_documents"] = sum(e["n_documents"] for e in manifest["splits"][split])
-    write_json_atomically(out / MANIFEST, manifest)
+    manifest = write_manifest(out, args.tokenizer, identity, token_dtype(tokenizer.vocab_size),
+                              args.heldout_fraction, list(entries.values()), text_field=args.text_field,
+                              inputs=list(args.input))
     new_tokens = sum(entries[(job[1], job[2])]["n_tokens"] for job in jobs)
     log.info("prepared %s: %d train + %d held-out documents, %d + %d tokens (%s), %d shards (%d new, %.1fs, "
              "%.2fM tokens/s)", out, manifest["train_documents"], manifest["heldout_documents"],
              manifest["train_tokens"], manifest["heldout_tokens"], manifest["dtype"], len(entries), len(jobs),
              seconds, new_tokens / max(seconds, 1e-9) / 1e6)
     return manifest
-
-
-def _public(entry: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in entry.items() if k != "plan"}
 
 
 def main(argv: list[str]) -> int:

@@ -108,6 +108,22 @@ def write_shard(root: Path, split: str, index: int, tokens: np.ndarray, offsets:
     return entry
 
 
+def write_manifest(root: Path, tokenizer_spec: str, identity: dict[str, Any], dtype: np.dtype,
+                   heldout_fraction: float, entries: list[dict[str, Any]], **about: Any) -> dict[str, Any]:
+    """Write manifest.json (last, atomically) from the finished shards' entries; return it."""
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "tokenizer": {"spec": tokenizer_spec, **identity}, "dtype": str(dtype),
+        "heldout_fraction": heldout_fraction, **about,
+        "splits": {split: sorted(({k: v for k, v in e.items() if k != "plan"} for e in entries if e["split"] == split),
+                                 key=lambda e: e["index"]) for split in SPLITS},
+    }
+    for split in SPLITS:
+        manifest[f"{split}_tokens"] = sum(e["n_tokens"] for e in manifest["splits"][split])
+        manifest[f"{split}_documents"] = sum(e["n_documents"] for e in manifest["splits"][split])
+    write_json_atomically(root / MANIFEST, manifest)
+    return manifest
+
+
 def read_shard_entry(path: Path) -> dict[str, Any] | None:
     """A finished shard's entry, or None when there is none (the shard never finished)."""
     if not path.is_file():
