@@ -74,15 +74,20 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, write: Any) -> None:
-    """Call write(handle) on a temporary file beside `path`, fsync it, then rename it to `path`."""
+def write_atomically(path: Path, write: Any, sync_dir: bool = True) -> None:
+    """Call write(handle) on a temporary file beside `path`, fsync it, then rename it to `path`.
+
+    `sync_dir=False` leaves the directory fsync (which makes the rename durable) to the caller,
+    so that several renames in one directory share one.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as handle:
         write(handle)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if sync_dir:
+        _fsync_dir(path.parent)
 
 
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
@@ -100,7 +105,9 @@ def write_shard(root: Path, split: str, index: int, tokens: np.ndarray, offsets:
     (root / split).mkdir(parents=True, exist_ok=True)
     files = {"tokens": f"{stem}.tokens.npy", "offsets": f"{stem}.offsets.npy"}
     for key, array in (("tokens", tokens), ("offsets", offsets.astype(np.int64))):
-        write_atomically(root / files[key], lambda handle, a=array: np.save(handle, a, allow_pickle=False))
+        write_atomically(root / files[key], lambda handle, a=array: np.save(handle, a, allow_pickle=False),
+                         sync_dir=False)
+    _fsync_dir(root / split)  # both renames are durable before the entry that declares the shard finished
     entry = {"split": split, "index": index, "files": files, "dtype": str(tokens.dtype),
              "n_tokens": int(tokens.size), "n_documents": int(offsets.size - 1),
              "sha256": {key: file_sha256(root / name) for key, name in files.items()}, **extra}
