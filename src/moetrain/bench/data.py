@@ -189,7 +189,8 @@ def run(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
     big = work / "synthetic_big"
     small_manifest = synthetic_corpus(small, opts.small_tokens, opts.shard_tokens, opts.seed)
     big_manifest = synthetic_corpus(big, opts.big_tokens, opts.shard_tokens, opts.seed)
-    loader = {"embedded": loader_tokens_per_s(opts, work / "prepare_1"), "synthetic_big": loader_tokens_per_s(opts, big)}
+    loader = {"embedded": loader_tokens_per_s(opts, work / "prepare_1"),
+              "synthetic_big": loader_tokens_per_s(opts, big)}
     verify = verify_cost(big)
     runs: dict[str, list[dict[str, Any]]] = {"stdlib_text": [], "shards_small": [], "shards_big": []}
     for repeat in range(opts.train_repeats):
@@ -210,7 +211,8 @@ def run(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any]) -> str:
-    p, loader, rss, corpora = result["prepare"], result["loader_tokens_per_s"], result["peak_rss_mib"], result["corpora"]
+    p, loader, rss = result["prepare"], result["loader_tokens_per_s"], result["peak_rss_mib"]
+    corpora, verify = result["corpora"], result["verify"]
     lines = [
         f"moetrain bench data: {result['options']['config']}, one core per process (batching: packed)",
         "",
@@ -230,9 +232,8 @@ def report(result: dict[str, Any]) -> str:
         f"| peak RSS, shards {corpora['small']['bytes'] / 1e6:.0f} MB | {rss['shards_small']:.0f} MiB | |",
         f"| peak RSS, shards {corpora['big']['bytes'] / 1e9:.2f} GB | {rss['shards_big']:.0f} MiB | |",
         f"| RSS big / small | {result['rss_big_over_small']:.3f} | <= 1.10 |",
-        f"| sha256 of every shard ({result['verify']['bytes'] / 1e9:.2f} GB) | {result['verify']['sha256_check_s']:.2f} s "
-        f"({result['verify']['sha256_gb_per_s']:.2f} GB/s); size/dtype only {result['verify']['size_dtype_check_s']:.3f} s"
-        " | |",
+        f"| sha256 of every shard ({verify['bytes'] / 1e9:.2f} GB) | {verify['sha256_check_s']:.2f} s "
+        f"({verify['sha256_gb_per_s']:.2f} GB/s); size/dtype only {verify['size_dtype_check_s']:.3f} s | |",
     ]
     return "\n".join(lines)
 
