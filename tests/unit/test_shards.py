@@ -113,6 +113,19 @@ def test_jsonl_input_is_named_and_split_as_the_jsonl_source(tmp_path):
         assert torch.equal(torch.from_numpy(on_disk), encode_documents(docs, build_tokenizer("byte")).long())
 
 
+def test_saved_dataset_input_is_named_and_split_as_the_hf_source(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"row {i}: " + "text " * (i % 7 + 1) for i in range(30)] + [""]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    prepare(PrepareArgs(input=[str(tmp_path / "saved")], out=str(tmp_path / "out"), heldout_fraction=0.2,
+                        workers=2, shard_mb=0.0002, quiet=True))
+    corpus = load_corpus(DataConfig(source="hf", path=str(tmp_path / "saved"), heldout_fraction=0.2))
+    shards = open_token_shards(tmp_path / "out", "byte", build_tokenizer("byte"))
+    for split, docs in (("train", corpus.train), ("heldout", corpus.heldout)):
+        on_disk = np.concatenate([s.tokens for s in shards.shards[split]]).astype(np.int64)
+        assert torch.equal(torch.from_numpy(on_disk), encode_documents(docs, build_tokenizer("byte")).long())
+
+
 def test_token_stream_reads_across_pieces_and_pads_past_the_end():
     rng = np.random.default_rng(0)
     pieces = [rng.integers(0, 50, size=n).astype(np.uint16) for n in (5, 0, 1, 7, 3)]
