@@ -101,6 +101,15 @@ def test_prepare_then_read_gives_the_directly_tokenized_streams(text_dir, bpe_fi
     assert data.n_train_documents == len(starts["train"]) and data.n_heldout_documents == len(starts["heldout"])
 
 
+def test_one_process_preparing_with_two_tokenizers_uses_each(text_dir, bpe_file, tmp_path):
+    for spec, out in (("byte", tmp_path / "byte"), (str(bpe_file), tmp_path / "bpe")):
+        _prepare(text_dir, out, spec, workers=1)  # in this process: nothing cached may leak between the two
+        streams, _ = _direct(text_dir, spec)
+        shards = open_token_shards(out, spec, build_tokenizer(spec))
+        on_disk = np.concatenate([s.tokens for s in shards.shards["train"]]).astype(np.int64)
+        assert torch.equal(torch.from_numpy(on_disk), streams["train"]), spec
+
+
 def test_jsonl_input_is_named_and_split_as_the_jsonl_source(tmp_path):
     path = tmp_path / "docs.jsonl"
     lines = [json.dumps({"text": f"document number {i} " * (i + 1)}) for i in range(40)]

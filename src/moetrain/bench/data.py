@@ -37,6 +37,7 @@ import torch
 
 from moetrain.args import parse_typed_args
 from moetrain.config import load
+from moetrain.data.corpus import stdlib_files
 from moetrain.data.dataset import load_training_data
 from moetrain.data.loader import DataLoader
 from moetrain.data.prepare import PrepareArgs, document_refs, prepare, split_refs
@@ -111,13 +112,34 @@ def synthetic_corpus(root: Path, n_tokens: int, shard_tokens: int, seed: int) ->
                           **about)
 
 
-def time_prepare(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
+def train_bpe(path: Path, vocab_size: int = 4096) -> Path:
+    """A byte-level BPE trained on the first 4 MB of the embedded corpus: a tokenizer that costs CPU."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts, size = [], 0
+    for file in stdlib_files()[1]:
+        texts.append(file.read_text(encoding="utf-8", errors="replace"))
+        size += len(texts[-1])
+        if size > 4_000_000:
+            break
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def time_prepare(opts: DataBenchOptions, work: Path, tokenizer: str, name: str) -> dict[str, Any]:
+    """`data prepare --input stdlib` with 1 and 2 workers, alternated, into fresh directories."""
     def once(workers: int) -> float:
-        out = work / f"prepare_{workers}"
+        out = work / f"prepare_{name}_{workers}"
         shutil.rmtree(out, ignore_errors=True)
         started = time.perf_counter()
-        prepare(PrepareArgs(input=["stdlib"], out=str(out), workers=workers, shard_mb=opts.prepare_shard_mb,
-                            quiet=True))
+        prepare(PrepareArgs(input=["stdlib"], out=str(out), tokenizer=tokenizer, workers=workers,
+                            shard_mb=opts.prepare_shard_mb, quiet=True))
         return time.perf_counter() - started
 
     once(1)  # warm-up: page cache, imports
@@ -128,9 +150,9 @@ def time_prepare(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
     started = time.perf_counter()
     split_refs(document_refs(["stdlib"], "**/*", "text"), 0.05)
     plan_s = time.perf_counter() - started
-    manifest = read_manifest(work / "prepare_1")
+    manifest = read_manifest(work / f"prepare_{name}_1")
     median = {w: statistics.median(t) for w, t in times.items()}
-    return {"seconds": times, "median_s": median, "speedup_2_workers": median[1] / median[2],
+    return {"tokenizer": tokenizer, "seconds": times, "median_s": median, "speedup_2_workers": median[1] / median[2],
             "serial_plan_s": plan_s, "shards": len(manifest["splits"]["train"]) + len(manifest["splits"]["heldout"]),
             "tokens": manifest["train_tokens"] + manifest["heldout_tokens"]}
 
@@ -184,12 +206,13 @@ def verify_cost(shard_dir: Path) -> dict[str, float]:
 
 def run(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
-    prepare_result = time_prepare(opts, work)
+    prepare_result = time_prepare(opts, work, "byte", "byte")
+    prepare_bpe = time_prepare(opts, work, str(train_bpe(work / "bpe" / "tokenizer.json")), "bpe")
     small = work / "synthetic_small"
     big = work / "synthetic_big"
     small_manifest = synthetic_corpus(small, opts.small_tokens, opts.shard_tokens, opts.seed)
     big_manifest = synthetic_corpus(big, opts.big_tokens, opts.shard_tokens, opts.seed)
-    loader = {"embedded": loader_tokens_per_s(opts, work / "prepare_1"),
+    loader = {"embedded": loader_tokens_per_s(opts, work / "prepare_byte_1"),
               "synthetic_big": loader_tokens_per_s(opts, big)}
     verify = verify_cost(big)
     runs: dict[str, list[dict[str, Any]]] = {"stdlib_text": [], "shards_small": [], "shards_big": []}
@@ -199,7 +222,7 @@ def run(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
     rss = {name: statistics.median(r["peak_rss_mib"] for r in rs) for name, rs in runs.items()}
     consumption = statistics.median(r["tokens_per_s"] for rs in runs.values() for r in rs)
     return {
-        "options": asdict(opts), "prepare": prepare_result, "loader_tokens_per_s": loader,
+        "options": asdict(opts), "prepare": prepare_result, "prepare_bpe": prepare_bpe, "loader_tokens_per_s": loader,
         "trainer_tokens_per_s": consumption,
         "loader_over_trainer": {k: v / consumption for k, v in loader.items()},
         "corpora": {name: {"tokens": m["train_tokens"] + m["heldout_tokens"],
@@ -211,7 +234,7 @@ def run(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any]) -> str:
-    p, loader, rss = result["prepare"], result["loader_tokens_per_s"], result["peak_rss_mib"]
+    p, b, loader, rss = result["prepare"], result["prepare_bpe"], result["loader_tokens_per_s"], result["peak_rss_mib"]
     corpora, verify = result["corpora"], result["verify"]
     lines = [
         f"moetrain bench data: {result['options']['config']}, one core per process (batching: packed)",
@@ -223,6 +246,9 @@ def report(result: dict[str, Any]) -> str:
         f"| prepare, 2 workers | {p['median_s'][2]:.2f} s | |",
         f"| prepare speedup 2 vs 1 worker | {p['speedup_2_workers']:.2f}x | >= 1.6x |",
         f"| serial part (list, split, plan documents) | {p['serial_plan_s']:.2f} s | |",
+        f"| the same with a 4096-token BPE ({b['tokens'] / 1e6:.1f}M tokens), 1 worker | {b['median_s'][1]:.2f} s | |",
+        f"| BPE prepare, 2 workers | {b['median_s'][2]:.2f} s | |",
+        f"| BPE prepare speedup 2 vs 1 worker | {b['speedup_2_workers']:.2f}x | |",
         f"| loader, embedded shards | {loader['embedded'] / 1e6:.2f}M tokens/s | |",
         f"| loader, synthetic {corpora['big']['tokens'] / 1e9:.2f}G-token shards | "
         f"{loader['synthetic_big'] / 1e6:.2f}M tokens/s | |",

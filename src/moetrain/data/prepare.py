@@ -172,7 +172,7 @@ def plan_key(refs: list[DocRef], identity: dict[str, Any], options: dict[str, An
     return digest.hexdigest()
 
 
-# Per worker process: the tokenizer (built once) and an open dataset, if any.
+# Per worker process: the tokenizers (each built once) and open datasets, by spec and path.
 _WORKER: dict[str, Any] = {}
 
 
@@ -232,9 +232,10 @@ def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
 def _prepare_shard(job: tuple[str, str, int, list[DocRef], dict[str, Any]]) -> dict[str, Any]:
     """Worker: read, tokenize and write one shard; return its entry."""
     out, split, index, refs, options = job
-    if "tokenizer" not in _WORKER:
-        _WORKER["tokenizer"] = build_tokenizer(options["tokenizer"])
-    tokenizer = _WORKER["tokenizer"]
+    key = ("tokenizer", options["tokenizer"])  # per spec: one process may prepare with several tokenizers
+    if key not in _WORKER:
+        _WORKER[key] = build_tokenizer(options["tokenizer"])
+    tokenizer = _WORKER[key]
     dtype = token_dtype(tokenizer.vocab_size)
     pieces, lengths, names = [], [], []
     histogram = np.zeros(256, dtype=np.int64)
@@ -262,6 +263,7 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
         raise ConfigError(f"--shard-mb {args.shard_mb} is invalid: must be > 0")
     if not 0 <= args.heldout_fraction < 1:
         raise ConfigError(f"--heldout-fraction {args.heldout_fraction} is invalid: must be in [0, 1)")
+    _WORKER.clear()  # tokenizers and datasets of an earlier prepare in this process may have changed on disk
     tokenizer = build_tokenizer(args.tokenizer)
     identity = tokenizer_identity(args.tokenizer, tokenizer)
     out = Path(args.out)
