@@ -72,6 +72,8 @@ class DataBenchOptions:
     train_steps: int = 8  # steps of each RSS run (throughput: the median of steps 3..)
     train_repeats: int = 2  # RSS runs per corpus, alternated
     seed: int = 0
+    # Only the peak-RSS training runs: a memory measurement, not a timing (prepare, loader and check times skipped).
+    rss_only: bool = False
     json: str | None = None  # default: benchmarks/results/bench_data.json (and .txt beside it)
 
 
@@ -151,8 +153,9 @@ def time_prepare(opts: DataBenchOptions, work: Path, tokenizer: str, name: str) 
     split_refs(document_refs(["stdlib"], "**/*", "text"), 0.05)
     plan_s = time.perf_counter() - started
     manifest = read_manifest(work / f"prepare_{name}_1")
-    median = {w: statistics.median(t) for w, t in times.items()}
-    return {"tokenizer": tokenizer, "seconds": times, "median_s": median, "speedup_2_workers": median[1] / median[2],
+    median = {str(w): statistics.median(t) for w, t in times.items()}  # str keys: the same after a JSON round trip
+    return {"tokenizer": tokenizer, "seconds": {str(w): t for w, t in times.items()}, "median_s": median,
+            "speedup_2_workers": median["1"] / median["2"],
             "serial_plan_s": plan_s, "shards": len(manifest["splits"]["train"]) + len(manifest["splits"]["heldout"]),
             "tokens": manifest["train_tokens"] + manifest["heldout_tokens"]}
 
@@ -206,60 +209,70 @@ def verify_cost(shard_dir: Path) -> dict[str, float]:
 
 def run(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
-    prepare_result = time_prepare(opts, work, "byte", "byte")
-    prepare_bpe = time_prepare(opts, work, str(train_bpe(work / "bpe" / "tokenizer.json")), "bpe")
+    result: dict[str, Any] = {"options": asdict(opts), "batching": ["packed"]}
+    if not opts.rss_only:
+        result["prepare"] = time_prepare(opts, work, "byte", "byte")
+        result["prepare_bpe"] = time_prepare(opts, work, str(train_bpe(work / "bpe" / "tokenizer.json")), "bpe")
     small = work / "synthetic_small"
     big = work / "synthetic_big"
     small_manifest = synthetic_corpus(small, opts.small_tokens, opts.shard_tokens, opts.seed)
     big_manifest = synthetic_corpus(big, opts.big_tokens, opts.shard_tokens, opts.seed)
-    loader = {"embedded": loader_tokens_per_s(opts, work / "prepare_byte_1"),
-              "synthetic_big": loader_tokens_per_s(opts, big)}
-    verify = verify_cost(big)
+    result["corpora"] = {name: {"tokens": m["train_tokens"] + m["heldout_tokens"],
+                                "bytes": sum(p.stat().st_size for p in d.rglob("*.npy"))}
+                         for name, m, d in (("small", small_manifest, small), ("big", big_manifest, big))}
+    if not opts.rss_only:
+        result["loader_tokens_per_s"] = {"embedded": loader_tokens_per_s(opts, work / "prepare_byte_1"),
+                                         "synthetic_big": loader_tokens_per_s(opts, big)}
+        result["verify"] = verify_cost(big)
     runs: dict[str, list[dict[str, Any]]] = {"stdlib_text": [], "shards_small": [], "shards_big": []}
     for repeat in range(opts.train_repeats):
         for name, shard_dir in (("stdlib_text", None), ("shards_small", small), ("shards_big", big)):
             runs[name].append(training_run(opts, work / f"run_{name}_{repeat}", shard_dir))
     rss = {name: statistics.median(r["peak_rss_mib"] for r in rs) for name, rs in runs.items()}
-    consumption = statistics.median(r["tokens_per_s"] for rs in runs.values() for r in rs)
-    return {
-        "options": asdict(opts), "prepare": prepare_result, "prepare_bpe": prepare_bpe, "loader_tokens_per_s": loader,
-        "trainer_tokens_per_s": consumption,
-        "loader_over_trainer": {k: v / consumption for k, v in loader.items()},
-        "corpora": {name: {"tokens": m["train_tokens"] + m["heldout_tokens"],
-                           "bytes": sum(p.stat().st_size for p in d.rglob("*.npy"))}
-                    for name, m, d in (("small", small_manifest, small), ("big", big_manifest, big))},
-        "training_runs": runs, "peak_rss_mib": rss, "rss_big_over_small": rss["shards_big"] / rss["shards_small"],
-        "verify": verify, "batching": ["packed"],
-    }
+    result.update(training_runs=runs, peak_rss_mib=rss, rss_big_over_small=rss["shards_big"] / rss["shards_small"])
+    if not opts.rss_only:
+        consumption = statistics.median(r["tokens_per_s"] for rs in runs.values() for r in rs)
+        result["trainer_tokens_per_s"] = consumption
+        result["loader_over_trainer"] = {k: v / consumption for k, v in result["loader_tokens_per_s"].items()}
+    return result
 
 
 def report(result: dict[str, Any]) -> str:
-    p, b, loader, rss = result["prepare"], result["prepare_bpe"], result["loader_tokens_per_s"], result["peak_rss_mib"]
-    corpora, verify = result["corpora"], result["verify"]
+    rss, corpora = result["peak_rss_mib"], result["corpora"]
     lines = [
-        f"moetrain bench data: {result['options']['config']}, one core per process (batching: packed)",
+        f"moetrain bench data: {result['options']['config']}, one core per process (batching: packed)"
+        + (" -- peak RSS only (no timings)" if result["options"].get("rss_only") else ""),
         "",
         "| measurement | value | target |",
         "|---|---|---|",
-        f"| prepare embedded corpus ({p['tokens'] / 1e6:.1f}M tokens, {p['shards']} shards), 1 worker | "
-        f"{p['median_s'][1]:.2f} s (median of {len(p['seconds'][1])}) | |",
-        f"| prepare, 2 workers | {p['median_s'][2]:.2f} s | |",
-        f"| prepare speedup 2 vs 1 worker | {p['speedup_2_workers']:.2f}x | >= 1.6x |",
-        f"| serial part (list, split, plan documents) | {p['serial_plan_s']:.2f} s | |",
-        f"| the same with a 4096-token BPE ({b['tokens'] / 1e6:.1f}M tokens), 1 worker | {b['median_s'][1]:.2f} s | |",
-        f"| BPE prepare, 2 workers | {b['median_s'][2]:.2f} s | |",
-        f"| BPE prepare speedup 2 vs 1 worker | {b['speedup_2_workers']:.2f}x | |",
-        f"| loader, embedded shards | {loader['embedded'] / 1e6:.2f}M tokens/s | |",
-        f"| loader, synthetic {corpora['big']['tokens'] / 1e9:.2f}G-token shards | "
-        f"{loader['synthetic_big'] / 1e6:.2f}M tokens/s | |",
-        f"| trainer consumption, default job | {result['trainer_tokens_per_s']:.0f} tokens/s | |",
-        f"| loader / trainer (big shards) | {result['loader_over_trainer']['synthetic_big']:.0f}x | >= 100x |",
+    ]
+    if "prepare" in result:
+        p, b, loader, verify = result["prepare"], result["prepare_bpe"], result["loader_tokens_per_s"], result["verify"]
+        lines += [
+            f"| prepare embedded corpus ({p['tokens'] / 1e6:.1f}M tokens, {p['shards']} shards), 1 worker | "
+            f"{p['median_s']['1']:.2f} s (median of {len(p['seconds']['1'])}) | |",
+            f"| prepare, 2 workers | {p['median_s']['2']:.2f} s | |",
+            f"| prepare speedup 2 vs 1 worker | {p['speedup_2_workers']:.2f}x | >= 1.6x |",
+            f"| serial part (list, split, plan documents) | {p['serial_plan_s']:.2f} s | |",
+            f"| the same with a 4096-token BPE ({b['tokens'] / 1e6:.1f}M tokens), 1 worker | "
+            f"{b['median_s']['1']:.2f} s | |",
+            f"| BPE prepare, 2 workers | {b['median_s']['2']:.2f} s | |",
+            f"| BPE prepare speedup 2 vs 1 worker | {b['speedup_2_workers']:.2f}x | |",
+            f"| loader, embedded shards | {loader['embedded'] / 1e6:.2f}M tokens/s | |",
+            f"| loader, synthetic {corpora['big']['tokens'] / 1e9:.2f}G-token shards | "
+            f"{loader['synthetic_big'] / 1e6:.2f}M tokens/s | |",
+            f"| trainer consumption, default job | {result['trainer_tokens_per_s']:.0f} tokens/s | |",
+            f"| loader / trainer (big shards) | {result['loader_over_trainer']['synthetic_big']:.0f}x | >= 100x |",
+            f"| sha256 of every shard ({verify['bytes'] / 1e9:.2f} GB) | {verify['sha256_check_s']:.2f} s "
+            f"({verify['sha256_gb_per_s']:.2f} GB/s); size/dtype only {verify['size_dtype_check_s']:.3f} s | |",
+        ]
+    lines += [
         f"| peak RSS, default job (stdlib text) | {rss['stdlib_text']:.0f} MiB | |",
-        f"| peak RSS, shards {corpora['small']['bytes'] / 1e6:.0f} MB | {rss['shards_small']:.0f} MiB | |",
-        f"| peak RSS, shards {corpora['big']['bytes'] / 1e9:.2f} GB | {rss['shards_big']:.0f} MiB | |",
+        f"| peak RSS, shards {corpora['small']['bytes'] / 1e6:.0f} MB ({corpora['small']['tokens'] / 1e6:.1f}M "
+        f"tokens) | {rss['shards_small']:.0f} MiB | |",
+        f"| peak RSS, shards {corpora['big']['bytes'] / 1e9:.2f} GB ({corpora['big']['tokens'] / 1e9:.2f}G tokens) | "
+        f"{rss['shards_big']:.0f} MiB | |",
         f"| RSS big / small | {result['rss_big_over_small']:.3f} | <= 1.10 |",
-        f"| sha256 of every shard ({verify['bytes'] / 1e9:.2f} GB) | {verify['sha256_check_s']:.2f} s "
-        f"({verify['sha256_gb_per_s']:.2f} GB/s); size/dtype only {verify['size_dtype_check_s']:.3f} s | |",
     ]
     return "\n".join(lines)
 
@@ -270,6 +283,8 @@ def main(argv: list[str]) -> int:
                  "train_repeats"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
+    if opts.rss_only and not opts.json:
+        raise ConfigError("rss_only = True needs --json: it must not replace the full results")
     if opts.train_steps < 4:
         raise ConfigError(f"train_steps = {opts.train_steps} is invalid: must be >= 4 (throughput is from step 3 on)")
     if opts.work_dir:
