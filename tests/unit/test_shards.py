@@ -188,6 +188,7 @@ def test_interrupted_prepare_continues_and_never_rewrites_a_finished_shard(text_
     manifest = _prepare(text_dir, out)
     after = _files(out)
     assert {name: after[name] for name in finished} == finished, "finished shards were rewritten"
+    assert not list(out.rglob("*.tmp-*")), "the partial file of the interrupted run was left behind"
     fresh = tmp_path / "fresh"
     assert manifest["splits"] == _prepare(text_dir, fresh)["splits"]
     open_token_shards(out, "byte", build_tokenizer("byte"))

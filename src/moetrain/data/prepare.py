@@ -290,6 +290,9 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
                 raise ConfigError(f"{stale} is a finished shard of other inputs or options; use another --out "
                                   "or remove that directory")
     out.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:  # files cut short by an interrupted run: never complete, never renamed, only in the way
+        for partial in (out / split).glob(".shard_*.tmp-*") if (out / split).is_dir() else []:
+            partial.unlink()
     if entries:
         log.info("%d of %d shards already finished in %s; preparing the rest", len(entries), len(planned), out)
     started = time.perf_counter()
