@@ -39,7 +39,7 @@ import numpy as np
 import tqdm
 
 from moetrain.args import parse_typed_args
-from moetrain.data.corpus import is_heldout, stdlib_files
+from moetrain.data.corpus import files_under, is_heldout, stdlib_files, utf8_name
 from moetrain.data.shards import (
     SPLITS,
     read_shard_entry,
@@ -114,8 +114,8 @@ def _dataset_refs(path: Path, text_field: str, prefix: str) -> list[DocRef]:
     return [DocRef(f"{prefix}{i:012d}", "row", str(path), i, per_row) for i in range(len(dataset))]
 
 
-def document_refs(inputs: list[str], glob: str, text_field: str) -> list[DocRef]:
-    """Every input's documents, sorted by name."""
+def document_refs(inputs: list[str], glob: str, text_field: str, skip_bad: bool = False) -> list[DocRef]:
+    """Every input's documents, sorted by name (file names that are not UTF-8: an error, or skipped)."""
     refs: list[DocRef] = []
     for index, spec in enumerate(inputs):
         prefix = f"{index}:" if len(inputs) > 1 else ""
@@ -132,10 +132,11 @@ def document_refs(inputs: list[str], glob: str, text_field: str) -> list[DocRef]
             if path.is_file():
                 root, files = path.parent, [path]
             elif path.is_dir():
-                root, files = path, [f for f in path.glob(glob) if f.is_file()]
+                root, files = path, files_under(path, glob)
             else:
                 raise ConfigError(f"--input {spec!r} is neither a file, a directory nor 'stdlib'")
-        refs += [DocRef(prefix + f.relative_to(root).as_posix(), "file", str(f), 0, f.stat().st_size) for f in files]
+        refs += [DocRef(prefix + f.relative_to(root).as_posix(), "file", str(f), 0, f.stat().st_size) for f in files
+                 if utf8_name(f.relative_to(root).as_posix(), skip_bad)]
     if not refs:
         raise ConfigError(f"--input {' '.join(inputs)} holds no documents")
     return sorted(refs, key=lambda r: r.name)
@@ -267,7 +268,7 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
     tokenizer = build_tokenizer(args.tokenizer)
     identity = tokenizer_identity(args.tokenizer, tokenizer)
     out = Path(args.out)
-    refs = document_refs(args.input, args.glob, args.text_field)
+    refs = document_refs(args.input, args.glob, args.text_field, args.skip_bad_files)
     text_options = {"text_field": args.text_field, "skip_bad_files": args.skip_bad_files}
     jobs, entries = [], {}
     for split, split_list in split_refs(refs, args.heldout_fraction).items():
