@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from moetrain import cli
 
 
@@ -21,10 +23,11 @@ def _prepare(corpus_dir: Path, out: Path, *extra: str) -> None:
     assert cli.main(argv) == 0
 
 
-def test_training_from_shards_reproduces_training_from_text(job_args, corpus_dir, tmp_path):
+@pytest.mark.parametrize("batching", ["packed", "token_budget"])
+def test_training_from_shards_reproduces_training_from_text(job_args, corpus_dir, tmp_path, batching):
     shards = tmp_path / "shards"
     _prepare(corpus_dir, shards)
-    common = {"train__steps": 3, "train__eval_every": 3}
+    common = {"train__steps": 3, "train__eval_every": 3, "data__batching": batching}
     assert cli.main(["train", *job_args(tmp_path / "text", **common)]) == 0
     assert cli.main(["train", *job_args(tmp_path / "tokens", data__source="tokens", data__path=shards,
                                         **common)]) == 0
