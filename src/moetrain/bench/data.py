@@ -4,9 +4,9 @@ Measures, in one run (run it under `flock /tmp/moetrain-heavy.lock`, as every ti
 1. `data prepare` of the embedded corpus with 1 and with 2 workers, alternated (1, 2, 1, 2, ...)
    into fresh directories after one discarded warm-up; the ratio of the medians, and the serial
    part (listing, splitting and planning the documents) that bounds it.
-2. Loader throughput on one core (torch.set_num_threads(1)): the default job's microbatches
-   (data.batching "packed") read through the DataLoader from memory-mapped shards, for the
-   embedded corpus and for a synthetic one of `big_tokens` tokens.
+2. Loader throughput on one core (torch.set_num_threads(1)): the default job's steps read
+   through the DataLoader from memory-mapped shards, data.batching "packed" and "token_budget",
+   for the embedded corpus and for a synthetic one of `big_tokens` tokens.
 3. Peak RSS (the kernel's maxrss of the child process) of short training runs of the default
    job's model, alternated: the default job as it is (stdlib text), on a synthetic shard corpus
    of `small_tokens` tokens, and on one of `big_tokens` tokens; their step throughput is the
@@ -37,6 +37,7 @@ import torch
 
 from moetrain.args import parse_typed_args
 from moetrain.config import load
+from moetrain.data.batching import build_batching
 from moetrain.data.corpus import stdlib_files
 from moetrain.data.dataset import load_training_data
 from moetrain.data.loader import DataLoader
@@ -68,7 +69,7 @@ class DataBenchOptions:
     shard_tokens: int = 64 << 20  # tokens per synthetic shard
     prepare_repeats: int = 3  # timed prepares per worker count (after one warm-up)
     prepare_shard_mb: float = 1.0  # the embedded corpus (~12 MB) in ~12 shards: work for 2 workers
-    loader_batches: int = 2000  # microbatches read per loader measurement
+    loader_batches: int = 2000  # steps read per loader measurement
     train_steps: int = 8  # steps of each RSS run (throughput: the median of steps 3..)
     train_repeats: int = 2  # RSS runs per corpus, alternated
     seed: int = 0
@@ -160,18 +161,20 @@ def time_prepare(opts: DataBenchOptions, work: Path, tokenizer: str, name: str) 
             "tokens": manifest["train_tokens"] + manifest["heldout_tokens"]}
 
 
-def loader_tokens_per_s(opts: DataBenchOptions, shard_dir: Path) -> float:
+def loader_tokens_per_s(opts: DataBenchOptions, shard_dir: Path, batching: str) -> float:
+    """Input tokens per second of the default job's steps read through the DataLoader from shards."""
     cfg = load(opts.config)
-    cfg.data.source, cfg.data.path = "tokens", str(shard_dir)
+    cfg.data.source, cfg.data.path, cfg.data.batching = "tokens", str(shard_dir), batching
     cfg.data.heldout_fraction = read_manifest(shard_dir)["heldout_fraction"]
-    packed = load_training_data(cfg).train
-    loader = DataLoader(packed, seed=opts.seed)
-    batch = cfg.train.microbatch_size
-    loader.next_batch(batch)
+    sequences = load_training_data(cfg).train
+    loader = DataLoader(build_batching(sequences, cfg.data, cfg.train.microbatch_size, opts.seed), seed=opts.seed,
+                        microbatches_per_rank=cfg.train.grad_accum)
+    loader.next_microbatches()
+    tokens = 0
     started = time.perf_counter()
     for _ in range(opts.loader_batches):
-        loader.next_batch(batch)
-    return opts.loader_batches * batch * packed.seq_len / (time.perf_counter() - started)
+        tokens += sum(batch.tokens.numel() for batch in loader.next_microbatches())
+    return tokens / (time.perf_counter() - started)
 
 
 def training_run(opts: DataBenchOptions, run_dir: Path, shard_dir: Path | None) -> dict[str, Any]:
@@ -209,7 +212,7 @@ def verify_cost(shard_dir: Path) -> dict[str, float]:
 
 def run(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
-    result: dict[str, Any] = {"options": asdict(opts), "batching": ["packed"]}
+    result: dict[str, Any] = {"options": asdict(opts)}
     if not opts.rss_only:
         result["prepare"] = time_prepare(opts, work, "byte", "byte")
         result["prepare_bpe"] = time_prepare(opts, work, str(train_bpe(work / "bpe" / "tokenizer.json")), "bpe")
@@ -221,8 +224,10 @@ def run(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
                                 "bytes": sum(p.stat().st_size for p in d.rglob("*.npy"))}
                          for name, m, d in (("small", small_manifest, small), ("big", big_manifest, big))}
     if not opts.rss_only:
-        result["loader_tokens_per_s"] = {"embedded": loader_tokens_per_s(opts, work / "prepare_byte_1"),
-                                         "synthetic_big": loader_tokens_per_s(opts, big)}
+        result["loader_tokens_per_s"] = {
+            f"{name}_{batching}": loader_tokens_per_s(opts, shard_dir, batching)
+            for batching in ("packed", "token_budget")
+            for name, shard_dir in (("embedded", work / "prepare_byte_1"), ("synthetic_big", big))}
         result["verify"] = verify_cost(big)
     runs: dict[str, list[dict[str, Any]]] = {"stdlib_text": [], "shards_small": [], "shards_big": []}
     for repeat in range(opts.train_repeats):
@@ -240,7 +245,7 @@ def run(opts: DataBenchOptions, work: Path) -> dict[str, Any]:
 def report(result: dict[str, Any]) -> str:
     rss, corpora = result["peak_rss_mib"], result["corpora"]
     lines = [
-        f"moetrain bench data: {result['options']['config']}, one core per process (batching: packed)"
+        f"moetrain bench data: {result['options']['config']}, one core per process"
         + (" -- peak RSS only (no timings)" if result["options"].get("rss_only") else ""),
         "",
         "| measurement | value | target |",
@@ -258,11 +263,9 @@ def report(result: dict[str, Any]) -> str:
             f"{b['median_s']['1']:.2f} s | |",
             f"| BPE prepare, 2 workers | {b['median_s']['2']:.2f} s | |",
             f"| BPE prepare speedup 2 vs 1 worker | {b['speedup_2_workers']:.2f}x | |",
-            f"| loader, embedded shards | {loader['embedded'] / 1e6:.2f}M tokens/s | |",
-            f"| loader, synthetic {corpora['big']['tokens'] / 1e9:.2f}G-token shards | "
-            f"{loader['synthetic_big'] / 1e6:.2f}M tokens/s | |",
+            *(f"| loader, {key.replace('_', ' ')} | {value / 1e6:.2f}M tokens/s "
+              f"({result['loader_over_trainer'][key]:.0f}x the trainer) | >= 100x |" for key, value in loader.items()),
             f"| trainer consumption, default job | {result['trainer_tokens_per_s']:.0f} tokens/s | |",
-            f"| loader / trainer (big shards) | {result['loader_over_trainer']['synthetic_big']:.0f}x | >= 100x |",
             f"| sha256 of every shard ({verify['bytes'] / 1e9:.2f} GB) | {verify['sha256_check_s']:.2f} s "
             f"({verify['sha256_gb_per_s']:.2f} GB/s); size/dtype only {verify['size_dtype_check_s']:.3f} s | |",
         ]
