@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.train.plot:main"),
     "export-hf": ("write a run's checkpoint as a Hugging Face model directory (Qwen3-MoE, OLMoE)",
                   "moetrain.train.export_hf:main"),
+    "data": ("`data prepare`: tokenize text into memory-mapped token shards (data.source = 'tokens')",
+             "moetrain.data.prepare:main"),
     "bench": ("benchmarks: `bench moe` (expert implementations), `bench sync` (HSDP sync policies), `bench attention`",
               "moetrain.bench:main"),
     "simulate": ("predict step time of the sync policies at cluster scale", "moetrain.bench.simulate:main"),

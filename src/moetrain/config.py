@@ -122,7 +122,8 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     # stdlib: this interpreter's own standard-library .py sources (embedded, no download).
-    source: Literal["stdlib", "dir", "jsonl", "hf"] = "stdlib"
+    # tokens: a directory written by `moetrain data prepare` (memory-mapped token shards).
+    source: Literal["stdlib", "dir", "jsonl", "hf", "tokens"] = "stdlib"
     path: str | None = None
     glob: str = "**/*"
     text_field: str = "text"

@@ -1,4 +1,4 @@
-"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync|ep|attention`.
+"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync|ep|attention|data`.
 
 `main` dispatches `moetrain bench NAME` to the benchmark's own `main`, importing that module
 only when it is asked for (as moetrain.cli does for subcommands), so `moetrain bench --help`
@@ -16,6 +16,8 @@ from moetrain.errors import ConfigError
 BENCHMARKS = {
     "moe": ("expert implementations side by side: saved bytes and fwd+bwd time", "moetrain.bench.moe:main"),
     "sync": ("HSDP sync policies under inhomogeneous microbatches", "moetrain.bench.sync:main"),
+    "data": ("token shards: prepare 1 vs 2 workers, loader tokens/s, training peak RSS on 10 MB vs 1 GB+ corpora",
+             "moetrain.bench.data:main"),
     "ep": ("FSDP-only vs expert parallelism: step time, all-to-all, memory, expert bytes gathered",
            "moetrain.bench.ep:main"),
     "attention": ("document-masked attention methods vs the dense mask: fwd+bwd speedup",

@@ -3,8 +3,11 @@
 `load_training_data(cfg)` reads the configured corpus, splits it, tokenizes and packs
 both sides, and measures the unigram byte entropy of each side: the bits per byte a
 model that ignores context would reach, the reference the held-out bits per byte are
-read against. Bad data raises a one-line ConfigError before anything is written.
-This module assembles data; it does no batching, sharding or I/O beyond the corpus.
+read against. With data.source = 'tokens' it instead checks and memory-maps prepared
+shards (moetrain.data.shards): the split and the byte counts come from the manifest,
+and nothing of size O(tokens) is read into memory. Bad data raises a one-line
+ConfigError before anything is written. This module assembles data; it does no
+batching, sharding or I/O beyond the corpus.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from moetrain.config import JobConfig
 from moetrain.data.corpus import load_corpus
-from moetrain.data.packing import PackedSequences, pack_documents
+from moetrain.data.packing import PackedSequences, TokenStream, pack_documents
+from moetrain.data.shards import TokenShards, open_token_shards
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
 from moetrain.errors import ConfigError
 
@@ -54,6 +60,8 @@ def load_training_data(cfg: JobConfig) -> TrainingData:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is invalid: the tokenizer "
                           f"{cfg.data.tokenizer!r} needs at least {tokenizer.vocab_size}")
+    if cfg.data.source == "tokens":
+        return _shard_training_data(cfg, tokenizer)
     corpus = load_corpus(cfg.data)
     train = pack_documents(corpus.train, tokenizer, cfg.data.seq_len)
     heldout = pack_documents(corpus.heldout, tokenizer, cfg.data.seq_len) if corpus.heldout else None
@@ -61,3 +69,31 @@ def load_training_data(cfg: JobConfig) -> TrainingData:
     train_entropy = unigram_entropy_bits(byte_histogram(d.text for d in corpus.train))
     return TrainingData(tokenizer, train, heldout, tokenizer.token_byte_lengths(), entropy, train_entropy,
                         len(corpus.train), len(corpus.heldout))
+
+
+def _packed_split(shards: TokenShards, split: str, tokenizer: Tokenizer, seq_len: int) -> PackedSequences:
+    pieces = shards.shards[split]
+    stream = TokenStream([s.tokens for s in pieces], tokenizer.pad_id)
+    bases = np.cumsum([0] + [s.tokens.size for s in pieces[:-1]], dtype=np.int64)
+    starts = np.concatenate([s.offsets[:-1] + base for s, base in zip(pieces, bases)]) if pieces else None
+    return PackedSequences(stream, seq_len, tokenizer.eos_id, tokenizer.pad_id, document_starts=starts)
+
+
+def _shard_training_data(cfg: JobConfig, tokenizer: Tokenizer) -> TrainingData:
+    """Memory-mapped prepared shards (data.source = 'tokens'), verified before anything else happens."""
+    d = cfg.data
+    shards = open_token_shards(Path(d.path or ""), d.tokenizer, tokenizer)
+    manifest_fraction = shards.manifest["heldout_fraction"]
+    if d.heldout_fraction != manifest_fraction:
+        raise ConfigError(f"data.heldout_fraction = {d.heldout_fraction} differs from {shards.root / 'manifest.json'}"
+                          f" ({manifest_fraction}): the split is made by `moetrain data prepare --heldout-fraction`; "
+                          f"set --data.heldout_fraction {manifest_fraction}")
+    if d.max_documents is not None:
+        raise ConfigError("data.max_documents cannot limit data.source = 'tokens'; prepare fewer documents instead")
+    train = _packed_split(shards, "train", tokenizer, d.seq_len)
+    n_heldout = shards.n_documents("heldout")
+    heldout = _packed_split(shards, "heldout", tokenizer, d.seq_len) if n_heldout else None
+    entropy = unigram_entropy_bits(shards.byte_histogram("heldout")) if n_heldout else None
+    train_entropy = unigram_entropy_bits(shards.byte_histogram("train"))
+    return TrainingData(tokenizer, train, heldout, tokenizer.token_byte_lengths(), entropy, train_entropy,
+                        shards.n_documents("train"), n_heldout)

@@ -19,12 +19,19 @@ Per input position:
   predicts the first real token, the last real token predicts EOS, and EOS
   predicts nothing.
 
-This module only turns token streams into tensors; it reads no files and does no
+The stream is a `TokenStream`: one in-memory array, or the memory-mapped token files
+of prepared shards (moetrain.data.shards) read in order. A window is copied out of it
+when asked for, crossing shard boundaries as needed, and the PAD tail is virtual
+(positions past the end read as PAD), so the stream is never loaded or copied whole.
+`PackedSequences.document_starts` gives the stream offset of every document's BOS.
+
+This module only turns token streams into tensors; it opens no files and does no
 sharding or shuffling.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,29 +90,66 @@ def sequence_fields(window: torch.Tensor, eos_id: int, pad_id: int) -> dict[str,
     return {"tokens": inputs, "positions": positions, "document_ids": document_ids, "targets": targets}
 
 
-def document_starts(stream: torch.Tensor, eos_id: int) -> np.ndarray:
-    """Offsets of the documents of a `[BOS] tokens [EOS] ...` stream: 0 and every position after an EOS."""
-    if stream.numel() == 0:
+class TokenStream:
+    """Read-only concatenation of 1-D token arrays (in memory or memory-mapped); past the end reads PAD.
+
+    Holds only the pieces and their start offsets: `read` copies the asked range out of the
+    one or more pieces it crosses, so a multi-shard stream is never loaded whole.
+    """
+
+    def __init__(self, pieces: Sequence[np.ndarray], pad_id: int):
+        self.pieces = [p for p in pieces if p.size]
+        self.pad_id = pad_id
+        self.starts = np.cumsum([0] + [p.size for p in self.pieces], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """int64[stop - start]: tokens start..stop-1, PAD where past the end."""
+        out = np.full(stop - start, self.pad_id, dtype=np.int64)
+        position = start
+        piece = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while position < min(stop, len(self)):
+            local = position - int(self.starts[piece])
+            take = min(stop, int(self.starts[piece + 1])) - position
+            out[position - start: position - start + take] = self.pieces[piece][local: local + take]
+            position += take
+            piece += 1
+        return out
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("a TokenStream is read by contiguous slices")
+        start, stop, _ = key.indices(len(self))
+        return self.read(start, max(start, stop))
+
+
+def starts_after_eos(stream: TokenStream, eos_id: int) -> np.ndarray:
+    """Document starts of a `[BOS] tokens [EOS]` stream: 0 and every position after an EOS (one pass)."""
+    if not len(stream):
         return np.zeros(0, dtype=np.int64)
-    after_eos = torch.nonzero(stream == eos_id).flatten() + 1
-    return torch.cat([torch.zeros(1, dtype=torch.long), after_eos[after_eos < stream.numel()]]).numpy()
+    ends = [np.flatnonzero(piece == eos_id) + base for piece, base in zip(stream.pieces, stream.starts[:-1])]
+    after = np.concatenate([np.zeros(1, dtype=np.int64), *(e + 1 for e in ends)])
+    return after[after < len(stream)]
 
 
 class PackedSequences:
-    """Fixed-length sequences over a token stream; sequence(i) is cheap (a slice)."""
+    """Fixed-length sequences over a token stream; sequence(i) is cheap (a copied window)."""
 
-    def __init__(self, stream: torch.Tensor, seq_len: int, eos_id: int, pad_id: int):
+    def __init__(self, stream: torch.Tensor | TokenStream, seq_len: int, eos_id: int, pad_id: int,
+                 document_starts: np.ndarray | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if isinstance(stream, torch.Tensor):
+            stream = TokenStream([stream.numpy()], pad_id)
         self.seq_len = seq_len
         self.eos_id, self.pad_id = eos_id, pad_id
-        # int64[n_documents]: the stream offset of each document's BOS (token-budget batching).
-        self.document_starts = document_starts(stream, eos_id)
-        n_sequences = max(0, -(-(stream.numel() - 1) // seq_len))
-        padded = n_sequences * seq_len + 1
-        pad = torch.full((max(0, padded - stream.numel()),), pad_id, dtype=stream.dtype)
-        self.stream = torch.cat([stream, pad]) if n_sequences else stream
-        self.n_sequences = n_sequences
+        self.stream = stream
+        self.n_sequences = max(0, -(-(len(stream) - 1) // seq_len))
+        # int64[n_documents]: the stream offset of each document's BOS (sorted), for token-budget batching.
+        self.document_starts = (starts_after_eos(stream, eos_id) if document_starts is None
+                                else np.asarray(document_starts, dtype=np.int64))
 
     def __len__(self) -> int:
         return self.n_sequences
@@ -114,7 +158,7 @@ class PackedSequences:
         if not 0 <= index < self.n_sequences:
             raise IndexError(f"sequence {index} out of range [0, {self.n_sequences})")
         start = index * self.seq_len
-        return self.stream[start: start + self.seq_len + 1]
+        return torch.from_numpy(self.stream.read(start, start + self.seq_len + 1))
 
     def batch(self, indices: list[int]) -> Batch:
         fields = [sequence_fields(self.window(i), self.eos_id, self.pad_id) for i in indices]

@@ -1,0 +1,256 @@
+"""Token shards on disk: the format, the manifest, writing one shard safely, and the memory-mapped reader.
+
+A prepared directory (written by `moetrain data prepare`, see moetrain.data.prepare) holds
+
+    manifest.json                        what is there (written last: no manifest, no dataset)
+    train/shard_00000.tokens.npy         the token stream of the shard's documents: [BOS] ids [EOS] ...
+    train/shard_00000.offsets.npy        int64[n_documents + 1]: where each document's BOS starts, then the end
+    train/shard_00000.json               the shard's manifest entry, written once the two files are in place
+    heldout/...                          the same for the held-out documents
+
+Token files are `.npy` arrays (numpy's own header, read with allow_pickle=False), uint16
+when the vocabulary fits, else uint32. Concatenating a split's token files in shard order
+gives exactly the stream packing builds in memory for the same documents, so sequence i
+is the same window whichever way the data arrived.
+
+Every file is written under a temporary name, fsynced and renamed, so a file with a final
+name is complete; a shard's entry (its sizes and sha256 checksums) is written after both
+of its files, so an entry means a finished shard, which is never rewritten.
+
+`open_token_shards` checks a directory before training: the manifest, the tokenizer it was
+made with against the job's, and for every shard file its presence, dtype, size and
+sha256. Each problem is a one-line ConfigError naming the file. The reader memory-maps the
+token files and keeps in RAM only the per-document offsets (O(documents), never O(tokens)).
+This module does not tokenize or read text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetrain.data.tokenizer import Tokenizer, tokenizer_file
+from moetrain.errors import ConfigError
+
+FORMAT = "moetrain-token-shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "heldout")
+# Read files in 8 MiB pieces to hash them: never mapped, so verifying does not add to the resident set.
+HASH_CHUNK = 8 << 20
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def tokenizer_identity(spec: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """What makes two tokenizers the same: the file's sha256 (or 'byte') and the special and vocabulary sizes."""
+    path = tokenizer_file(spec)
+    digest = "byte" if path is None else hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"sha256": digest, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id}
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, write: Any, sync_dir: bool = True) -> None:
+    """Call write(handle) on a temporary file beside `path`, fsync it, then rename it to `path`.
+
+    `sync_dir=False` leaves the directory fsync (which makes the rename durable) to the caller,
+    so that several renames in one directory share one.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    if sync_dir:
+        _fsync_dir(path.parent)
+
+
+def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
+    write_atomically(path, lambda handle: handle.write((json.dumps(data, indent=1) + "\n").encode("utf-8")))
+
+
+def shard_stem(split: str, index: int) -> str:
+    return f"{split}/shard_{index:05d}"
+
+
+def write_shard(root: Path, split: str, index: int, tokens: np.ndarray, offsets: np.ndarray,
+                extra: dict[str, Any]) -> dict[str, Any]:
+    """Write one finished shard (token file, offsets file, then its entry) and return the entry."""
+    stem = shard_stem(split, index)
+    (root / split).mkdir(parents=True, exist_ok=True)
+    files = {"tokens": f"{stem}.tokens.npy", "offsets": f"{stem}.offsets.npy"}
+    for key, array in (("tokens", tokens), ("offsets", offsets.astype(np.int64))):
+        write_atomically(root / files[key], lambda handle, a=array: np.save(handle, a, allow_pickle=False),
+                         sync_dir=False)
+    _fsync_dir(root / split)  # both renames are durable before the entry that declares the shard finished
+    entry = {"split": split, "index": index, "files": files, "dtype": str(tokens.dtype),
+             "n_tokens": int(tokens.size), "n_documents": int(offsets.size - 1),
+             "sha256": {key: file_sha256(root / name) for key, name in files.items()}, **extra}
+    write_json_atomically(root / f"{stem}.json", entry)
+    return entry
+
+
+def write_manifest(root: Path, tokenizer_spec: str, identity: dict[str, Any], dtype: np.dtype,
+                   heldout_fraction: float, entries: list[dict[str, Any]], **about: Any) -> dict[str, Any]:
+    """Write manifest.json (last, atomically) from the finished shards' entries; return it."""
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "tokenizer": {"spec": tokenizer_spec, **identity}, "dtype": str(dtype),
+        "heldout_fraction": heldout_fraction, **about,
+        "splits": {split: sorted(({k: v for k, v in e.items() if k != "plan"} for e in entries if e["split"] == split),
+                                 key=lambda e: e["index"]) for split in SPLITS},
+    }
+    for split in SPLITS:
+        manifest[f"{split}_tokens"] = sum(e["n_tokens"] for e in manifest["splits"][split])
+        manifest[f"{split}_documents"] = sum(e["n_documents"] for e in manifest["splits"][split])
+    write_json_atomically(root / MANIFEST, manifest)
+    return manifest
+
+
+def read_shard_entry(path: Path) -> dict[str, Any] | None:
+    """A finished shard's entry, or None when there is none (the shard never finished)."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise ConfigError(f"shard entry {path} is not valid JSON; remove it and run `moetrain data prepare` "
+                          "again") from None
+
+
+def npy_layout(path: Path) -> tuple[np.dtype, tuple[int, ...], int]:
+    """(dtype, shape, header bytes) of a .npy file, read from its header only (no pickle, no mapping)."""
+    try:
+        with open(path, "rb") as handle:
+            version = np.lib.format.read_magic(handle)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
+            else:
+                raise ValueError(f"unsupported .npy version {version}")
+            header = handle.tell()
+    except FileNotFoundError:
+        raise ConfigError(f"shard file {path} is missing; run `moetrain data prepare` again") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"shard file {path} is not a .npy array ({err})") from None
+    if fortran or dtype.hasobject:
+        raise ConfigError(f"shard file {path} is not a plain C-order numeric array")
+    return dtype, shape, header
+
+
+@dataclass(frozen=True)
+class Shard:
+    tokens: np.memmap
+    offsets: np.ndarray
+
+
+def _open_file(root: Path, name: str, dtype: str, length: int, sha256: str, verify: bool) -> tuple[Path, int]:
+    """Check one shard file's dtype, length, size and (when `verify`) checksum; return (path, header bytes)."""
+    path = root / name
+    found_dtype, shape, header = npy_layout(path)
+    if found_dtype != np.dtype(dtype):
+        raise ConfigError(f"shard file {path} holds {found_dtype} values but the manifest says {dtype}; "
+                          "prepare the directory again")
+    if shape != (length,):
+        raise ConfigError(f"shard file {path} has shape {shape} but the manifest says ({length},)")
+    expected = header + length * found_dtype.itemsize
+    size = path.stat().st_size
+    if size != expected:
+        raise ConfigError(f"shard file {path} is {'truncated' if size < expected else 'too long'}: {size} bytes, "
+                          f"expected {expected}; prepare the directory again")
+    if verify and file_sha256(path) != sha256:
+        raise ConfigError(f"shard file {path} fails its sha256 check against {root / MANIFEST}; "
+                          "it was changed or damaged: prepare the directory again")
+    return path, header
+
+
+def _open_shard(root: Path, entry: dict[str, Any], dtype: str, verify: bool) -> Shard:
+    files, sums = entry["files"], entry["sha256"]
+    tokens_path, tokens_header = _open_file(root, files["tokens"], dtype, entry["n_tokens"], sums["tokens"], verify)
+    offsets_path, _ = _open_file(root, files["offsets"], "int64", entry["n_documents"] + 1, sums["offsets"],
+                                 verify)
+    offsets = np.load(offsets_path, allow_pickle=False)
+    if offsets[0] != 0 or offsets[-1] != entry["n_tokens"] or np.any(np.diff(offsets) < 2):
+        raise ConfigError(f"shard file {offsets_path} has document offsets that do not fit its token file")
+    tokens = np.memmap(tokens_path, dtype=dtype, mode="r", offset=tokens_header, shape=(entry["n_tokens"],))
+    return Shard(tokens, offsets)
+
+
+@dataclass(frozen=True)
+class TokenShards:
+    """A verified prepared directory: per split, its memory-mapped shards."""
+
+    root: Path
+    manifest: dict[str, Any]
+    shards: dict[str, list[Shard]]
+
+    def n_documents(self, split: str) -> int:
+        return sum(s.offsets.size - 1 for s in self.shards[split])
+
+    def byte_histogram(self, split: str) -> dict[int, int]:
+        """UTF-8 byte counts of the split's text, summed over shards (for the unigram entropy)."""
+        totals = np.zeros(256, dtype=np.int64)
+        for entry in self.manifest["splits"][split]:
+            totals += np.asarray(entry["byte_histogram"], dtype=np.int64)
+        return {b: int(c) for b, c in enumerate(totals) if c}
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise ConfigError(f"data.path = {str(root)!r} is not a directory (data.source = 'tokens')")
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: {root} is not a finished `moetrain data prepare` output")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise ConfigError(f"{path} is not valid JSON") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ConfigError(f"{path} is not a {FORMAT} version {VERSION} manifest")
+    return manifest
+
+
+def open_token_shards(root: Path, tokenizer_spec: str, tokenizer: Tokenizer, verify: bool = True) -> TokenShards:
+    """Check and memory-map a prepared directory for `tokenizer` (raises a one-line ConfigError naming the file)."""
+    manifest = read_manifest(root)
+    path = root / MANIFEST
+    want = tokenizer_identity(tokenizer_spec, tokenizer)
+    have = manifest["tokenizer"]
+    if {k: have.get(k) for k in want} != want:
+        differing = ", ".join(f"{k} {have.get(k)!r} vs {want[k]!r}" for k in want if have.get(k) != want[k])
+        raise ConfigError(f"{path} was prepared with tokenizer {have.get('spec')!r}, not data.tokenizer = "
+                          f"{tokenizer_spec!r} ({differing}); prepare the data with this tokenizer")
+    dtype = manifest["dtype"]
+    if np.dtype(dtype) != token_dtype(tokenizer.vocab_size):
+        raise ConfigError(f"{path} says dtype {dtype}, but vocabulary {tokenizer.vocab_size} needs "
+                          f"{token_dtype(tokenizer.vocab_size)}")
+    shards = {split: [_open_shard(root, entry, dtype, verify) for entry in manifest["splits"][split]]
+              for split in SPLITS}
+    if not shards["train"]:
+        raise ConfigError(f"{path} lists no training shards")
+    return TokenShards(root, manifest, shards)
