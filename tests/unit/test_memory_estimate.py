@@ -9,7 +9,7 @@ import torch
 
 from moetrain.config import parse_job_args
 from moetrain.errors import ConfigError
-from moetrain.model.layers import document_causal_mask
+from moetrain.model.attention import document_causal_mask
 from moetrain.model.memory_estimate import estimate_training_memory
 from moetrain.model.transformer import Transformer
 from moetrain.train import memory_check
