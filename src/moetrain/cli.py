@@ -23,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.train.plot:main"),
     "export-hf": ("write a run's checkpoint as a Hugging Face model directory (Qwen3-MoE, OLMoE)",
                   "moetrain.train.export_hf:main"),
-    "bench": ("benchmarks: `bench moe` (expert implementations), `bench sync` (HSDP sync policies)",
+    "bench": ("benchmarks: `bench moe` (expert implementations), `bench sync` (HSDP sync), `bench train` (steps)",
               "moetrain.bench:main"),
     "simulate": ("predict step time of the sync policies at cluster scale", "moetrain.bench.simulate:main"),
     "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.model.init_report:main"),

@@ -1,4 +1,4 @@
-"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync|ep`.
+"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync|ep|train`.
 
 `main` dispatches `moetrain bench NAME` to the benchmark's own `main`, importing that module
 only when it is asked for (as moetrain.cli does for subcommands), so `moetrain bench --help`
@@ -18,6 +18,8 @@ BENCHMARKS = {
     "sync": ("HSDP sync policies under inhomogeneous microbatches", "moetrain.bench.sync:main"),
     "ep": ("FSDP-only vs expert parallelism: step time, all-to-all, memory, expert bytes gathered",
            "moetrain.bench.ep:main"),
+    "train": ("a short training job: tokens/s, step phases, peak memory, MFU against a measured peak",
+              "moetrain.bench.train:main"),
 }
 
 
