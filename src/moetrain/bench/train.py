@@ -35,6 +35,7 @@ from moetrain.errors import ConfigError
 from moetrain.logging import setup_logging
 from moetrain.parallel.collectives import all_gather_floats, barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
+from moetrain.train.host_memory import reuse_freed_host_memory
 from moetrain.train.phases import PHASES
 from moetrain.train.trainer import Trainer
 
@@ -70,6 +71,7 @@ def measure(cfg: JobConfig, steps: int, warmup: int) -> dict[str, Any]:
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     rank, world, device = init_distributed(cfg.parallel)
+    reuse_freed_host_memory()  # as `moetrain train` does
     mesh = build_mesh(cfg.parallel, world, device.type)
     trainer = Trainer(cfg, data, mesh, device)
     timed = []

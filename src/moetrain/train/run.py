@@ -38,6 +38,7 @@ from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.disk import no_space_left
 from moetrain.train.memory_check import refuse_if_too_big
+from moetrain.train.host_memory import reuse_freed_host_memory
 from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.train.rundir import RunDir
 from moetrain.train.sample import generate
@@ -56,6 +57,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         if cfg.train.num_threads > 0:
             torch.set_num_threads(cfg.train.num_threads)
         _, world, device = init_distributed(cfg.parallel)
+        reuse_freed_host_memory()  # large CPU tensors: no fresh pages every step
         mesh = build_mesh(cfg.parallel, world, device.type)
         run_dir = RunDir(Path(cfg.logging.run_dir))
         checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
