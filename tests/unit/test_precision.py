@@ -87,8 +87,9 @@ def test_compute_copies_follow_the_optimizer_updates():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     # The next forward runs on the updated weights, rounded to bf16 once.
-    with copies.compute(), torch.no_grad():
+    with torch.no_grad(), copies.compute():
         got = objective(model, tokens)
+    assert all(p.grad is None for p in model.parameters())  # evaluation leaves no gradients behind
     with torch.no_grad():
         expected = objective(copy.deepcopy(model).to(torch.bfloat16), tokens)
     assert float(got) == float(expected)

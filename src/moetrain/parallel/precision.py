@@ -5,10 +5,10 @@ MixedPrecisionPolicy is not there to cast weights. `ComputeCopy` does the same j
 once per step instead of once per unit and microbatch (FSDP casts at every all-gather,
 and again in backward when it reshards after forward): on entering `compute()` it
 copies every float32 master parameter into a persistent `param_dtype` copy and
-swaps the copies into the modules; autograd accumulates their gradients in
-`reduce_dtype` (the copies' `grad_dtype`), so the sum over microbatches is as
-exact as FSDP's float32 reduction; on leaving it hands those gradients to the
-masters (in the masters' dtype) and swaps the masters back. The optimizer, the
+swaps the copies into the modules; autograd accumulates their gradients into
+persistent zeroed `reduce_dtype` buffers (the copies' `grad_dtype`), so the sum over
+microbatches is as exact as FSDP's float32 reduction; on leaving it hands those
+gradients to the masters (in the masters' dtype) and swaps the masters back. The optimizer, the
 checkpoint, clipping, evaluation outside the context and sampling only ever see the
 float32 masters. Buffers (the aux-free expert bias, load counters) stay float32.
 
@@ -37,6 +37,7 @@ class _Slot:
     name: str
     master: nn.Parameter
     copy: nn.Parameter
+    grad: torch.Tensor | None = None  # the persistent reduce-dtype gradient buffer of the copy
 
 
 class ComputeCopy:
@@ -62,22 +63,32 @@ class ComputeCopy:
         self.active = False
 
     @torch.no_grad()
-    def _refresh(self) -> None:
+    def _refresh(self, with_grads: bool) -> None:
         for slot in self._masters:
             slot.copy.copy_(slot.master)
+            if not (with_grads and slot.copy.requires_grad):
+                continue
+            # Gradients accumulate into a zeroed, persistent buffer: autograd adds each bf16
+            # gradient into it in place. Letting autograd create the gradient instead costs an
+            # upcast into a fresh tensor per parameter and step, which measured slower than the
+            # expert GEMMs themselves (docs/performance.md, "Step time").
+            if slot.grad is None or slot.master.grad is slot.grad:
+                slot.grad = torch.zeros_like(slot.master, dtype=self.reduce_dtype)
+            else:
+                slot.grad.zero_()
+            slot.copy.grad = slot.grad
 
     @torch.no_grad()
     def _hand_back_grads(self) -> None:
         for slot in self._masters:
-            grad = slot.copy.grad
-            if grad is None:
+            if slot.copy.grad is None:
                 continue
-            grad = grad.to(slot.master.dtype)
+            grad = slot.copy.grad.to(slot.master.dtype)
+            slot.copy.grad = None
             if slot.master.grad is None:
                 slot.master.grad = grad
             else:
                 slot.master.grad += grad
-            slot.copy.grad = None
 
     @contextmanager
     def compute(self) -> Iterator[None]:
@@ -85,7 +96,7 @@ class ComputeCopy:
         if self.active or not self.slots:
             yield
             return
-        self._refresh()
+        self._refresh(with_grads=torch.is_grad_enabled())  # evaluation under no_grad needs no buffers
         for slot in self.slots:
             slot.module._parameters[slot.name] = slot.copy
         self.active = True
