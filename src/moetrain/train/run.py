@@ -37,8 +37,8 @@ from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.disk import no_space_left
-from moetrain.train.memory_check import refuse_if_too_big
 from moetrain.train.host_memory import reuse_freed_host_memory
+from moetrain.train.memory_check import refuse_if_too_big
 from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.train.rundir import RunDir
 from moetrain.train.sample import generate
