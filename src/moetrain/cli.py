@@ -27,7 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                   "moetrain.train.export_hf:main"),
     "data": ("`data prepare`: tokenize text into memory-mapped token shards (data.source = 'tokens')",
              "moetrain.data.prepare:main"),
-    "bench": ("benchmarks: `bench moe` (expert implementations), `bench sync` (HSDP sync policies), `bench attention`",
+    "bench": ("benchmarks: `bench moe`, `bench sync`, `bench ep`, `bench attention`, `bench data`, `bench train`",
               "moetrain.bench:main"),
     "simulate": ("predict step time of the sync policies at cluster scale", "moetrain.bench.simulate:main"),
     "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.model.init_report:main"),

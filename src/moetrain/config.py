@@ -165,7 +165,8 @@ class TrainConfig:
     max_consecutive_skips: int = 10
     eval_every: int = 100
     eval_batches: int = 8
-    peak_flops: float = 1e12
+    # MFU's peak FLOP/s per rank; 0 = measured at start (moetrain.train.peak_flops).
+    peak_flops: float = 0.0
     sample_tokens: int = 200
     sample_prompt: str = "def "
     sample_temperature: float = 0.8
@@ -330,7 +331,7 @@ def _validate(cfg: JobConfig) -> None:
     _check(0 <= t.beta1 < 1, "train.beta1", t.beta1, "must be in [0, 1)")
     _check(0 <= t.beta2 < 1, "train.beta2", t.beta2, "must be in [0, 1)")
     _check(t.eps > 0, "train.eps", t.eps, "must be > 0")
-    _check(t.peak_flops > 0, "train.peak_flops", t.peak_flops, "must be > 0")
+    _check(t.peak_flops >= 0, "train.peak_flops", t.peak_flops, "must be >= 0 (0 = measure)")
     _check(t.sample_temperature >= 0, "train.sample_temperature", t.sample_temperature, "must be >= 0 (0 = greedy)")
     _check(0 < t.sample_top_p <= 1, "train.sample_top_p", t.sample_top_p, "must be in (0, 1]")
     if t.stop_at_step is not None:

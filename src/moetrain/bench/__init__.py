@@ -1,4 +1,4 @@
-"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync|ep|attention|data`.
+"""Benchmarks and the step-time simulator (not tests): `moetrain bench moe|sync|ep|attention|data|train`.
 
 `main` dispatches `moetrain bench NAME` to the benchmark's own `main`, importing that module
 only when it is asked for (as moetrain.cli does for subcommands), so `moetrain bench --help`
@@ -22,6 +22,8 @@ BENCHMARKS = {
            "moetrain.bench.ep:main"),
     "attention": ("document-masked attention methods vs the dense mask: fwd+bwd speedup",
                   "moetrain.bench.attention:main"),
+    "train": ("a short training job: tokens/s, step phases, peak memory, MFU against a measured peak",
+              "moetrain.bench.train:main"),
 }
 
 

@@ -55,6 +55,7 @@ class StepResult:
     all_to_all_rows_sent: int = 0
     all_to_all_rows_received: int = 0
     z_loss: float = 0.0  # the router z-loss term (with its coefficient), apart from aux_loss
+    phases: dict[str, float] | None = None  # seconds per phase of the step (moetrain.train.phases)
 
 
 class MetricsWriter:

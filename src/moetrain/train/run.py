@@ -46,6 +46,7 @@ from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.disk import no_space_left
+from moetrain.train.host_memory import reuse_freed_host_memory
 from moetrain.train.memory_check import refuse_if_too_big
 from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.train.profiler import ProfilerWindow
@@ -75,6 +76,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         if cfg.train.num_threads > 0:
             torch.set_num_threads(cfg.train.num_threads)
         rank, world, device = init_distributed(cfg.parallel)
+        reuse_freed_host_memory()  # large CPU tensors: no fresh pages every step
         mesh = build_mesh(cfg.parallel, world, device.type)
         run_dir = RunDir(Path(cfg.logging.run_dir))
         lock = WriterLock(run_dir)

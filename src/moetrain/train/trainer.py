@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -42,12 +43,16 @@ from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum, ran
 from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.parallelize import parallelize_model
+from moetrain.parallel.precision import compute_copy
+from moetrain.parallel.shard import DTYPES
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.memory import PeakMemory
 from moetrain.train.metrics import StepResult, bits_per_byte, train_record
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
+from moetrain.train.peak_flops import peak_flops
+from moetrain.train.phases import StepPhases
 
 log = get_logger("train")
 
@@ -93,6 +98,7 @@ class Trainer:
         self.policy = resolve_sync_policy(cfg.parallel, mesh, cfg.train.grad_accum)
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg, mesh, device)
+        self.compute_copy = compute_copy(self.model, cfg.parallel)  # None under FSDP or in float32
         self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.schedule = LRSchedule.from_config(cfg.train)
@@ -107,6 +113,7 @@ class Trainer:
         self.skipped_steps = 0
         self.tokens_seen = 0
         self.memory = PeakMemory(device)  # the first record's peak includes building the model
+        self._peak_flops: float | None = None
 
     @property
     def tokens_per_rank_step(self) -> float:
@@ -144,61 +151,76 @@ class Trainer:
         lr = self.schedule.lr(self.step)
         set_lr(self.optimizer, lr)
         start = time.perf_counter()
+        phases = StepPhases(self.device)
         if self.all_to_all is not None:
             self.all_to_all.take()  # what evaluation or sampling moved belongs to no step
-        microbatches = [batch.to(self.device) for batch in self.loader.next_microbatches()]
+        with phases.phase("data"):
+            microbatches = [batch.to(self.device) for batch in self.loader.next_microbatches()]
         input_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
-        global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
-        prepare_global_balance(self.model, microbatches)
+        with phases.phase("collectives"):
+            global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
         aux_is_share = self.cfg.model.moe.aux_loss_scope == "global_batch"
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
         z_sum = torch.zeros((), dtype=torch.float64)
         expert_load = None
-        for batch, _is_last in accumulation(self.model, microbatches, self.policy):
-            logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
-            mb_loss_sum, n_valid = token_loss_sum(logits, batch.targets)
-            aux = self.model.aux_loss()
-            z = self.model.z_loss_sum(batch.targets != IGNORE_INDEX)
-            microbatch_loss(mb_loss_sum, n_valid, global_tokens, aux, z, aux_is_share).backward()
-            loss_sum += mb_loss_sum.detach().double().cpu()
-            balance_term, z_term = router_loss_terms(n_valid, global_tokens, aux.detach(), z.detach(), aux_is_share)
-            aux_sum += torch.as_tensor(balance_term).double().cpu()
-            z_sum += torch.as_tensor(z_term).double().cpu()
-            load = self.model.tokens_per_expert()
-            if load is not None:
-                load = load.cpu().double()
-                expert_load = load if expert_load is None else expert_load + load
+        with self._compute_dtype():
+            with phases.phase("forward"):
+                prepare_global_balance(self.model, microbatches)
+            for batch, _is_last in accumulation(self.model, microbatches, self.policy):
+                with phases.phase("forward"):
+                    logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
+                    mb_loss_sum, n_valid = token_loss_sum(logits, batch.targets)
+                    aux = self.model.aux_loss()
+                    z = self.model.z_loss_sum(batch.targets != IGNORE_INDEX)
+                    objective = microbatch_loss(mb_loss_sum, n_valid, global_tokens, aux, z, aux_is_share)
+                with phases.phase("backward"):
+                    objective.backward()
+                loss_sum += mb_loss_sum.detach().double().cpu()
+                balance_term, z_term = router_loss_terms(n_valid, global_tokens, aux.detach(), z.detach(),
+                                                         aux_is_share)
+                aux_sum += torch.as_tensor(balance_term).double().cpu()
+                z_sum += torch.as_tensor(z_term).double().cpu()
+                load = self.model.tokens_per_expert()
+                if load is not None:
+                    load = load.cpu().double()
+                    expert_load = load if expert_load is None else expert_load + load
         # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
         a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
         compute_s = time.perf_counter() - start - a2a_s
         # The first collective after the local work: how long this rank waits here is
         # how much earlier it finished than the slowest rank.
         wait_start = time.perf_counter()
-        local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
-        flag = torch.tensor(0.0 if local_finite else 1.0, dtype=torch.float64)
-        inputs = torch.tensor(input_tokens, dtype=torch.float64)
-        summary = all_reduce_sum(torch.stack([loss_sum, aux_sum, z_sum, flag, inputs]).to(self.device)).cpu()
+        with phases.phase("wait"):
+            local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
+            flag = torch.tensor(0.0 if local_finite else 1.0, dtype=torch.float64)
+            inputs = torch.tensor(input_tokens, dtype=torch.float64)
+            summary = all_reduce_sum(torch.stack([loss_sum, aux_sum, z_sum, flag, inputs]).to(self.device)).cpu()
         wait_s = time.perf_counter() - wait_start
         denominator = max(global_tokens, 1)
         loss = float(summary[0]) / denominator
         aux_loss = float(summary[1])
         z_loss = float(summary[2])
-        grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
-        finite = summary[3].item() == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
-        if finite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if finite:
-            self.model.update_expert_bias(all_reduce_sum if self.world > 1 else None)
-        else:
-            self.model.discard_pending_expert_load()  # this step's loads are not applied
+        with phases.phase("optimizer"):
+            grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
+            finite = summary[3].item() == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
+            if finite:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if finite:
+                self.model.update_expert_bias(all_reduce_sum if self.world > 1 else None)
+            else:
+                self.model.discard_pending_expert_load()  # this step's loads are not applied
         self.step += 1
         self.step_input_tokens = int(summary[4])
         self.tokens_seen += self.step_input_tokens
         return StepResult(loss, aux_loss, grad_norm, lr, global_tokens, compute_s, wait_s,
                           time.perf_counter() - start, not finite, expert_load, a2a_s, a2a_sent, a2a_received,
-                          z_loss)
+                          z_loss, phases.seconds)
+
+    def _compute_dtype(self) -> AbstractContextManager:
+        """Where forwards (and their backwards) run on `parallel.param_dtype` weights when FSDP does not cast them."""
+        return self.compute_copy.compute() if self.compute_copy is not None else nullcontext()
 
     def train_record(self, result: StepResult, window: list[StepResult]) -> dict[str, Any]:
         """The metrics record of the step just taken (collective: every rank calls it)."""
@@ -210,15 +232,31 @@ class Trainer:
         load = None if result.expert_load is None else all_reduce_sum(result.expert_load.clone())
         all_to_all = [r[3:6] for r in gathered] if self.all_to_all is not None else None
         record = train_record(self.step, result, window, self.tokens_per_rank_step, [r[:3] for r in gathered], load,
-                              self.flops_per_token, self.cfg.train.peak_flops, self.tokens_seen, self.skipped_steps,
+                              self.flops_per_token, self.peak_flops_per_rank(), self.tokens_seen, self.skipped_steps,
                               all_to_all, memory_per_rank, self._expert_bias())
         record["peak_rss_since_previous_record"] = self.memory.window_peaks  # else the process's lifetime peak
+        record["peak_flops_per_rank"] = self.peak_flops_per_rank()
         return record
 
     def _expert_bias(self) -> torch.Tensor | None:
         """The aux-loss-free expert bias [n_moe_layers, E] (the same on every rank), or None without it."""
         layers = [moe for moe in self.model.moe_layers() if moe.cfg.load_balance == "aux_free"]
         return torch.stack([moe.expert_bias.detach().cpu() for moe in layers]) if layers else None
+
+    def peak_flops_per_rank(self) -> float:
+        """MFU's denominator per rank: `train.peak_flops`, or 0 = measured once (collective: every rank calls it).
+
+        Measured: the mean over ranks of each rank's `peak_flops` at the compute dtype, all
+        ranks measuring at once, so on a shared CPU the ranks' sum is what the machine gives them.
+        """
+        if self._peak_flops is None:
+            configured = self.cfg.train.peak_flops
+            if configured > 0:
+                self._peak_flops = configured
+            else:
+                measured = peak_flops(DTYPES[self.cfg.parallel.param_dtype], self.device)
+                self._peak_flops = sum(r[0] for r in all_gather_floats([measured])) / self.world
+        return self._peak_flops
 
     # ---- evaluation
 
@@ -231,13 +269,14 @@ class Trainer:
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid targets, bytes
         self.model.eval()
         try:
-            for lo in range(0, len(indices), mb):
-                batch = heldout.batch(indices[lo: lo + mb]).to(self.device)
-                logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
-                loss_sum, n_valid = token_loss_sum(logits, batch.targets)
-                valid = batch.targets != IGNORE_INDEX
-                n_bytes = self.token_bytes[batch.targets[valid]].sum()
-                totals += torch.tensor([float(loss_sum), float(n_valid), float(n_bytes)], dtype=torch.float64)
+            with self._compute_dtype():  # held-out loss in the dtype the model trains in
+                for lo in range(0, len(indices), mb):
+                    batch = heldout.batch(indices[lo: lo + mb]).to(self.device)
+                    logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
+                    loss_sum, n_valid = token_loss_sum(logits, batch.targets)
+                    valid = batch.targets != IGNORE_INDEX
+                    n_bytes = self.token_bytes[batch.targets[valid]].sum()
+                    totals += torch.tensor([float(loss_sum), float(n_valid), float(n_bytes)], dtype=torch.float64)
         finally:
             self.model.train()
         all_reduce_sum(totals)
