@@ -17,19 +17,21 @@ from moetrain.train import run
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 
 
-def _torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _torchrun(nproc: int, args: list[str], extra_env: dict[str, str] | None = None, max_restarts: int = 0,
+              timeout_s: float = 150) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     # --standalone: torchrun's own rendezvous on a port it picks, so no port can be raced for.
-    command = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "-m", "moetrain", "train", *args]
+    command = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+               "-m", "moetrain", "train", *args]
     # Own session, so a hang kills torchrun and every rank it started, not just torchrun.
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=150)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish within 150 s:\n{stderr[-3000:]}")
+        pytest.fail(f"torchrun did not finish within {timeout_s:g} s:\n{stderr[-3000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
