@@ -55,7 +55,7 @@ def worker(argv: list[str]) -> None:
     rank, world, device = init_distributed(cfg.parallel)
     try:  # what `moetrain train` does in the tree that has it
         from moetrain.train.host_memory import reuse_freed_host_memory
-        reuse_freed_host_memory()
+        reuse_freed_host_memory(world)
     except ImportError:
         pass
     mesh = build_mesh(cfg.parallel, world, device.type)

@@ -71,7 +71,7 @@ def measure(cfg: JobConfig, steps: int, warmup: int) -> dict[str, Any]:
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     rank, world, device = init_distributed(cfg.parallel)
-    reuse_freed_host_memory()  # as `moetrain train` does
+    reuse_freed_host_memory(world)  # as `moetrain train` does
     mesh = build_mesh(cfg.parallel, world, device.type)
     trainer = Trainer(cfg, data, mesh, device)
     timed = []

@@ -76,7 +76,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         if cfg.train.num_threads > 0:
             torch.set_num_threads(cfg.train.num_threads)
         rank, world, device = init_distributed(cfg.parallel)
-        reuse_freed_host_memory()  # large CPU tensors: no fresh pages every step
+        reuse_freed_host_memory(world)  # one process: large CPU tensors without fresh pages every step
         mesh = build_mesh(cfg.parallel, world, device.type)
         run_dir = RunDir(Path(cfg.logging.run_dir))
         lock = WriterLock(run_dir)
