@@ -5,7 +5,8 @@ distributed lengths, as packing cuts them) it times forward+backward of one atte
 (q [B, S, H, D], grouped-query k and v), plan included, for every method of
 `moetrain.model.attention`, a few segment tiles and a few query blocks of "blocks". Methods run
 in turn inside every repeat, the order rotating between repeats, and each repeat gives a paired
-ratio dense time / method time, so machine noise hits both sides of a ratio alike; the report gives the median ratio and its spread
+ratio dense time / method time, so machine noise hits both sides of a ratio alike; the report
+gives the median ratio and its spread
 (min, quartiles, max). "flex" runs on CUDA only (no CPU backward in torch 2.13).
 
 Writes `bench_attention.json`, `.txt` (the table) and `.png` under `--out_dir`
