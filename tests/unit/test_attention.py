@@ -137,7 +137,7 @@ def test_auto_resolves_by_the_documents():
     assert plan_attention(one_doc_rows, "auto").method == "causal"
     assert plan_attention(None, "auto").method == "causal"
     assert plan_attention(ids_from_lengths([[8] * 8, [16] * 4]), "auto").method == "segments"
-    # Two documents of 63 and 1 tokens: padded work 64² + 16² > half of 64², so the dense mask is cheaper.
+    # Two documents of 63 and 1 tokens: padded work 64² + 16² > SEGMENTS_PAY_OFF · 64²: the dense mask.
     assert plan_attention(ids_from_lengths([[63, 1]]), "auto").method == "dense"
     assert plan_attention(ids_from_lengths([[63, 1]]), "segments").method == "segments"
     with pytest.raises(ValueError, match="attention method"):

@@ -27,7 +27,9 @@ k, v [B, S, H_kv, D] (grouped-query heads: query head h reads kv head h // (H / 
   where it skips the masked blocks; eager on CPU, where torch 2.13 has no backward for it, so
   it serves inference and the forward tests only.
 - "auto": "causal" when every row is one document; else "flex" on CUDA; on CPU "segments"
-  when the padded segment work is at most `SEGMENTS_PAY_OFF` of the dense work, else "dense".
+  when the padded segment work is at most `SEGMENTS_PAY_OFF` of the dense work, else "dense"
+  ("blocks" measured slower than "segments" in float32 at every mix and no faster beyond the noise in
+  bf16, so auto does not pick it).
 
 Documents must be contiguous runs (each id appears in one run per row, as packing produces):
 "dense" and "flex" compare ids, "segments" cuts at id changes. This module holds no parameters
@@ -45,17 +47,18 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 METHODS = ("auto", "dense", "segments", "blocks", "flex")
-# Query block of "blocks". Measured (docs/performance.md) against 32 and 128 at mean document length
-# 64 on 1024-token rows: 32 makes too many key blocks per query block, 128 too much masked work.
+# Query block of "blocks". Measured (docs/performance.md) against 32 and 128: 32 was best at mean document
+# length 64, 128 at 256 and 1024; 64 sits between. "blocks" is not auto's choice (segments measured faster).
 BLOCK_SIZE = 64
 # Documents are padded to a multiple of this many tokens, so documents of nearby lengths share one
 # SDPA call. `moetrain bench attention` (docs/performance.md): the best median of tiles 1, 16, 32, 64
 # on float32 rows of mean document length 64 (an earlier experiment: better than powers of two);
 # other mixes favoured 32 or 64, within the noise of a shared machine.
 SEGMENT_TILE = 16
-# "auto" takes "segments" on CPU when Σ padded_length² ≤ this fraction of B·S². A first guess: the
-# benchmark found segments faster at 0.64 too (docs/performance.md), to be re-measured quietly.
-SEGMENTS_PAY_OFF = 0.5
+# "auto" takes "segments" on CPU when Σ padded_length² ≤ this fraction of B·S². Measured (docs/performance.md,
+# lock held, 2x1024 rows): segments beat the dense mask 1.87x (float32) and 1.57x (bf16) at a work ratio of
+# 0.640, where the old bound 0.5 chose dense; above 1 (a short document beside a long one) dense stays.
+SEGMENTS_PAY_OFF = 0.7
 
 _compiled_flex = None  # torch.compile(flex_attention), built on the first CUDA call
 
