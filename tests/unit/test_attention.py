@@ -11,9 +11,11 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model.attention import (
+    BLOCK_SIZE,
     SEGMENT_TILE,
     AttentionPlan,
     attend,
+    block_layout,
     plan_attention,
     segment_layout,
 )
@@ -43,7 +45,7 @@ def values_and_grads(method, ids, q, k, v, grad_out):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-@pytest.mark.parametrize("method", ["segments", "auto"])
+@pytest.mark.parametrize("method", ["segments", "blocks", "auto"])
 @pytest.mark.parametrize("kv_heads, head_dim", [(4, 8), (2, 8), (1, 6)], ids=["mha", "gqa", "mqa-hd6"])
 def test_method_matches_dense_mask_in_values_and_gradients(method, kv_heads, head_dim):
     ids = ids_from_lengths(MIXED)
@@ -53,6 +55,40 @@ def test_method_matches_dense_mask_in_values_and_gradients(method, kv_heads, hea
     ref = values_and_grads("dense", ids, q, k, v, grad_out)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("block", [4, 8, 16, 32], ids=lambda b: f"block{b}")
+def test_blocks_match_the_dense_mask_for_every_block_size(block):
+    """Small blocks make documents span many key blocks (several groups, the gathers and the inverse
+    order all used); 96 tokens is no multiple of 32, so the padding tail is exercised too."""
+    ids = ids_from_lengths(MIXED)
+    layout = block_layout(ids, block)
+    assert len(layout.groups) > 1 and layout.padded_seq == -(-96 // block) * block
+    q, k, v = qkv(MIXED)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    got = []
+    for t in (q, k, v):
+        t.grad = None
+    out = attend(q, k, v, AttentionPlan("blocks", blocks=layout))
+    out.backward(grad_out)
+    got = (out.detach(), q.grad, k.grad, v.grad)
+    ref = values_and_grads("dense", ids, q, k, v, grad_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_block_layout_spans_from_the_first_querys_document():
+    rows = [[5, 19, 8], [32]]  # block 8: row 0 blocks start in documents starting at 0, 5, 5, 24
+    layout = block_layout(ids_from_lengths(rows), 8)
+    assert BLOCK_SIZE == 64
+    key_blocks = {}
+    for group in layout.groups:
+        for index in group.query_index.tolist():
+            key_blocks[index] = group.key_blocks
+    # row 0: block 0 -> 1; block 1 (doc from 5, block 0) -> 2; block 2 -> 3; block 3 (doc from 24, block 3) -> 1
+    # row 1 is one document: block i needs all i + 1 blocks
+    assert [key_blocks[i] for i in range(8)] == [1, 2, 3, 1, 1, 2, 3, 4]
+    assert layout.work() == sum(n * 8 * 8 for n in key_blocks.values())
 
 
 def test_dense_mask_matches_a_loop_over_documents_in_float64():
@@ -90,9 +126,10 @@ def test_documents_with_the_same_id_in_consecutive_rows_stay_apart():
     ids = torch.tensor([[0] * 8 + [1] * 8, [1] * 16])
     q, k, v = qkv([[16], [16]])
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
-    for a, b in zip(values_and_grads("segments", ids, q, k, v, grad_out),
-                    values_and_grads("dense", ids, q, k, v, grad_out), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for method in ("segments", "blocks"):
+        for a, b in zip(values_and_grads(method, ids, q, k, v, grad_out),
+                        values_and_grads("dense", ids, q, k, v, grad_out), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_resolves_by_the_documents():
@@ -100,7 +137,7 @@ def test_auto_resolves_by_the_documents():
     assert plan_attention(one_doc_rows, "auto").method == "causal"
     assert plan_attention(None, "auto").method == "causal"
     assert plan_attention(ids_from_lengths([[8] * 8, [16] * 4]), "auto").method == "segments"
-    # Two documents of 63 and 1 tokens: padded work 64² + 16² > half of 64², so the dense mask is cheaper.
+    # Two documents of 63 and 1 tokens: padded work 64² + 16² > SEGMENTS_PAY_OFF · 64²: the dense mask.
     assert plan_attention(ids_from_lengths([[63, 1]]), "auto").method == "dense"
     assert plan_attention(ids_from_lengths([[63, 1]]), "segments").method == "segments"
     with pytest.raises(ValueError, match="attention method"):
@@ -134,7 +171,7 @@ def test_segments_in_bfloat16_within_the_rounding_bound():
     q, k, v = qkv(MIXED, head_dim=16, dtype=torch.bfloat16)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).bfloat16()
     exact = values_and_grads("dense", ids, *(t.double() for t in (q, k, v)), grad_out.double())
-    for method in ("segments", "dense"):
+    for method in ("segments", "blocks", "dense"):
         got = values_and_grads(method, ids, q, k, v, grad_out)
         out_err = (got[0].double() - exact[0]).abs().max()
         assert out_err <= 4 * u * v.abs().max().double(), (method, out_err)
@@ -155,7 +192,7 @@ def family_model(attention: str, dtype=torch.float32) -> Transformer:
     return model.to(dtype)
 
 
-@pytest.mark.parametrize("method", ["segments", "auto"])
+@pytest.mark.parametrize("method", ["segments", "blocks", "auto"])
 def test_model_logits_and_parameter_gradients_match_the_dense_mask(method):
     ids = ids_from_lengths(MIXED)
     tokens = torch.randint(0, 64, ids.shape, generator=torch.Generator().manual_seed(0))
@@ -191,7 +228,7 @@ def test_plan_for_no_documents_is_plain_causal():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("method", ["flex", "segments", "auto"])
+@pytest.mark.parametrize("method", ["flex", "segments", "blocks", "auto"])
 def test_cuda_method_matches_dense_mask_forward_and_backward(method, dtype):
     """On CUDA "auto" is flex (compiled); bf16 is held to the bound of the CPU bf16 test, vs float64."""
     rows = [[1, 15, 16, 17, 3, 40, 4, 32], [128], [33, 2, 61, 32]]  # 128 tokens: flex's default block

@@ -3,9 +3,10 @@
 For each document mix (rows of `seq` tokens cut from a stream of documents with exponentially
 distributed lengths, as packing cuts them) it times forward+backward of one attention call
 (q [B, S, H, D], grouped-query k and v), plan included, for every method of
-`moetrain.model.attention` and a few segment tiles. Methods run in turn inside every repeat, the
-order rotating between repeats, and each repeat gives a paired ratio dense time / method time, so
-machine noise hits both sides of a ratio alike; the report gives the median ratio and its spread
+`moetrain.model.attention`, a few segment tiles and a few query blocks of "blocks". Methods run
+in turn inside every repeat, the order rotating between repeats, and each repeat gives a paired
+ratio dense time / method time, so machine noise hits both sides of a ratio alike; the report
+gives the median ratio and its spread
 (min, quartiles, max). "flex" runs on CUDA only (no CPU backward in torch 2.13).
 
 Writes `bench_attention.json`, `.txt` (the table) and `.png` under `--out_dir`
@@ -29,7 +30,15 @@ import torch
 
 from moetrain.args import parse_typed_args
 from moetrain.errors import ConfigError
-from moetrain.model.attention import SEGMENT_TILE, AttentionPlan, attend, plan_attention, segment_layout
+from moetrain.model.attention import (
+    BLOCK_SIZE,
+    SEGMENT_TILE,
+    AttentionPlan,
+    attend,
+    block_layout,
+    plan_attention,
+    segment_layout,
+)
 
 matplotlib.use("Agg")  # the plot goes to a file only; never needs a display
 
@@ -51,6 +60,7 @@ class AttentionBenchOptions:
     warmup: int = 2
     repeats: int = 10
     tiles: tuple[int, ...] = (1, 32, 64)  # extra segment tiles timed beside the default SEGMENT_TILE
+    blocks: tuple[int, ...] = (32, 128)  # extra query blocks of "blocks" timed beside the default BLOCK_SIZE
     seed: int = 0
     out_dir: Path = Path("benchmarks/results")
     name: str = "bench_attention"  # file stem of the JSON, table and PNG
@@ -70,6 +80,8 @@ def _validate(opts: AttentionBenchOptions) -> None:
         raise ConfigError(f"--mean_doc_lengths = {opts.mean_doc_lengths} is invalid: need positive lengths")
     if any(t < 1 for t in opts.tiles):
         raise ConfigError(f"--tiles = {opts.tiles} is invalid: tiles must be positive")
+    if any(b < 1 for b in opts.blocks):
+        raise ConfigError(f"--blocks = {opts.blocks} is invalid: blocks must be positive")
     if opts.dtype not in DTYPES:
         raise ConfigError(f"--dtype = {opts.dtype!r} is invalid: one of {', '.join(DTYPES)}")
     if opts.device not in ("cpu", "cuda"):
@@ -89,7 +101,8 @@ def packed_document_ids(rows: int, seq: int, mean_length: float, gen: torch.Gene
 
 
 def _methods(opts: AttentionBenchOptions) -> list[str]:
-    methods = ["dense", "segments"] + [f"segments/tile={t}" for t in opts.tiles if t != SEGMENT_TILE] + ["auto"]
+    methods = (["dense", "segments"] + [f"segments/tile={t}" for t in opts.tiles if t != SEGMENT_TILE] + ["blocks"]
+               + [f"blocks/block={b}" for b in opts.blocks if b != BLOCK_SIZE] + ["auto"])
     if opts.device == "cuda":
         methods.insert(2, "flex")
     return methods
@@ -98,6 +111,8 @@ def _methods(opts: AttentionBenchOptions) -> list[str]:
 def _plan(method: str, ids: torch.Tensor) -> AttentionPlan:
     if method.startswith("segments/tile="):
         return AttentionPlan("segments", segments=segment_layout(ids, tile=int(method.split("=")[1])))
+    if method.startswith("blocks/block="):
+        return AttentionPlan("blocks", blocks=block_layout(ids, block=int(method.split("=")[1])))
     return plan_attention(ids, method)
 
 
@@ -149,7 +164,8 @@ def run_mix(opts: AttentionBenchOptions, mean_length: int) -> dict[str, Any]:
                            "speedup_vs_dense": _spread(ratios)}
     return {"mean_doc_length": mean_length, "documents": n_docs, "tokens_per_document": ids.numel() / n_docs,
             "auto_resolves_to": plan_attention(ids, "auto").method,
-            "segment_work_vs_dense": layout.padded_work() / (opts.rows * opts.seq ** 2), "methods": results}
+            "segment_work_vs_dense": layout.padded_work() / (opts.rows * opts.seq ** 2),
+            "block_work_vs_dense": block_layout(ids).work() / (opts.rows * opts.seq ** 2), "methods": results}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -161,7 +177,8 @@ def format_table(report: dict[str, Any]) -> str:
                          f"{r['seconds_spread']['median']:8.4f}  {s['median']:5.2f}x [{s['min']:.2f}, "
                          f"{s['q1']:.2f}-{s['q3']:.2f}, {s['max']:.2f}]")
         lines.append(f"{'':18s}  auto -> {mix['auto_resolves_to']}; segment work / dense work = "
-                     f"{mix['segment_work_vs_dense']:.3f}")
+                     f"{mix['segment_work_vs_dense']:.3f}; block work / dense work = "
+                     f"{mix['block_work_vs_dense']:.3f}")
     return "\n".join(lines)
 
 

@@ -16,11 +16,20 @@ k, v [B, S, H_kv, D] (grouped-query heads: query head h reads kv head h // (H / 
   Right padding is exact under a causal mask: a real query never sees the padded keys after it,
   and padded queries' outputs are dropped (so their gradients are zero). One SDPA call per padded
   length, no Python loop over documents; cost follows Σ padded_length² instead of S².
+- "blocks": exact block-local SDPA. The row is cut into query blocks of `BLOCK_SIZE` tokens; a
+  block's queries can only reach keys from the start of the document holding its first query up
+  to its own end, so each block attends to the key blocks from that document's block on, with a
+  small [BLOCK_SIZE, n·BLOCK_SIZE] "same document and causal" mask. Blocks needing the same
+  number n of key blocks share one masked SDPA call: a handful of calls per batch (n is 1–3 for
+  short documents), no per-document padding, and the query blocks are reshapes of q, so only
+  keys and values are gathered. Cost follows Σ n·BLOCK_SIZE² over blocks.
 - "flex": `flex_attention` with a block mask (same document and causal). Compiled on CUDA,
   where it skips the masked blocks; eager on CPU, where torch 2.13 has no backward for it, so
   it serves inference and the forward tests only.
 - "auto": "causal" when every row is one document; else "flex" on CUDA; on CPU "segments"
-  when the padded segment work is at most `SEGMENTS_PAY_OFF` of the dense work, else "dense".
+  when the padded segment work is at most `SEGMENTS_PAY_OFF` of the dense work, else "dense"
+  ("blocks" measured slower than "segments" in float32 at every mix and no faster beyond the noise in
+  bf16, so auto does not pick it).
 
 Documents must be contiguous runs (each id appears in one run per row, as packing produces):
 "dense" and "flex" compare ids, "segments" cuts at id changes. This module holds no parameters
@@ -37,15 +46,19 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-METHODS = ("auto", "dense", "segments", "flex")
+METHODS = ("auto", "dense", "segments", "blocks", "flex")
+# Query block of "blocks". Measured (docs/performance.md) against 32 and 128: 32 was best at mean document
+# length 64, 128 at 256 and 1024; 64 sits between. "blocks" is not auto's choice (segments measured faster).
+BLOCK_SIZE = 64
 # Documents are padded to a multiple of this many tokens, so documents of nearby lengths share one
 # SDPA call. `moetrain bench attention` (docs/performance.md): the best median of tiles 1, 16, 32, 64
 # on float32 rows of mean document length 64 (an earlier experiment: better than powers of two);
 # other mixes favoured 32 or 64, within the noise of a shared machine.
 SEGMENT_TILE = 16
-# "auto" takes "segments" on CPU when Σ padded_length² ≤ this fraction of B·S². A first guess: the
-# benchmark found segments faster at 0.64 too (docs/performance.md), to be re-measured quietly.
-SEGMENTS_PAY_OFF = 0.5
+# "auto" takes "segments" on CPU when Σ padded_length² ≤ this fraction of B·S². Measured (docs/performance.md,
+# lock held, 2x1024 rows): segments beat the dense mask 1.87x (float32) and 1.57x (bf16) at a work ratio of
+# 0.640, where the old bound 0.5 chose dense; above 1 (a short document beside a long one) dense stays.
+SEGMENTS_PAY_OFF = 0.7
 
 _compiled_flex = None  # torch.compile(flex_attention), built on the first CUDA call
 
@@ -70,12 +83,37 @@ class SegmentLayout:
 
 
 @dataclass
+class BlockGroup:
+    """Query blocks that attend to the same number of key blocks ("blocks"): one masked SDPA call."""
+
+    key_blocks: int  # n: each query block attends to its own and the n - 1 preceding key blocks
+    query_index: Tensor  # [G] flat block index b * (S / block) + i of each query block
+    key_index: Tensor  # [G * n] flat block indices of their key blocks, in order
+    mask: Tensor  # [G, 1, block, n * block] bool: same document and causal
+
+
+@dataclass
+class BlockLayout:
+    """How "blocks" cuts [B, S] into query blocks and groups them; `inverse` restores block order."""
+
+    block: int
+    padded_seq: int  # S rounded up to a multiple of `block`; the tail is a document of its own
+    groups: list[BlockGroup]
+    inverse: Tensor | None  # [B * padded_seq / block]; None when there is one group in block order
+
+    def work(self) -> int:
+        """Attention scores the layout computes (per head): Σ over query blocks of n · block²."""
+        return sum(g.query_index.numel() * g.key_blocks * self.block * self.block for g in self.groups)
+
+
+@dataclass
 class AttentionPlan:
     """The method one forward uses in every layer, with what it needs, built once from the document ids."""
 
     method: str  # "dense" | "causal" | "segments" | "flex"
     mask: Tensor | None = None  # "dense": [B, 1, S, S] bool
     segments: SegmentLayout | None = None
+    blocks: BlockLayout | None = None
     block_mask: BlockMask | None = None
 
 
@@ -110,6 +148,40 @@ def segment_layout(document_ids: Tensor, tile: int = SEGMENT_TILE) -> SegmentLay
     return SegmentLayout(gather=gather, scatter=scatter, groups=groups)
 
 
+def block_layout(document_ids: Tensor, block: int = BLOCK_SIZE) -> BlockLayout:
+    """Cut [B, S] ids into query blocks of `block` tokens and group them by the key blocks they need."""
+    batch, seq = document_ids.shape
+    device = document_ids.device
+    padded_seq = -(-seq // block) * block
+    starts = torch.ones(batch, padded_seq, dtype=torch.bool, device=device)
+    starts[:, 1:seq] = document_ids[:, 1:] != document_ids[:, :-1]
+    starts[:, seq + 1:] = False  # the padding tail is one document, its own (its outputs are dropped)
+    # Documents are compared by run number, not id: runs never repeat, across rows included.
+    run = torch.cumsum(starts.reshape(-1), 0).view(batch, padded_seq)
+    position = torch.arange(padded_seq, device=device)
+    document_start = torch.cummax(torch.where(starts, position, 0), dim=1).values
+    n_blocks = padded_seq // block
+    # Every query of a block lies in the document of its first query or a later one, so keys before
+    # that document's start are masked for the whole block.
+    key_blocks = (torch.arange(n_blocks, device=device) - document_start[:, ::block] // block + 1).reshape(-1)
+    order = torch.sort(key_blocks, stable=True).indices
+    counts_of, counts = torch.unique_consecutive(key_blocks[order], return_counts=True)
+    run_of_block = run.view(batch * n_blocks, block)
+    groups = []
+    for n, query_index in zip(counts_of.tolist(), order.split(counts.tolist()), strict=True):
+        key_index = (query_index.unsqueeze(1) - n + 1 + torch.arange(n, device=device)).reshape(-1)
+        query_run = run_of_block[query_index].unsqueeze(2)  # [G, block, 1]
+        key_run = run_of_block[key_index].view(-1, 1, n * block)  # [G, 1, n * block]
+        query_pos = torch.arange(block, device=device).unsqueeze(1) + (n - 1) * block  # within the key span
+        causal = query_pos >= torch.arange(n * block, device=device)
+        groups.append(BlockGroup(n, query_index, key_index, ((query_run == key_run) & causal).unsqueeze(1)))
+    inverse = None
+    if len(groups) > 1:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=device)
+    return BlockLayout(block=block, padded_seq=padded_seq, groups=groups, inverse=inverse)
+
+
 def document_block_mask(document_ids: Tensor) -> BlockMask:
     """flex_attention's block mask for "same document and causal" over [B, S] ids (all heads alike)."""
     batch, seq = document_ids.shape
@@ -132,6 +204,8 @@ def plan_attention(document_ids: Tensor | None, method: str) -> AttentionPlan:
         return AttentionPlan("flex", block_mask=document_block_mask(document_ids))
     if method == "segments":
         return AttentionPlan("segments", segments=segment_layout(document_ids))
+    if method == "blocks":
+        return AttentionPlan("blocks", blocks=block_layout(document_ids))
     if bool((document_ids == document_ids[:, :1]).all()):  # auto: one document per row
         return AttentionPlan("causal")
     if document_ids.is_cuda:
@@ -198,6 +272,24 @@ def _attend_segments(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout) -> 
     return _ScatterFromSegments.apply(out_pad, layout.scatter).view(batch, seq, heads, head_dim)
 
 
+def _attend_blocks(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout) -> Tensor:
+    batch, seq, heads, head_dim = q.shape
+    block, tail = layout.block, layout.padded_seq - seq
+    if tail:  # zero tokens in a document of their own: no real query reaches them; their outputs are cut
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, tail)) for t in (q, k, v))
+    # Query blocks are a reshape of q; index_select's backward sums each key block's gradient over
+    # the query blocks that read it.
+    q_blocks, k_blocks, v_blocks = (t.reshape(-1, block, *t.shape[2:]) for t in (q, k, v))
+    outputs = []
+    for group in layout.groups:
+        span = group.key_blocks * block
+        q_g = q_blocks if layout.inverse is None else q_blocks.index_select(0, group.query_index)
+        k_g, v_g = (t.index_select(0, group.key_index).view(-1, span, *t.shape[2:]) for t in (k_blocks, v_blocks))
+        outputs.append(_sdpa(q_g, k_g, v_g, attn_mask=group.mask))
+    out = outputs[0] if layout.inverse is None else torch.cat(outputs).index_select(0, layout.inverse)
+    return out.reshape(batch, layout.padded_seq, heads, head_dim)[:, :seq]
+
+
 def _attend_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
     global _compiled_flex
     if q.is_cuda:
@@ -238,6 +330,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan | None) -> Tenso
         return _sdpa_repeated_kv(q, k, v, plan.mask)
     if plan.method == "segments":
         return _attend_segments(q, k, v, plan.segments)
+    if plan.method == "blocks":
+        return _attend_blocks(q, k, v, plan.blocks)
     if plan.method == "flex":
         return _attend_flex(q, k, v, plan.block_mask)
     raise ValueError(f"attention plan method {plan.method!r} is unknown")
