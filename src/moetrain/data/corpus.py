@@ -74,10 +74,16 @@ def _read_text(path: Path, name: str, skip_bad: bool) -> str | None:
         problem = f"data file {name!r} is unreadable ({err.strerror or type(err).__name__})"
     except UnicodeDecodeError as err:
         problem = f"data file {name!r} is not UTF-8 text (bad byte at offset {err.start})"
+    _skip_or_refuse(problem, "fix or remove it", skip_bad)
+    return None
+
+
+def _skip_or_refuse(problem: str, remedy: str, skip_bad: bool) -> None:
+    """Warn and return under data.skip_bad_files; else raise the one-line ConfigError."""
     if skip_bad:
         get_logger("data").warning("skipping %s", problem)
-        return None
-    raise ConfigError(f"{problem}; fix or remove it, or set --data.skip_bad_files True to skip such files")
+        return
+    raise ConfigError(f"{problem}; {remedy}, or set --data.skip_bad_files True to skip such files")
 
 
 def _printable_name(name: str) -> str:
@@ -92,10 +98,8 @@ def utf8_name(name: str, skip_bad: bool) -> bool:
         return True
     except UnicodeEncodeError:
         problem = f"data file name '{_printable_name(name)}' is not valid UTF-8"
-    if skip_bad:
-        get_logger("data").warning("skipping %s", problem)
-        return False
-    raise ConfigError(f"{problem}; rename it, or set --data.skip_bad_files True to skip such files")
+    _skip_or_refuse(problem, "rename it", skip_bad)
+    return False
 
 
 def _is_symlink_loop(path: Path) -> bool:
