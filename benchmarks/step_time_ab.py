@@ -40,6 +40,11 @@ SCENARIOS = {
 
 
 def worker(argv: list[str]) -> None:
+    try:  # what `moetrain`'s entry point does before torch loads, in the tree that has it
+        from moetrain.train.host_memory import huge_pages_for_large_tensors
+        huge_pages_for_large_tensors()
+    except ImportError:
+        pass
     import torch
     import torch.distributed as dist
 

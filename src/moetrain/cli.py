@@ -17,6 +17,7 @@ import sys
 from typing import NoReturn
 
 from moetrain.errors import ConfigError
+from moetrain.train.host_memory import huge_pages_for_large_tensors
 
 # name -> (one-line help, "module:function")
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -74,7 +75,10 @@ def entry() -> NoReturn:
     "terminate called without an active exception" (SIGABRT) after a run that succeeded, and
     torchrun then reports the whole job as failed (1 in 49 two-rank runs did, with only a final
     barrier; benchmarks/stress_exit.py). Every file the run writes is closed before `main` returns.
+    Before anything loads torch, a rank of a multi-rank job asks for huge pages for large host
+    tensors (moetrain.train.host_memory).
     """
+    huge_pages_for_large_tensors()  # read when torch loads, so before any subcommand imports it
     code = main()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         logging.shutdown()

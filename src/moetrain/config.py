@@ -174,8 +174,8 @@ class TrainConfig:
     # End this invocation after this step (checkpoint written) as if interrupted; the
     # schedule still spans train.steps. Resume later with --checkpoint.resume True.
     stop_at_step: int | None = None
-    # torch intra-op threads per process; 0 = torch's default (one per core, or
-    # OMP_NUM_THREADS). On a shared, oversubscribed machine 1 avoids OpenMP spin-waits.
+    # torch intra-op threads per process; 0 = OMP_NUM_THREADS when set (torchrun sets 1), else
+    # every usable core unless a short GEMM probe at start finds them busy (moetrain.train.threads).
     num_threads: int = 0
 
 

@@ -31,7 +31,7 @@ def tiny_job_args(corpus: Path, run_dir: Path, **overrides: object) -> list[str]
         "data.source": "dir", "data.path": str(corpus), "data.glob": "*.py", "data.seq_len": 32,
         "data.heldout_fraction": 0.2,
         "train.steps": 6, "train.microbatch_size": 2, "train.grad_accum": 2, "train.warmup_steps": 2,
-        "train.eval_every": 3, "train.eval_batches": 2, "train.sample_tokens": 0,
+        "train.eval_every": 3, "train.eval_batches": 2, "train.sample_tokens": 0, "train.num_threads": 1,
         "checkpoint.every": 3, "checkpoint.keep_last": 3,
         "logging.run_dir": str(run_dir), "logging.log_every": 1, "logging.progress_bar": False,
     }

@@ -1,11 +1,16 @@
-"""The host-memory setting is applied to one-process jobs only (several ranks on a host ran out of memory with it)."""
+"""Host-memory settings: heap reuse for one-process jobs only (several ranks on a host ran out of
+memory with it), huge pages for large tensors on the ranks of multi-rank jobs."""
 
 from __future__ import annotations
 
 import ctypes.util
+import os
+import subprocess
+import sys
 
 import pytest
 
+from moetrain import cli
 from moetrain.train import host_memory
 
 
@@ -21,3 +26,55 @@ def test_one_process_applies_it_where_glibc_is():
     if ctypes.util.find_library("c") is None:
         pytest.skip("no C library to configure")
     assert host_memory.reuse_freed_host_memory(1) is True
+
+
+# --- huge pages for several ranks -------------------------------------------------------------
+
+_HUGE_PAGE_PROBE = """
+from moetrain.train.host_memory import huge_pages_for_large_tensors
+huge_pages_for_large_tensors()
+import torch
+tensors = [torch.empty(3 * 2**20 + 1000 * i, dtype=torch.uint8) for i in range(8)]
+# A mapping the kernel may back with huge pages carries the 'hg' flag (madvise MADV_HUGEPAGE).
+advised, start, end = [], 0, 0
+for line in open("/proc/self/smaps"):
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):
+        start, end = (int(x, 16) for x in head.split("-"))
+    elif head == "VmFlags:":
+        advised.append((start, end, "hg" in line.split()[1:]))
+print(sum(any(lo <= t.data_ptr() < hi and hg for lo, hi, hg in advised) for t in tensors))
+"""
+
+
+@pytest.mark.parametrize("world_size, expected", [("1", False), ("2", True), ("4", True)])
+def test_only_multi_rank_jobs_ask_for_huge_pages(world_size, expected):
+    environ = {"WORLD_SIZE": world_size}
+    assert host_memory.huge_pages_for_large_tensors(environ) is expected
+    assert environ.get(host_memory.TORCH_THP_VARIABLE) == ("1" if expected else None)
+
+
+def test_a_value_the_user_set_wins():
+    environ = {"WORLD_SIZE": "4", host_memory.TORCH_THP_VARIABLE: "0"}
+    assert host_memory.huge_pages_for_large_tensors(environ) is False
+    assert environ[host_memory.TORCH_THP_VARIABLE] == "0"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps to read mappings from")
+@pytest.mark.parametrize("world_size, advised", [("1", 0), ("4", 8)])
+def test_torch_asks_the_kernel_for_huge_pages_when_set_before_it_loads(world_size, advised):
+    env = {k: v for k, v in os.environ.items() if k != host_memory.TORCH_THP_VARIABLE}
+    env["WORLD_SIZE"] = world_size
+    out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_PROBE], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert int(out.stdout.split()[-1]) == advised
+
+
+def test_entry_sets_it_before_running_the_command(monkeypatch):
+    order = []
+    monkeypatch.setattr(cli, "huge_pages_for_large_tensors", lambda: order.append("huge pages"))
+    monkeypatch.setattr(cli, "main", lambda: order.append("main") or 0)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):
+        cli.entry()
+    assert order == ["huge pages", "main"]

@@ -37,6 +37,7 @@ from moetrain.parallel.collectives import all_gather_floats, barrier, distribute
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.train.host_memory import reuse_freed_host_memory
 from moetrain.train.phases import PHASES
+from moetrain.train.threads import set_intra_op_threads
 from moetrain.train.trainer import Trainer
 
 PROG = "moetrain bench train"
@@ -68,8 +69,7 @@ def peak_memory_bytes(device: torch.device) -> dict[str, float]:
 def measure(cfg: JobConfig, steps: int, warmup: int) -> dict[str, Any]:
     """Build the Trainer for `cfg`, take `warmup` + `steps` steps; every rank returns the same summary."""
     data = load_training_data(cfg)
-    if cfg.train.num_threads > 0:
-        torch.set_num_threads(cfg.train.num_threads)
+    set_intra_op_threads(cfg.train.num_threads)  # as `moetrain train` does
     rank, world, device = init_distributed(cfg.parallel)
     reuse_freed_host_memory(world)  # as `moetrain train` does
     mesh = build_mesh(cfg.parallel, world, device.type)

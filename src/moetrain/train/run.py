@@ -53,6 +53,7 @@ from moetrain.train.profiler import ProfilerWindow
 from moetrain.train.rundir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.train.sample import generate
 from moetrain.train.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals, maybe_hang_for_test
+from moetrain.train.threads import set_intra_op_threads
 from moetrain.train.trainer import Trainer
 
 log = get_logger("train")
@@ -73,8 +74,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     completed = False
     lock: WriterLock | None = None
     try:
-        if cfg.train.num_threads > 0:
-            torch.set_num_threads(cfg.train.num_threads)
+        threads = set_intra_op_threads(cfg.train.num_threads)
         rank, world, device = init_distributed(cfg.parallel)
         reuse_freed_host_memory(world)  # one process: large CPU tensors without fresh pages every step
         mesh = build_mesh(cfg.parallel, world, device.type)
@@ -89,7 +89,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         phase = _Phase()
         try:
             with StopSignals(rank, grace_s=cfg.parallel.collective_timeout_s) as stop:
-                result = _run(trainer, run_dir, checkpointer, resume_from, stop, phase)
+                result = _run(trainer, run_dir, checkpointer, resume_from, stop, phase, threads)
         except RuntimeError as err:
             if not _is_collective_failure(err):
                 raise
@@ -139,7 +139,7 @@ def _start(trainer: Trainer, run_dir: RunDir, resume_from: ckpt.CheckpointRef | 
 
 
 def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
-         resume_from: ckpt.CheckpointRef | None, stop: StopSignals, phase: _Phase) -> dict[str, Any]:
+         resume_from: ckpt.CheckpointRef | None, stop: StopSignals, phase: _Phase, threads: str) -> dict[str, Any]:
     cfg = trainer.cfg
     _start(trainer, run_dir, resume_from)
     is_rank0 = trainer.rank == 0
@@ -154,7 +154,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
         "world_size": trainer.world, "params_total": trainer.params["total"], "params_active": trainer.params["active"],
         "flops_per_token": trainer.flops_per_token, "train_sequences": len(data.train),
         "train_documents": data.n_train_documents, "heldout_documents": data.n_heldout_documents,
-        "sync_policy": trainer.policy.name, "time": time.time(),
+        "sync_policy": trainer.policy.name, "intra_op_threads": torch.get_num_threads(), "time": time.time(),
     }
     metrics.write(start_record)
     log.info("%s at step %d: %d ranks (mesh %s, sync %s), %.2fM params (%.2fM active/token), %d train documents "
@@ -162,6 +162,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
              trainer.world, "none" if trainer.mesh is None else tuple(trainer.mesh.shape), trainer.policy.name,
              trainer.params["total"] / 1e6, trainer.params["active"] / 1e6, data.n_train_documents,
              len(data.train), cfg.data.seq_len, data.n_heldout_documents)
+    log.info("intra-op threads per rank: %s", threads)
     bar = ProgressBar(total=cfg.train.steps, initial=trainer.step, enabled=is_rank0 and cfg.logging.progress_bar)
     profiler = ProfilerWindow(parse_step_range(cfg.profile.steps), run_dir.profile, trainer.rank, trainer.device)
     window: list[StepResult] = []
