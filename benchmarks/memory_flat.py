@@ -27,6 +27,7 @@ from pathlib import Path
 from moetrain.args import take_option
 from moetrain.config import parse_job_args
 from moetrain.testing import run_on_ranks
+from moetrain.train.host_memory import rank_environment
 from moetrain.train.memory import growth_per_step
 from moetrain.train.run import run
 
@@ -52,7 +53,7 @@ def main() -> int:
                 "--logging.progress_bar", "False", "--logging.run_dir", str(run_dir)]
         parse_job_args(argv)  # a bad config fails here, in one line, before any rank starts
         start = time.perf_counter()
-        run_on_ranks(train, world, argv, timeout=6 * 3600)
+        run_on_ranks(train, world, argv, timeout=6 * 3600, rank_env=rank_environment(world))  # as under torchrun
         wall_s = time.perf_counter() - start
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_records = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])

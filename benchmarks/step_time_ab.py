@@ -106,7 +106,7 @@ def driver(args: argparse.Namespace) -> None:
             continue
         results[name] = {label: [] for label in trees}
         order = list(trees)
-        for round_ in range(args.rounds if scenario["ranks"] == 1 else 1):
+        for round_ in range(args.rounds if scenario["ranks"] == 1 else args.multi_rank_rounds):
             for label in (order if round_ % 2 == 0 else order[::-1]):
                 result = run_one(trees[label], scenario, args.steps, args.warmup)
                 results[name][label].append(result)
@@ -130,7 +130,8 @@ def save(args: argparse.Namespace, results: dict) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"config": CONFIG, "common_overrides": COMMON, "scenarios": SCENARIOS, "steps": args.steps,
-            "warmup": args.warmup, "rounds": args.rounds, "baseline": str(args.baseline), "time": time.time()}
+            "warmup": args.warmup, "rounds": args.rounds,
+            "multi_rank_rounds": args.multi_rank_rounds, "baseline": str(args.baseline), "time": time.time()}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(rows) + "\n")
 
@@ -146,5 +147,6 @@ if __name__ == "__main__":
         parser.add_argument("--steps", type=int, default=3)
         parser.add_argument("--warmup", type=int, default=1)
         parser.add_argument("--rounds", type=int, default=2)
+        parser.add_argument("--multi-rank-rounds", type=int, default=1)
         parser.add_argument("--only", nargs="*")
         driver(parser.parse_args())

@@ -1,5 +1,6 @@
 """The multi-rank harness: results, failures, hangs and a DTensor round trip on gloo."""
 
+import os
 import time
 
 import pytest
@@ -35,6 +36,19 @@ def _dtensor_uneven_round_trip():
     full = torch.arange(7 * 3, dtype=torch.float64).reshape(7, 3)
     sharded = distribute_tensor(full, mesh, [Shard(0)])
     return tuple(sharded.to_local().shape), bool(torch.equal(sharded.full_tensor(), full))
+
+
+def _environment_variable(name):
+    return os.environ.get(name)
+
+
+def test_ranks_start_with_the_given_environment_and_the_parent_keeps_its_own(monkeypatch):
+    monkeypatch.delenv("MOETRAIN_HARNESS_PROBE", raising=False)
+    seen = run_on_ranks(_environment_variable, 2, "MOETRAIN_HARNESS_PROBE",
+                        rank_env={"MOETRAIN_HARNESS_PROBE": "on"})
+    assert seen == ["on", "on"]
+    assert "MOETRAIN_HARNESS_PROBE" not in os.environ
+    assert run_on_ranks(_environment_variable, 2, "MOETRAIN_HARNESS_PROBE") == [None, None]
 
 
 def test_four_rank_all_reduce():

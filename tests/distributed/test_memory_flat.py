@@ -27,6 +27,7 @@ from moetrain.config import parse_job_args
 from moetrain.data.corpus import stdlib_root
 from moetrain.testing import run_on_ranks
 from moetrain.train import trainer as trainer_module
+from moetrain.train.host_memory import rank_environment
 from moetrain.train.memory import growth_per_step
 from moetrain.train.run import run
 
@@ -74,7 +75,8 @@ def corpus(tmp_path) -> Path:
 
 def test_four_rank_run_is_memory_flat_after_warmup(corpus, tmp_path):
     run_dir = tmp_path / "run"
-    run_on_ranks(train, 4, job_argv(corpus, run_dir), timeout=240)
+    # With the allocator settings every rank of a torchrun job gets (huge pages for large tensors).
+    run_on_ranks(train, 4, job_argv(corpus, run_dir), timeout=240, rank_env=rank_environment(4))
     slopes = rss_slopes(run_dir)
     assert len(slopes) == 4
     print("RSS slope after warm-up per rank, KiB/step:", [round(slope / 1024, 1) for slope in slopes])

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -64,13 +64,20 @@ def run_on_ranks(
     timeout: float = 120.0,
     backend: str = "gloo",
     threads_per_rank: int = 1,
+    rank_env: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` spawned ranks; return per-rank results."""
+    """Run `fn(*args, **kwargs)` on `world_size` spawned ranks; return per-rank results.
+
+    `rank_env`: environment variables the ranks start with (read before they import anything,
+    e.g. allocator settings that torch reads when it loads).
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes, procs = [], []
+    saved = {name: os.environ.get(name) for name in rank_env or {}}
     try:
+        os.environ.update(rank_env or {})  # a spawned child starts with the parent's environment
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child, daemon=True,
@@ -80,6 +87,7 @@ def run_on_ranks(
             child_conn.close()
             pipes.append(parent_conn)
             procs.append(proc)
+        _restore(saved)
         results: list[Any] = [None] * world_size
         pending = set(range(world_size))
         deadline = time.monotonic() + timeout
@@ -110,6 +118,7 @@ def run_on_ranks(
             proc.join(timeout=10)
         return results
     finally:
+        _restore(saved)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
@@ -117,3 +126,11 @@ def run_on_ranks(
             proc.join(timeout=10)
         for conn in pipes:
             conn.close()
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -35,7 +35,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -43,15 +43,20 @@ _MAX_INT = 2**31 - 1
 TORCH_THP_VARIABLE = "THP_MEM_ALLOC_ENABLE"
 
 
+def rank_environment(world_size: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The allocator variables a rank of a `world_size` job runs with (a value already set wins)."""
+    if world_size <= 1:
+        return {}
+    return {TORCH_THP_VARIABLE: environ.get(TORCH_THP_VARIABLE, "1")}
+
+
 def huge_pages_for_large_tensors(environ: MutableMapping[str, str] = os.environ) -> bool:
     """On a rank of a multi-rank job (torchrun's WORLD_SIZE > 1), turn torch's huge-page allocation on.
 
     Must run before torch is imported. Returns whether it is on; an explicit user value is kept.
     """
-    if int(environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
-    environ.setdefault(TORCH_THP_VARIABLE, "1")
-    return environ[TORCH_THP_VARIABLE] == "1"
+    environ.update(rank_environment(int(environ.get("WORLD_SIZE", "1")), environ))
+    return environ.get(TORCH_THP_VARIABLE) == "1"
 
 
 def reuse_freed_host_memory(world_size: int) -> bool:
