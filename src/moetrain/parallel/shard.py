@@ -81,6 +81,7 @@ class _UnitParams:
     """The unsharded (gathered) parameters a unit owns, captured at its last forward."""
 
     params: list[torch.Tensor] = field(default_factory=list)
+    fills_after_backward: bool = False  # the last forward's inputs carry the after-backward hook
 
 
 @dataclass
@@ -96,15 +97,24 @@ class _GradientGuard:
     without one on some microbatch or rank breaks the delayed all-reduce (FSDP adds
     flat buffers of different sizes) or mismatches ranks' reduce-scatters.
 
-    Two hooks fix both, without touching FSDP internals:
-    - at the unit's pre-backward (a grad hook on its forward outputs), every owned
-      parameter without a gradient gets a reduce-dtype zero gradient and
-      `grad_dtype = reduce_dtype`, so autograd casts what arrives and accumulates into it;
+    Hooks fix both, without touching FSDP internals:
+    - at the unit's forward, every owned parameter gets `grad_dtype = reduce_dtype`, so
+      autograd casts what arrives;
+    - once the unit's backward is done and before FSDP reduces it, every owned parameter
+      still without a gradient gets a reduce-dtype zero gradient. "Done" is a grad hook on
+      the unit's inputs, which fires just before FSDP's own post-backward (FSDP registers
+      that on the same inputs, one autograd node further from the unit). A unit whose
+      inputs need no gradient (the embedding takes token ids) has no such moment, so its
+      parameters get their zero gradients before its backward (a grad hook on its
+      outputs) and accumulate into them;
     - a post-accumulate-grad hook casts any gradient that still arrives in another
       dtype (a layer that resets its weight's grad_dtype during forward).
-    FSDP copies gradients into a reduce-dtype buffer anyway, so no precision is lost;
-    the cost is one zero-filled reduce-dtype gradient per parameter of the unit being
-    back-propagated. The unsharded parameters only exist once FSDP all-gathers (then
+    FSDP copies gradients into a reduce-dtype buffer anyway, so no precision is lost.
+    Filling after the backward costs nothing where every parameter got its gradient; the
+    earlier version filled every parameter before the backward, and each MoE layer then
+    spent a zero-filled copy of its expert gradients plus an add (qwen3_moe_debug on 4
+    gloo ranks: 100 MiB fills, 1.5 s of a 26 s step, and one more layer of gradients
+    alive at once). The unsharded parameters only exist once FSDP all-gathers (then
     they are reused), so a forward pre-hook, which runs after FSDP's own (prepended)
     pre-forward, finds them.
     """
@@ -113,10 +123,11 @@ class _GradientGuard:
 
     def cast_grad(self, param: torch.Tensor) -> None:
         if param.grad is not None and param.grad.dtype != self.reduce_dtype:
-            # grad_dtype must allow the new dtype before .grad can be reassigned; it
+            # torch lets grad_dtype change only while there is no gradient; the new grad_dtype
             # also makes autograd cast later incoming gradients itself.
+            grad, param.grad = param.grad, None
             param.grad_dtype = self.reduce_dtype
-            param.grad = param.grad.to(self.reduce_dtype)
+            param.grad = grad.to(self.reduce_dtype)
 
     def fill_missing_grads(self, unit: _UnitParams) -> None:
         for param in unit.params:
@@ -129,15 +140,22 @@ class _GradientGuard:
         # Sharded parameters belong to other (not yet gathered) units.
         unit.params = [p for p in module.parameters() if p.requires_grad and _is_unsharded(p)]
         for param in unit.params:
+            param.grad_dtype = self.reduce_dtype
             # The mark lives on the parameter itself (tensors cannot sit in weak sets:
             # their == is elementwise), so the hook is registered once per parameter.
             if getattr(param, _GUARD_MARK, None) is not self:
                 param.register_post_accumulate_grad_hook(self.cast_grad)
                 setattr(param, _GUARD_MARK, self)
+        inputs = [t for t in _tensors_in(args) if t.requires_grad]
+        unit.fills_after_backward = bool(torch.is_grad_enabled() and inputs and unit.params)
+        if unit.fills_after_backward:
+            # "all": fires once every input's gradient is computed, i.e. after the unit's
+            # parameter gradients were accumulated and before FSDP's post-backward consumes them.
+            register_multi_grad_hook(inputs, lambda grads: self.fill_missing_grads(unit), mode="all")
 
     def after_forward(self, unit: _UnitParams, module: nn.Module, args: tuple, output: Any) -> None:
         outputs = [t for t in _tensors_in(output) if t.requires_grad]
-        if torch.is_grad_enabled() and outputs and unit.params:
+        if torch.is_grad_enabled() and outputs and unit.params and not unit.fills_after_backward:
             register_multi_grad_hook(outputs, lambda grads: self.fill_missing_grads(unit), mode="any")
 
 
