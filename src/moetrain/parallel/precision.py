@@ -5,10 +5,14 @@ MixedPrecisionPolicy is not there to cast weights. `ComputeCopy` does the same j
 once per step instead of once per unit and microbatch (FSDP casts at every all-gather,
 and again in backward when it reshards after forward): on entering `compute()` it
 copies every float32 master parameter into a persistent `param_dtype` copy and
-swaps the copies into the modules; autograd accumulates their gradients into
-persistent zeroed `reduce_dtype` buffers (the copies' `grad_dtype`), so the sum over
-microbatches is as exact as FSDP's float32 reduction; on leaving it hands those
-gradients to the masters (in the masters' dtype) and swaps the masters back. The optimizer, the
+swaps the copies into the modules; as each microbatch's gradient of a copy arrives
+(a post-accumulate-grad hook), it is cast into (first microbatch) or added to (later
+ones) a persistent `reduce_dtype` buffer and the copy's `.grad` is cleared, so the sum
+over microbatches is as exact as FSDP's float32 reduction; on leaving it hands those
+buffers to the masters as gradients and swaps the masters back. (Setting the copies'
+`grad_dtype` to float32 instead makes the autograd engine upcast every incoming
+gradient into a fresh float32 tensor before accumulating it: on qwen3_moe_debug that
+was 130 ms per [64, 256, 1536] expert gradient, most of a bf16 backward.) The optimizer, the
 checkpoint, clipping, evaluation outside the context and sampling only ever see the
 float32 masters. Buffers (the aux-free expert bias, load counters) stay float32.
 
@@ -18,6 +22,7 @@ change which parameters exist, their names, or what is saved.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +34,9 @@ from moetrain.config import ParallelConfig
 from moetrain.parallel.shard import DTYPES, fsdp_modules
 
 
+_ADD_SLICE = 1 << 18  # elements per slice when adding a low-precision gradient into its buffer
+
+
 @dataclass
 class _Slot:
     """One registered parameter: where it lives (module, attribute name), its master and its compute copy."""
@@ -38,6 +46,7 @@ class _Slot:
     master: nn.Parameter
     copy: nn.Parameter
     grad: torch.Tensor | None = None  # the persistent reduce-dtype gradient buffer of the copy
+    filled: bool = False  # whether `grad` holds this step's gradient (else it holds stale values)
 
 
 class ComputeCopy:
@@ -55,12 +64,29 @@ class ComputeCopy:
                 if id(master) not in copies:
                     copy = nn.Parameter(torch.empty_like(master, dtype=param_dtype),
                                         requires_grad=master.requires_grad)
-                    if master.requires_grad:
-                        copy.grad_dtype = reduce_dtype
                     copies[id(master)] = copy
                 self.slots.append(_Slot(module, name, master, copies[id(master)]))
         self._masters = list({id(s.master): s for s in self.slots}.values())
+        for slot in self._masters:
+            if slot.copy.requires_grad:
+                slot.copy.register_post_accumulate_grad_hook(functools.partial(self._take_grad, slot))
         self.active = False
+
+    @torch.no_grad()
+    def _take_grad(self, slot: _Slot, copy: torch.Tensor) -> None:
+        """Move the gradient autograd just put on a compute copy into the slot's reduce-dtype buffer."""
+        grad, copy.grad = copy.grad, None
+        if not slot.filled:
+            slot.grad.copy_(grad)  # casts while copying
+            slot.filled = True
+            return
+        # On CPU an add of a bf16 tensor into a float32 one first casts the whole bf16 operand
+        # into a temporary: for an expert weight that is a fresh 100 MiB tensor per microbatch,
+        # which measured 140 ms per add in a step (8 ms warm). Cache-sized slices keep the
+        # temporaries small and reused; the sums are the same, element by element.
+        for total, part in zip(slot.grad.view(-1).split(_ADD_SLICE), grad.reshape(-1).split(_ADD_SLICE),
+                               strict=True):
+            total.add_(part)
 
     @torch.no_grad()
     def _refresh(self, with_grads: bool) -> None:
@@ -68,23 +94,20 @@ class ComputeCopy:
             slot.copy.copy_(slot.master)
             if not (with_grads and slot.copy.requires_grad):
                 continue
-            # Gradients accumulate into a zeroed, persistent buffer: autograd adds each bf16
-            # gradient into it in place. Letting autograd create the gradient instead costs an
-            # upcast into a fresh tensor per parameter and step, which measured slower than the
-            # expert GEMMs themselves (docs/performance.md, "Step time").
+            # A persistent buffer, so no step pays for fresh pages (docs/performance.md, "Step
+            # time"); a new one only while the master still holds the last one as its gradient.
             if slot.grad is None or slot.master.grad is slot.grad:
-                slot.grad = torch.zeros_like(slot.master, dtype=self.reduce_dtype)
-            else:
-                slot.grad.zero_()
-            slot.copy.grad = slot.grad
+                slot.grad = torch.empty_like(slot.master, dtype=self.reduce_dtype)
+            slot.filled = False
+            slot.copy.grad = None
 
     @torch.no_grad()
     def _hand_back_grads(self) -> None:
         for slot in self._masters:
-            if slot.copy.grad is None:
+            if not slot.filled:
                 continue
-            grad = slot.copy.grad.to(slot.master.dtype)
-            slot.copy.grad = None
+            slot.filled = False
+            grad = slot.grad.to(slot.master.dtype)
             if slot.master.grad is None:
                 slot.master.grad = grad
             else:
