@@ -33,7 +33,6 @@ from torch import nn
 from moetrain.config import ParallelConfig
 from moetrain.parallel.shard import DTYPES, fsdp_modules
 
-
 _ADD_SLICE = 1 << 18  # elements per slice when adding a low-precision gradient into its buffer
 
 
