@@ -102,11 +102,11 @@ class _GradientGuard:
       autograd casts what arrives;
     - once the unit's backward is done and before FSDP reduces it, every owned parameter
       still without a gradient gets a reduce-dtype zero gradient. "Done" is a grad hook on
-      the unit's inputs, which fires just before FSDP's own post-backward (FSDP registers
-      that on the same inputs, one autograd node further from the unit). A unit whose
-      inputs need no gradient (the embedding takes token ids) has no such moment, so its
-      parameters get their zero gradients before its backward (a grad hook on its
-      outputs) and accumulate into them;
+      the unit's input, which fires just before FSDP's own post-backward (FSDP registers
+      that on the same input, one autograd node further from the unit). A unit whose
+      inputs need no gradient (the embedding takes token ids), or with several inputs that
+      do, has no such single moment, so its parameters get their zero gradients before its
+      backward (a grad hook on its outputs) and accumulate into them;
     - a post-accumulate-grad hook casts any gradient that still arrives in another
       dtype (a layer that resets its weight's grad_dtype during forward).
     FSDP copies gradients into a reduce-dtype buffer anyway, so no precision is lost.
@@ -147,11 +147,14 @@ class _GradientGuard:
                 param.register_post_accumulate_grad_hook(self.cast_grad)
                 setattr(param, _GUARD_MARK, self)
         inputs = [t for t in _tensors_in(args) if t.requires_grad]
-        unit.fills_after_backward = bool(torch.is_grad_enabled() and inputs and unit.params)
+        unit.fills_after_backward = bool(torch.is_grad_enabled() and len(inputs) == 1 and unit.params)
         if unit.fills_after_backward:
-            # "all": fires once every input's gradient is computed, i.e. after the unit's
-            # parameter gradients were accumulated and before FSDP's post-backward consumes them.
-            register_multi_grad_hook(inputs, lambda grads: self.fill_missing_grads(unit), mode="all")
+            # Fires when the input's gradient is complete, i.e. after the unit's parameter
+            # gradients were accumulated and before FSDP's post-backward consumes them. A plain
+            # tensor hook: register_multi_grad_hook(mode="all") keeps the input's autograd node
+            # referenced from its own hook, a cycle that leaked every step's graph (85 KiB/step
+            # on the memory-flat job). Units with several such inputs keep the early fill.
+            inputs[0].register_hook(lambda grad: self.fill_missing_grads(unit))
 
     def after_forward(self, unit: _UnitParams, module: nn.Module, args: tuple, output: Any) -> None:
         outputs = [t for t in _tensors_in(output) if t.requires_grad]
