@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -18,6 +20,7 @@ from moetrain.train.checkpoint import (
     remove_partial,
     restore_rng_state,
     save_checkpoint,
+    saved_intra_op_threads,
 )
 
 
@@ -108,3 +111,20 @@ def test_restoring_rng_state_restores_python_random():
     first = [random.random() for _ in range(3)]
     restore_rng_state(state)
     assert [random.random() for _ in range(3)] == first
+
+
+def test_the_thread_count_a_checkpoint_was_trained_with_is_recorded(tmp_path):
+    model, opt = _model_and_optimizer(0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        ref = save_checkpoint(tmp_path, 1, model, opt, {}, {}, keep_last=2)
+        assert saved_intra_op_threads(ref) == 3
+        torch.set_num_threads(1)
+        assert saved_intra_op_threads(save_checkpoint(tmp_path, 2, model, opt, {}, {}, keep_last=2)) == 1
+    finally:
+        torch.set_num_threads(before)
+    # A checkpoint written before the count was recorded: nothing to follow.
+    meta = ref.path / "meta.json"
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "intra_op_threads"}))
+    assert saved_intra_op_threads(ref) is None

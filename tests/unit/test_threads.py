@@ -65,3 +65,17 @@ def test_applied_count_is_what_torch_uses(monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_resumed_run_takes_the_count_its_checkpoint_recorded(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(threads, "probe_speedup", _never_called)
+        assert threads.set_intra_op_threads(0, interrupted=3).startswith("3 (the count the resumed checkpoint")
+        assert torch.get_num_threads() == 3
+        # An explicit count still wins over the recorded one.
+        assert threads.set_intra_op_threads(1, interrupted=3) == "1 (train.num_threads)"
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

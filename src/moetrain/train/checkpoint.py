@@ -466,7 +466,9 @@ def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, opt
             safetensors.torch.save_file(tensors, tmp / TRAINER_TENSORS_FILE)
         if config is not None:
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        (tmp / META_FILE).write_text(json.dumps({"step": step, "world_size": world, "time": time.time()}))
+        # The thread count orders some float sums: a bit-identical resume runs with the same one.
+        (tmp / META_FILE).write_text(json.dumps({"step": step, "world_size": world, "time": time.time(),
+                                                 "intra_op_threads": torch.get_num_threads()}))
         entries = {name: entry for part in hashed for name, entry in part.items()}
         small_files = [name for name in _files_under(tmp) if not name.startswith(f"{TENSORS_DIR}/")]
         entries.update(_manifest_entries(tmp, small_files))
@@ -531,6 +533,12 @@ def _load_tensors(ref: CheckpointRef, state: dict[str, Any]) -> None:
         first = str(err).strip().splitlines()
         raise ConfigError(f"checkpoint {ref.path} cannot be loaded into this model: "
                           f"{first[-1] if first else type(err).__name__}") from None
+
+
+def saved_intra_op_threads(ref: CheckpointRef) -> int | None:
+    """The intra-op thread count the run that wrote `ref` trained with (None for checkpoints without it)."""
+    value = json.loads((ref.path / META_FILE).read_text()).get("intra_op_threads")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def load_checkpoint(ref: CheckpointRef, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -74,7 +74,6 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     completed = False
     lock: WriterLock | None = None
     try:
-        threads = set_intra_op_threads(cfg.train.num_threads)
         rank, world, device = init_distributed(cfg.parallel)
         reuse_freed_host_memory(world)  # one process: large CPU tensors without fresh pages every step
         mesh = build_mesh(cfg.parallel, world, device.type)
@@ -84,6 +83,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
                                     cfg.logging.run_dir)
         resume_from = checkpointer.resume_point(cfg)
+        interrupted_threads = None if resume_from is None else ckpt.saved_intra_op_threads(resume_from)
+        threads = set_intra_op_threads(cfg.train.num_threads, interrupted=interrupted_threads)
         refuse_foreign_outputs(run_dir, cfg)
         trainer = Trainer(cfg, data, mesh, device)
         phase = _Phase()
