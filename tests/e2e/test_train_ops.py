@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,17 @@ from moetrain.train.checkpoint import list_complete
 from moetrain.train.signals import EXIT_STOPPED_BY_SIGNAL, HANG_ENV
 
 
-def _start(args: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "moetrain", "train", *args], env={**os.environ, **env},
+@contextmanager
+def _started(args: list[str], **env: str) -> Iterator[subprocess.Popen]:
+    """A `moetrain train` child that is killed and reaped on leaving, whatever the test asserted."""
+    proc = subprocess.Popen([sys.executable, "-m", "moetrain", "train", *args], env={**os.environ, **env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float = 120) -> None:
@@ -37,13 +47,7 @@ def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: 
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 60) -> str:
-    try:
-        _, stderr = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return stderr
+    return proc.communicate(timeout=timeout_s)[1]
 
 
 def _snapshot(run_dir: Path) -> dict[str, bytes]:
@@ -57,8 +61,7 @@ def _moetrain_lines(stderr: str) -> list[str]:
 def test_a_second_writer_is_refused_and_a_killed_writer_never_blocks_the_resume(job_args, tmp_path, capsys):
     run_dir = tmp_path / "run"
     args = job_args(run_dir, train__eval_every=0, checkpoint__every=1)
-    first = _start(args, **{HANG_ENV: "0:3"})  # holds the run directory, hung before step 3
-    try:
+    with _started(args, **{HANG_ENV: "0:3"}) as first:  # holds the run directory, hung before step 3
         _wait_for_step(first, run_dir, 2)
         while not list_complete(run_dir / "checkpoints") or list_complete(run_dir / "checkpoints")[-1].step < 2:
             time.sleep(0.1)
@@ -72,10 +75,6 @@ def test_a_second_writer_is_refused_and_a_killed_writer_never_blocks_the_resume(
         assert _snapshot(run_dir) == before  # the refused runs wrote, replaced and deleted nothing
         first.send_signal(signal.SIGKILL)
         _finish(first)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.communicate()
     # The kernel dropped the killed run's lock: its resume is not blocked.
     assert cli.main(["train", *job_args(run_dir, train__eval_every=0, checkpoint__every=1,
                                         checkpoint__resume=True)]) == 0
@@ -105,15 +104,10 @@ def test_sigterm_stops_at_a_step_boundary_saving_when_the_last_save_is_old(job_a
     run_dir = tmp_path / "run"
     args = job_args(run_dir, train__steps=200, train__eval_every=0, checkpoint__every=100,
                     checkpoint__signal_save_after_s=save_after_s)
-    proc = _start(args)
-    try:
+    with _started(args) as proc:
         _wait_for_step(proc, run_dir, 2)
         proc.send_signal(signal.SIGTERM)
         stderr = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == EXIT_STOPPED_BY_SIGNAL, stderr[-2000:]
     stopped = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     step = stopped["step"]
@@ -130,31 +124,23 @@ def test_sigterm_stops_at_a_step_boundary_saving_when_the_last_save_is_old(job_a
 def test_a_second_signal_exits_at_once_and_a_hung_rank_ends_after_the_grace(job_args, tmp_path):
     run_dir = tmp_path / "run"
     # Hung before step 2: the first SIGTERM cannot reach a step boundary; the second ends it.
-    proc = _start(job_args(run_dir, train__eval_every=0, parallel__collective_timeout_s=600), **{HANG_ENV: "0:2"})
-    try:
+    args = job_args(run_dir, train__eval_every=0, parallel__collective_timeout_s=600)
+    with _started(args, **{HANG_ENV: "0:2"}) as proc:
         _wait_for_step(proc, run_dir, 1)
         proc.send_signal(signal.SIGTERM)
         time.sleep(1.5)  # later than the same-event window
         assert proc.poll() is None  # the first signal only asked for a stop
         proc.send_signal(signal.SIGTERM)
         stderr = _finish(proc, timeout_s=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert "second signal (SIGTERM): exiting now" in _moetrain_lines(stderr)[-1]
 
     # One signal to a hung rank: it ends by itself once parallel.collective_timeout_s has passed.
     hung_dir = tmp_path / "hung"
-    proc = _start(job_args(hung_dir, train__eval_every=0, parallel__collective_timeout_s=2), **{HANG_ENV: "0:2"})
-    try:
+    args = job_args(hung_dir, train__eval_every=0, parallel__collective_timeout_s=2)
+    with _started(args, **{HANG_ENV: "0:2"}) as proc:
         _wait_for_step(proc, hung_dir, 1)
         proc.send_signal(signal.SIGTERM)
         stderr = _finish(proc, timeout_s=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert "no step boundary within 2 s of SIGTERM" in _moetrain_lines(stderr)[-1]
