@@ -151,10 +151,19 @@ def refuse_foreign_outputs(run_dir: RunDir, cfg: JobConfig) -> None:
     Allowed under `checkpoint.resume`: the files are then the run's own, continued from its
     checkpoint, or under "auto" restarted in place when it has none yet (a crash before the
     first save; `True` without a checkpoint is refused by the checkpointer).
+
+    Rank 0 looks and broadcasts what it found (collective): it is the rank that writes these
+    files, so a peer that looked on its own could find the config rank 0 has just written
+    for this very run and refuse it.
     """
     if cfg.checkpoint.resume:
         return
-    found = [path.name for path in (run_dir.config, run_dir.metrics) if path.exists()]
+    outputs = (run_dir.config, run_dir.metrics)
+    found_bits = 0
+    if rank_and_world()[0] == 0:
+        found_bits = sum(1 << i for i, path in enumerate(outputs) if path.exists())
+    found_bits = broadcast_int(found_bits)
+    found = [path.name for i, path in enumerate(outputs) if found_bits >> i & 1]
     if found:
         raise ConfigError(f"logging.run_dir = {str(run_dir.root)!r} already holds {' and '.join(found)} of another "
                           "run and no checkpoint: choose another --logging.run_dir, remove them, or pass "
