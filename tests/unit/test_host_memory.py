@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import platform
 import subprocess
 import sys
 
@@ -22,10 +23,14 @@ def test_multi_rank_jobs_keep_the_default_allocator(monkeypatch, world_size):
     assert calls == []  # not even looked up
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the heap options are glibc's mallopt settings")
 def test_one_process_applies_it_where_glibc_is():
-    if ctypes.util.find_library("c") is None:
-        pytest.skip("no C library to configure")
     assert host_memory.reuse_freed_host_memory(1) is True
+
+
+def test_one_process_without_a_c_library_runs_on_with_the_default_allocator(monkeypatch):
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    assert host_memory.reuse_freed_host_memory(1) is False
 
 
 # --- huge pages for several ranks -------------------------------------------------------------
