@@ -27,8 +27,8 @@ from pathlib import Path
 from moetrain.args import take_option
 from moetrain.config import parse_job_args
 from moetrain.testing import run_on_ranks
-from moetrain.train.host_memory import rank_environment
-from moetrain.train.memory import growth_per_step
+from moetrain.runtime.allocator import rank_environment
+from moetrain.observe.peak_memory import growth_per_step
 from moetrain.train.run import run
 
 WINDOW = 25  # steps per slope window

@@ -41,7 +41,7 @@ SCENARIOS = {
 
 def worker(argv: list[str]) -> None:
     try:  # what `moetrain`'s entry point does before torch loads, in the tree that has it
-        from moetrain.train.host_memory import huge_pages_for_large_tensors
+        from moetrain.runtime.allocator import huge_pages_for_large_tensors
         huge_pages_for_large_tensors()
     except ImportError:
         pass
@@ -59,7 +59,7 @@ def worker(argv: list[str]) -> None:
     torch.set_num_threads(cfg.train.num_threads)
     rank, world, device = init_distributed(cfg.parallel)
     try:  # what `moetrain train` does in the tree that has it
-        from moetrain.train.host_memory import reuse_freed_host_memory
+        from moetrain.runtime.allocator import reuse_freed_host_memory
         reuse_freed_host_memory(world)
     except ImportError:
         pass

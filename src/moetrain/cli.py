@@ -17,13 +17,13 @@ import sys
 from typing import NoReturn
 
 from moetrain.errors import ConfigError
-from moetrain.train.host_memory import huge_pages_for_large_tensors
+from moetrain.runtime.allocator import huge_pages_for_large_tensors
 
 # name -> (one-line help, "module:function")
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train a model from a TOML config (+ --section.field overrides)", "moetrain.train.run:main"),
     "sample": ("generate text from a run's latest checkpoint", "moetrain.train.sample:main"),
-    "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.train.plot:main"),
+    "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.observe.plot:main"),
     "export-hf": ("write a run's checkpoint as a Hugging Face model directory (Qwen3-MoE, OLMoE)",
                   "moetrain.train.export_hf:main"),
     "data": ("`data prepare`: tokenize text into memory-mapped token shards (data.source = 'tokens')",
@@ -76,7 +76,7 @@ def entry() -> NoReturn:
     torchrun then reports the whole job as failed (1 in 49 two-rank runs did, with only a final
     barrier; benchmarks/stress_exit.py). Every file the run writes is closed before `main` returns.
     Before anything loads torch, a rank of a multi-rank job asks for huge pages for large host
-    tensors (moetrain.train.host_memory).
+    tensors (moetrain.runtime.allocator).
     """
     huge_pages_for_large_tensors()  # read when torch loads, so before any subcommand imports it
     code = main()

@@ -165,7 +165,7 @@ class TrainConfig:
     max_consecutive_skips: int = 10
     eval_every: int = 100
     eval_batches: int = 8
-    # MFU's peak FLOP/s per rank; 0 = measured at start (moetrain.train.peak_flops).
+    # MFU's peak FLOP/s per rank; 0 = measured at start (moetrain.observe.peak_flops).
     peak_flops: float = 0.0
     sample_tokens: int = 200
     sample_prompt: str = "def "
@@ -175,7 +175,7 @@ class TrainConfig:
     # schedule still spans train.steps. Resume later with --checkpoint.resume True.
     stop_at_step: int | None = None
     # torch intra-op threads per process; 0 = OMP_NUM_THREADS when set (torchrun sets 1), else
-    # every usable core unless a short GEMM probe at start finds them busy (moetrain.train.threads).
+    # every usable core unless a short GEMM probe at start finds them busy (moetrain.runtime.threads).
     num_threads: int = 0
 
 

@@ -38,12 +38,12 @@ from moetrain.interop.hf import load_hf, load_hf_weights
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.grad_sync import accumulation, resolve_sync_policy
 from moetrain.parallel.mesh import build_mesh
+from moetrain.runtime.run_dir import RunDir
 from moetrain.testing import run_on_ranks
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.export_hf import ExportOptions, export
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
-from moetrain.train.rundir import RunDir
 from moetrain.train.trainer import Trainer, build_model
 
 BALANCE_CFG = ModelConfig(

@@ -25,10 +25,10 @@ import pytest
 
 from moetrain.config import parse_job_args
 from moetrain.data.corpus import stdlib_root
+from moetrain.observe.peak_memory import growth_per_step
+from moetrain.runtime.allocator import rank_environment
 from moetrain.testing import run_on_ranks
 from moetrain.train import trainer as trainer_module
-from moetrain.train.host_memory import rank_environment
-from moetrain.train.memory import growth_per_step
 from moetrain.train.run import run
 
 WARMUP, STEPS = 50, 75

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from moetrain.config import from_dict
 from moetrain.errors import ConfigError
+from moetrain.runtime.run_dir import RunDir, refuse_foreign_outputs
 from moetrain.testing import run_on_ranks
-from moetrain.train.rundir import RunDir, refuse_foreign_outputs
 
 
 def _refusal_per_rank(dirs_by_rank: list[str]) -> str:

@@ -14,8 +14,8 @@ import torch
 
 from moetrain.bench import train as bench_train
 from moetrain.errors import ConfigError
+from moetrain.observe.peak_flops import measure_gemm_flops
 from moetrain.train import run
-from moetrain.train.peak_flops import measure_gemm_flops
 
 
 def test_bench_train_reports_phases_memory_and_mfu_against_a_measured_peak(job_args, tmp_path):

@@ -12,8 +12,8 @@ import hf_tiny
 from moetrain import cli
 from moetrain.interop.hf import architecture, load_hf
 from moetrain.model.transformer import Transformer
+from moetrain.runtime.run_dir import RunDir
 from moetrain.train.checkpoint import latest_complete, load_model_weights
-from moetrain.train.rundir import RunDir
 
 
 def architecture_args(directory) -> list[str]:

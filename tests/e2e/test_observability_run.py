@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from moetrain import cli
-from moetrain.train.tracking import flatten_record
+from moetrain.observe.tracking import flatten_record
 
 
 def test_records_carry_memory_and_expert_health_and_the_profiler_writes_a_trace(job_args, read_train_records,

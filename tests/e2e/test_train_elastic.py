@@ -13,7 +13,7 @@ import pytest
 from test_train_torchrun import TORCHRUN, _torchrun
 
 from moetrain import cli
-from moetrain.train.checkpoint import CRASH_EXIT_CODE, CRASH_MARKER_ENV, CRASH_STEP_ENV
+from moetrain.runtime.faults import CRASH_EXIT_CODE, CRASH_MARKER_ENV, CRASH_STEP_ENV
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH next to this interpreter")

@@ -8,8 +8,9 @@ import subprocess
 import sys
 import time
 
+from moetrain.runtime.faults import PAUSE_ENV
 from moetrain.train import run
-from moetrain.train.checkpoint import PAUSE_ENV, list_complete
+from moetrain.train.checkpoint import list_complete
 
 
 def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_one(job_args, read_train_records, tmp_path):

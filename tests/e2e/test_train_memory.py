@@ -8,7 +8,7 @@ import time
 import pytest
 
 from moetrain import cli
-from moetrain.train import memory_check
+from moetrain.runtime import preflight
 
 CASES = {
     # 4 x 524288^2 booleans: the document mask alone is 1 TiB.
@@ -24,7 +24,7 @@ def test_job_larger_than_the_machine_is_refused_before_anything_is_written(job_a
                                                                           case):
     overrides, part, advice = CASES[case]
     # The machine is said to have 64 GiB whatever it has, so the test means the same everywhere.
-    monkeypatch.setattr(memory_check, "physical_memory_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(preflight, "physical_memory_bytes", lambda: 64 * 2**30)
     run_dir = tmp_path / "run"
     start = time.perf_counter()
     assert cli.main(["train", *job_args(run_dir, **overrides)]) == 2

@@ -3,8 +3,8 @@
 Layers, lowest first (a module may import only from lower layers, or from its own
 package without closing a cycle):
 
-    errors, testing  <  args, logging  <  config  <  model, data  <  parallel, interop  <  train
-    <  bench, cli  <  __main__
+    errors, testing, durable  <  args, logging  <  config  <  model, data  <  parallel
+    <  interop, runtime  <  observe  <  train  <  bench, cli  <  __main__
 
 Imports inside functions are allowed only for optional third-party extras (a user
 without them must still be able to run everything else). The checker runs on the
@@ -23,11 +23,13 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "moetrain"
 
 LAYERS: list[set[str]] = [
-    {"errors", "testing", "__init__"},
+    {"errors", "testing", "durable", "__init__"},
     {"args", "logging"},
     {"config"},
     {"model", "data"},
-    {"parallel", "interop"},
+    {"parallel"},
+    {"interop", "runtime"},
+    {"observe"},
     {"train"},
     {"bench", "cli"},
     {"__main__"},
@@ -194,6 +196,8 @@ def test_checker_allows_optional_extras_in_functions_and_relative_imports_resolv
 
 
 @pytest.mark.parametrize("module, layer", [("moetrain.errors", 0), ("moetrain.config", 2), ("moetrain.model.moe", 3),
-                                           ("moetrain.train.run", 5), ("moetrain.cli", 6)])
+                                           ("moetrain.parallel.mesh", 4), ("moetrain.interop", 5),
+                                           ("moetrain.runtime.run_dir", 5), ("moetrain.observe.metrics", 6),
+                                           ("moetrain.train.run", 7), ("moetrain.cli", 8)])
 def test_layers_are_ordered_as_documented(module, layer):
     assert layer_of(module) == layer

@@ -9,8 +9,8 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from moetrain.errors import ConfigError
-from moetrain.train import disk
-from moetrain.train.disk import find_full_disk_error, no_space_left
+from moetrain.runtime import disk
+from moetrain.runtime.disk import find_full_disk_error, no_space_left
 
 
 def _raised(exc: BaseException) -> BaseException:

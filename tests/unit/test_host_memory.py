@@ -12,31 +12,31 @@ import sys
 import pytest
 
 from moetrain import cli
-from moetrain.train import host_memory
+from moetrain.runtime import allocator
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_multi_rank_jobs_keep_the_default_allocator(monkeypatch, world_size):
     calls = []
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: calls.append(name))
-    assert host_memory.reuse_freed_host_memory(world_size) is False
+    assert allocator.reuse_freed_host_memory(world_size) is False
     assert calls == []  # not even looked up
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the heap options are glibc's mallopt settings")
 def test_one_process_applies_it_where_glibc_is():
-    assert host_memory.reuse_freed_host_memory(1) is True
+    assert allocator.reuse_freed_host_memory(1) is True
 
 
 def test_one_process_without_a_c_library_runs_on_with_the_default_allocator(monkeypatch):
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
-    assert host_memory.reuse_freed_host_memory(1) is False
+    assert allocator.reuse_freed_host_memory(1) is False
 
 
 # --- huge pages for several ranks -------------------------------------------------------------
 
 _HUGE_PAGE_PROBE = """
-from moetrain.train.host_memory import huge_pages_for_large_tensors
+from moetrain.runtime.allocator import huge_pages_for_large_tensors
 huge_pages_for_large_tensors()
 import torch
 tensors = [torch.empty(3 * 2**20 + 1000 * i, dtype=torch.uint8) for i in range(8)]
@@ -55,20 +55,20 @@ print(sum(any(lo <= t.data_ptr() < hi and hg for lo, hi, hg in advised) for t in
 @pytest.mark.parametrize("world_size, expected", [("1", False), ("2", True), ("4", True)])
 def test_only_multi_rank_jobs_ask_for_huge_pages(world_size, expected):
     environ = {"WORLD_SIZE": world_size}
-    assert host_memory.huge_pages_for_large_tensors(environ) is expected
-    assert environ.get(host_memory.TORCH_THP_VARIABLE) == ("1" if expected else None)
+    assert allocator.huge_pages_for_large_tensors(environ) is expected
+    assert environ.get(allocator.TORCH_THP_VARIABLE) == ("1" if expected else None)
 
 
 def test_a_value_the_user_set_wins():
-    environ = {"WORLD_SIZE": "4", host_memory.TORCH_THP_VARIABLE: "0"}
-    assert host_memory.huge_pages_for_large_tensors(environ) is False
-    assert environ[host_memory.TORCH_THP_VARIABLE] == "0"
+    environ = {"WORLD_SIZE": "4", allocator.TORCH_THP_VARIABLE: "0"}
+    assert allocator.huge_pages_for_large_tensors(environ) is False
+    assert environ[allocator.TORCH_THP_VARIABLE] == "0"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps to read mappings from")
 @pytest.mark.parametrize("world_size, advised", [("1", 0), ("4", 8)])
 def test_torch_asks_the_kernel_for_huge_pages_when_set_before_it_loads(world_size, advised):
-    env = {k: v for k, v in os.environ.items() if k != host_memory.TORCH_THP_VARIABLE}
+    env = {k: v for k, v in os.environ.items() if k != allocator.TORCH_THP_VARIABLE}
     env["WORLD_SIZE"] = world_size
     out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_PROBE], env=env, capture_output=True, text=True,
                          check=True, timeout=120)

@@ -12,7 +12,7 @@ from moetrain.errors import ConfigError
 from moetrain.model.attention import document_causal_mask
 from moetrain.model.memory_estimate import estimate_training_memory
 from moetrain.model.transformer import Transformer
-from moetrain.train import memory_check
+from moetrain.runtime import preflight
 from moetrain.train.loss import token_loss_sum
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.toml")
@@ -65,12 +65,12 @@ def test_mask_and_parameter_terms_are_exact():
 def test_refusal_depends_on_the_memory_and_the_ranks_sharing_it(monkeypatch):
     cfg = parse_job_args(SMALL)
     need = estimate_training_memory(cfg).total
-    monkeypatch.setattr(memory_check, "physical_memory_bytes", lambda: need)
-    assert memory_check.refuse_if_too_big(cfg).total == need  # exactly fits
+    monkeypatch.setattr(preflight, "physical_memory_bytes", lambda: need)
+    assert preflight.refuse_if_too_big(cfg).total == need  # exactly fits
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"shared by 2 ranks") as err:
-        memory_check.refuse_if_too_big(parse_job_args([*SMALL, "--parallel.dp_replicate", "2"]))
+        preflight.refuse_if_too_big(parse_job_args([*SMALL, "--parallel.dp_replicate", "2"]))
     assert "\n" not in str(err.value)
 
 
@@ -90,10 +90,10 @@ def test_on_cuda_each_rank_is_compared_with_one_device(monkeypatch):
     hsdp = parse_job_args([*SMALL, "--parallel.device", "cuda", "--train.microbatch_size", "4096",
                            "--parallel.dp_replicate", "16"])
     with pytest.raises(ConfigError, match=r"of this CUDA device \(train.microbatch_size = 4096") as err:
-        memory_check.refuse_if_too_big(hsdp)
+        preflight.refuse_if_too_big(hsdp)
     assert asked == [5] and "shared by" not in str(err.value)
     Properties.total_memory = need
-    assert memory_check.refuse_if_too_big(hsdp).total == need
+    assert preflight.refuse_if_too_big(hsdp).total == need
 
 
 def test_token_budget_microbatch_is_one_row_of_the_budget():

@@ -10,8 +10,8 @@ import pytest
 
 from moetrain.data.dataset import byte_histogram, unigram_entropy_bits
 from moetrain.errors import ConfigError
-from moetrain.train.metrics import MetricsWriter, bits_per_byte
-from moetrain.train.plot import read_records, series
+from moetrain.observe.metrics import MetricsWriter, bits_per_byte
+from moetrain.observe.plot import read_records, series
 from moetrain.train.trainer import eval_indices
 
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from moetrain.train.memory import PeakMemory, current_rss_bytes
-from moetrain.train.metrics import console_line, expert_health
-from moetrain.train.plot import expert_load_figure
-from moetrain.train.profiler import ProfilerWindow
+from moetrain.observe.metrics import console_line, expert_health
+from moetrain.observe.peak_memory import PeakMemory, current_rss_bytes
+from moetrain.observe.plot import expert_load_figure
+from moetrain.observe.profiler import ProfilerWindow
 
 
 def _loads() -> np.ndarray:
@@ -77,7 +77,7 @@ def test_peak_memory_window_sees_a_freed_allocation_and_resets():
     before = current_rss_bytes()
     size = 256 * 2**20
     # An anonymous mapping of its own, not the heap: the trainer may have told malloc to keep
-    # freed memory (moetrain.train.host_memory), which would keep a freed heap block resident.
+    # freed memory (moetrain.runtime.allocator), which would keep a freed heap block resident.
     block = mmap.mmap(-1, size)
     for offset in range(0, size, mmap.PAGESIZE):
         block[offset] = 1  # written, so resident

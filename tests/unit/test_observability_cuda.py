@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from moetrain.train.memory import PeakMemory
-from moetrain.train.profiler import ProfilerWindow
+from moetrain.observe.peak_memory import PeakMemory
+from moetrain.observe.profiler import ProfilerWindow
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

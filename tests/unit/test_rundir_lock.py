@@ -9,7 +9,7 @@ import pytest
 
 from moetrain.config import JobConfig, from_dict
 from moetrain.errors import ConfigError
-from moetrain.train.rundir import LOCK_FILE, RunDir, WriterLock, refuse_foreign_outputs
+from moetrain.runtime.run_dir import LOCK_FILE, RunDir, WriterLock, refuse_foreign_outputs
 
 
 def test_a_second_lock_on_the_same_directory_is_refused_until_the_first_is_released(tmp_path):

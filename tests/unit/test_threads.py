@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.train import threads
+from moetrain.runtime import threads
 
 
 def _never_called(count: int) -> float:

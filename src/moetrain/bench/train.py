@@ -4,7 +4,7 @@ Runs a short training job exactly as `moetrain train` builds it (same config par
 mesh, Trainer and step), on one process or under `torchrun` on any mesh, without a run
 directory, checkpoints or evaluation. After `--warmup` steps it times `--steps` steps and
 reports tokens/s (global, from the median step time of the slowest rank), the median step
-split into the phases of `moetrain.train.phases` (data, forward, backward, collectives,
+split into the phases of `moetrain.observe.step_phases` (data, forward, backward, collectives,
 wait, optimizer; mean over ranks of each rank's median), peak memory per rank (the RSS
 high-water mark on CPU; max allocated and reserved on CUDA) and MFU against the peak
 `Trainer.peak_flops_per_rank` measures on the spot (a GEMM at the run's dtype and thread
@@ -33,11 +33,11 @@ from moetrain.config import JobConfig, parse_job_args
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
 from moetrain.logging import setup_logging
+from moetrain.observe.step_phases import PHASES
 from moetrain.parallel.collectives import all_gather_floats, barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
-from moetrain.train.host_memory import reuse_freed_host_memory
-from moetrain.train.phases import PHASES
-from moetrain.train.threads import set_intra_op_threads
+from moetrain.runtime.allocator import reuse_freed_host_memory
+from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train.trainer import Trainer
 
 PROG = "moetrain bench train"

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from moetrain.data.tokenizer import Tokenizer, tokenizer_file
+from moetrain.durable import file_sha256, fsync_dir, write_atomically, write_json_atomically
 from moetrain.errors import ConfigError
 
 FORMAT = "moetrain-token-shards"
@@ -43,7 +43,6 @@ VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "heldout")
 # Read files in 8 MiB pieces to hash them: never mapped, so verifying does not add to the resident set.
-HASH_CHUNK = 8 << 20
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -56,42 +55,6 @@ def tokenizer_identity(spec: str, tokenizer: Tokenizer) -> dict[str, Any]:
     digest = "byte" if path is None else hashlib.sha256(path.read_bytes()).hexdigest()
     return {"sha256": digest, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
             "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id}
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: Path, write: Any, sync_dir: bool = True) -> None:
-    """Call write(handle) on a temporary file beside `path`, fsync it, then rename it to `path`.
-
-    `sync_dir=False` leaves the directory fsync (which makes the rename durable) to the caller,
-    so that several renames in one directory share one.
-    """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    if sync_dir:
-        _fsync_dir(path.parent)
-
-
-def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
-    write_atomically(path, lambda handle: handle.write((json.dumps(data, indent=1) + "\n").encode("utf-8")))
 
 
 def shard_stem(split: str, index: int) -> str:
@@ -107,7 +70,7 @@ def write_shard(root: Path, split: str, index: int, tokens: np.ndarray, offsets:
     for key, array in (("tokens", tokens), ("offsets", offsets.astype(np.int64))):
         write_atomically(root / files[key], lambda handle, a=array: np.save(handle, a, allow_pickle=False),
                          sync_dir=False)
-    _fsync_dir(root / split)  # both renames are durable before the entry that declares the shard finished
+    fsync_dir(root / split)  # both renames are durable before the entry that declares the shard finished
     entry = {"split": split, "index": index, "files": files, "dtype": str(tokens.dtype),
              "n_tokens": int(tokens.size), "n_documents": int(offsets.size - 1),
              "sha256": {key: file_sha256(root / name) for key, name in files.items()}, **extra}

@@ -43,17 +43,11 @@ true/false/"auto", the newest intact checkpoint, after comparing the job's confi
 checkpoint's). This module never reads a file it has not verified and never writes outside the
 checkpoint directory.
 
-Test hooks: with MOETRAIN_TEST_PAUSE_IN_CHECKPOINT_WRITE=<step> in the environment, rank 0 stops
-inside the write of that step, after the data files are written and before the rename, writes
-`PAUSED` in the temporary directory and sleeps, so a test can SIGKILL the run mid-write. With
-MOETRAIN_TEST_CRASH_AFTER_STEP=<step> and MOETRAIN_TEST_CRASH_MARKER=<file>, rank 0 exits with
-status 17 right after that step (before its checkpoint) unless the marker file exists, which it
-creates first: a crash that happens once, for the elastic-restart test.
+Test hooks (`moetrain.runtime.faults`) pause inside a write or crash after a step on request.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -84,14 +78,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from moetrain.config import CheckpointConfig, JobConfig, from_dict
+from moetrain.durable import file_sha256, fsync_dir, write_durably
 from moetrain.errors import ConfigError, PoisonedStateError, TrainingDiverged
 from moetrain.logging import get_logger
 from moetrain.parallel.collectives import all_gather_objects, all_ranks_true, barrier, distributed, rank_and_world
-
-PAUSE_ENV = "MOETRAIN_TEST_PAUSE_IN_CHECKPOINT_WRITE"
-CRASH_STEP_ENV = "MOETRAIN_TEST_CRASH_AFTER_STEP"
-CRASH_MARKER_ENV = "MOETRAIN_TEST_CRASH_MARKER"
-CRASH_EXIT_CODE = 17
+from moetrain.runtime import faults
 
 TENSORS_DIR = "tensors"
 TRAINER_FILE = "trainer.json"
@@ -109,7 +100,6 @@ RESUME_MAY_DIFFER = frozenset({"model.init_from", "model.init_scheme", "model.in
                                "model.moe.impl", "data.skip_bad_files"})
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_HASH_CHUNK = 1 << 20
 
 log = get_logger("checkpoint")
 
@@ -168,14 +158,6 @@ def remove_partial(checkpoint_dir: str | Path) -> list[Path]:
 # Integrity: the manifest
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _files_under(root: Path) -> list[str]:
     """Every file below `root` as a '/'-separated relative path, sorted (symlinks count as files)."""
     found = []
@@ -186,7 +168,7 @@ def _files_under(root: Path) -> list[str]:
 
 
 def _manifest_entries(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {name: {"sha256": _sha256(root / name), "bytes": (root / name).stat().st_size} for name in names}
+    return {name: {"sha256": file_sha256(root / name), "bytes": (root / name).stat().st_size} for name in names}
 
 
 def _read_manifest(path: Path) -> dict[str, dict[str, Any]]:
@@ -232,7 +214,7 @@ def _local_problem(path: Path, part: int, parts: int) -> str | None:
         size = file.stat().st_size
         if size != entries[name]["bytes"]:
             return f"{file} has {size} bytes, the manifest says {entries[name]['bytes']} (truncated or damaged)"
-        if _sha256(file) != entries[name]["sha256"]:
+        if file_sha256(file) != entries[name]["sha256"]:
             return f"{file} does not match its sha256 in the manifest (damaged)"
     return None
 
@@ -472,56 +454,18 @@ def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, opt
         entries = {name: entry for part in hashed for name, entry in part.items()}
         small_files = [name for name in _files_under(tmp) if not name.startswith(f"{TENSORS_DIR}/")]
         entries.update(_manifest_entries(tmp, small_files))
-        _maybe_pause_for_test(step, tmp)
-        _write_durably(tmp / MANIFEST_FILE,
+        faults.pause_in_checkpoint_write(step, tmp)
+        write_durably(tmp / MANIFEST_FILE,
                        json.dumps({"format": FORMAT, "algorithm": "sha256", "files": dict(sorted(entries.items()))},
                                   indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for old in list_complete(root)[:-keep_last]:
             shutil.rmtree(old.path, ignore_errors=True)
     barrier()
     return CheckpointRef(step, final)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _maybe_pause_for_test(step: int, tmp: Path) -> None:
-    if os.environ.get(PAUSE_ENV) == str(step):
-        (tmp / "PAUSED").write_text("paused inside the checkpoint write for a kill test\n")
-        while True:  # until the test kills this process
-            time.sleep(1)
-
-
-def _maybe_crash_for_test(step: int) -> None:
-    marker = os.environ.get(CRASH_MARKER_ENV)
-    if os.environ.get(CRASH_STEP_ENV) != str(step) or not marker or rank_and_world()[0] != 0:
-        return
-    try:
-        with open(marker, "x") as f:  # exclusive create: the crash happens once across restarts
-            f.write(f"crashed after step {step}\n")
-    except FileExistsError:
-        return
-    os._exit(CRASH_EXIT_CODE)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Make the rename durable across a power loss, not only a process kill.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _load_tensors(ref: CheckpointRef, state: dict[str, Any]) -> None:
@@ -616,7 +560,7 @@ class Checkpointer:
 
     def maybe_save(self, step: int, state: CheckpointState, force: bool = False) -> CheckpointRef | None:
         """Save `state` as step `step` when one is due or `force`d (collective: every rank calls it)."""
-        _maybe_crash_for_test(step)
+        faults.crash_after_step(step, rank_and_world()[0])
         if not (force or self.due(step)):
             return None
         try:

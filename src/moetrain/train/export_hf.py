@@ -27,8 +27,8 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.collectives import barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.parallel.parallelize import parallelize_model
+from moetrain.runtime.run_dir import RunDir
 from moetrain.train.checkpoint import CheckpointRef, latest_complete, list_complete, load_model_weights
-from moetrain.train.rundir import RunDir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -18,7 +18,7 @@ One writer: rank 0 holds the run directory's lock (`rundir.WriterLock`) from bef
 checkpoint check to the end, and a fresh run refuses a directory holding another run's
 config.json or metrics.jsonl. A collective that times out (`parallel.collective_timeout_s`)
 or loses a peer ends the rank with one line naming the step (exit 3). SIGTERM/SIGINT stop
-every rank at the next step boundary, saving first when due (`moetrain.train.signals`;
+every rank at the next step boundary, saving first when due (`moetrain.runtime.signals`;
 exit 75). Exit codes: 0 done (or stopped at train.stop_at_step), 1 diverged, 2 user
 error, 3 collective failed, 75 stopped by a signal.
 """
@@ -41,19 +41,20 @@ from moetrain.config import JobConfig, parse_job_args, parse_step_range
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, TrainingDiverged
 from moetrain.logging import get_logger, setup_logging
+from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
+from moetrain.observe.profiler import ProfilerWindow
 from moetrain.parallel.collectives import distributed, leave_together
 from moetrain.parallel.mesh import build_mesh, init_distributed
+from moetrain.runtime.allocator import reuse_freed_host_memory
+from moetrain.runtime.disk import no_space_left
+from moetrain.runtime.faults import hang_before_step
+from moetrain.runtime.preflight import refuse_if_too_big
+from moetrain.runtime.run_dir import RunDir, WriterLock, refuse_foreign_outputs
+from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
+from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
-from moetrain.train.disk import no_space_left
-from moetrain.train.host_memory import reuse_freed_host_memory
-from moetrain.train.memory_check import refuse_if_too_big
-from moetrain.train.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
-from moetrain.train.profiler import ProfilerWindow
-from moetrain.train.rundir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.train.sample import generate
-from moetrain.train.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals, maybe_hang_for_test
-from moetrain.train.threads import set_intra_op_threads
 from moetrain.train.trainer import Trainer
 
 log = get_logger("train")
@@ -176,7 +177,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
         with redirect:
             while trainer.step < last_step:
                 phase.where = f"step {trainer.step + 1}"
-                maybe_hang_for_test(trainer.rank, trainer.step + 1)
+                hang_before_step(trainer.rank, trainer.step + 1)
                 with profiler.step(trainer.step + 1):
                     result = trainer.train_step()
                 steps_this_run += 1

@@ -24,8 +24,8 @@ from moetrain.data.tokenizer import Tokenizer, build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
 from moetrain.model.transformer import Transformer
+from moetrain.runtime.run_dir import RunDir
 from moetrain.train.checkpoint import load_model_weights, newest_intact, stored_config
-from moetrain.train.rundir import RunDir
 
 log = get_logger("sample")
 

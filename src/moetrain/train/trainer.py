@@ -39,6 +39,10 @@ from moetrain.interop.hf import load_hf_weights
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.model.transformer import Transformer
+from moetrain.observe.metrics import StepResult, bits_per_byte, train_record
+from moetrain.observe.peak_flops import peak_flops
+from moetrain.observe.peak_memory import PeakMemory
+from moetrain.observe.step_phases import StepPhases
 from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum, rank_and_world
 from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
@@ -48,11 +52,7 @@ from moetrain.parallel.shard import DTYPES
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
-from moetrain.train.memory import PeakMemory
-from moetrain.train.metrics import StepResult, bits_per_byte, train_record
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
-from moetrain.train.peak_flops import peak_flops
-from moetrain.train.phases import StepPhases
 
 log = get_logger("train")
 

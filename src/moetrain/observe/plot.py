@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 
 from moetrain.args import parse_typed_args
 from moetrain.errors import ConfigError
-from moetrain.train.rundir import METRICS_FILE, RunDir
+from moetrain.runtime.run_dir import METRICS_FILE, RunDir
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ Records are one JSON object per line in `RUN_DIR/metrics.jsonl`, with a `kind` o
 "train" (every log step), "eval" (held-out loss / bits per byte), "event" (start,
 resume, skipped step) or "final". A resumed run appends to the same file, so a step
 can appear twice (once before an interruption, once after); readers
-(`moetrain.train.plot.read_records`) keep the last record per (kind, step), which is
+(`moetrain.observe.plot.read_records`) keep the last record per (kind, step), which is
 the one that led to the final model. This module does no collectives.
 """
 
@@ -23,9 +23,9 @@ import torch
 from tqdm import tqdm
 
 from moetrain.errors import ConfigError
-from moetrain.train.disk import append_line, no_space_left
-from moetrain.train.rundir import METRICS_FILE
-from moetrain.train.tracking import WandbTracker
+from moetrain.observe.tracking import WandbTracker
+from moetrain.runtime.disk import append_line, no_space_left
+from moetrain.runtime.run_dir import METRICS_FILE
 
 LN2 = math.log(2.0)
 
@@ -55,13 +55,13 @@ class StepResult:
     all_to_all_rows_sent: int = 0
     all_to_all_rows_received: int = 0
     z_loss: float = 0.0  # the router z-loss term (with its coefficient), apart from aux_loss
-    phases: dict[str, float] | None = None  # seconds per phase of the step (moetrain.train.phases)
+    phases: dict[str, float] | None = None  # seconds per phase of the step (moetrain.observe.step_phases)
 
 
 class MetricsWriter:
     """Appends records to RUN_DIR/metrics.jsonl (and TensorBoard, W&B when asked); a no-op off rank 0.
 
-    `wandb_config` (the job's resolved config) turns on W&B tracking (`moetrain.train.tracking`).
+    `wandb_config` (the job's resolved config) turns on W&B tracking (`moetrain.observe.tracking`).
     """
 
     def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool = False, log_every: int = 1,
@@ -159,7 +159,7 @@ def train_record(step: int, result: StepResult, window: list[StepResult], tokens
     routed assignments per (MoE layer, expert) summed over ranks, or None without MoE layers;
     `all_to_all_per_rank` every rank's [all-to-all seconds, rows sent, rows received] under
     expert parallelism, else None; `memory_per_rank` every rank's peak memory since the previous
-    record (`moetrain.train.memory.PeakMemory`: name -> bytes per rank); `expert_bias` the
+    record (`moetrain.observe.peak_memory.PeakMemory`: name -> bytes per rank); `expert_bias` the
     aux-loss-free bias per (MoE layer, expert), or None.
     """
     world = len(per_rank_times)

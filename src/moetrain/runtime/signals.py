@@ -15,9 +15,6 @@ reaches a rank twice, once from the terminal and once forwarded by torchrun. A r
 that does not reach a step boundary within `grace_s` of the first signal (it is
 hung) ends the same way: its peers' collectives would have timed out by then.
 
-Test hook: MOETRAIN_TEST_HANG_AT_STEP="<rank>:<step>" makes that rank sleep forever
-before computing that step, as a hung rank would (`maybe_hang_for_test`).
-
 This module handles signals and agrees on stopping; it must not save, log metrics or
 decide the schedule (the run does).
 """
@@ -37,7 +34,6 @@ from moetrain.parallel.collectives import all_reduce_sum, collective_device
 
 # EX_TEMPFAIL from sysexits.h: stopped on request, resumable; neither success nor a crash.
 EXIT_STOPPED_BY_SIGNAL = 75
-HANG_ENV = "MOETRAIN_TEST_HANG_AT_STEP"
 SAME_EVENT_S = 1.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -105,10 +101,3 @@ class StopSignals:
         if stop:
             self._boundary_reached.set()
         return stop, stop and save
-
-
-def maybe_hang_for_test(rank: int, step: int) -> None:
-    """Sleep forever on the rank and step named by MOETRAIN_TEST_HANG_AT_STEP (test hook)."""
-    if os.environ.get(HANG_ENV) == f"{rank}:{step}":
-        while True:
-            time.sleep(1)

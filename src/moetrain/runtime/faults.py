@@ -1,0 +1,45 @@
+"""Fault hooks for tests: a rank that hangs, a write paused for a kill, a crash after a step.
+
+Each hook does nothing unless its environment variable names this rank and step, so a
+user's run never meets one. Tests set the variables to reproduce a hung rank (collective
+timeout), a SIGKILL in the middle of a checkpoint write, and a crash between steps that a
+torchrun restart must recover from. This module only sleeps or exits; it decides nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+HANG_ENV = "MOETRAIN_TEST_HANG_AT_STEP"  # "<rank>:<step>": sleep forever before computing that step
+PAUSE_ENV = "MOETRAIN_TEST_PAUSE_IN_CHECKPOINT_WRITE"  # "<step>": rank 0 sleeps inside that step's write
+CRASH_STEP_ENV = "MOETRAIN_TEST_CRASH_AFTER_STEP"  # "<step>": rank 0 exits after that step ...
+CRASH_MARKER_ENV = "MOETRAIN_TEST_CRASH_MARKER"  # ... once: unless this file exists, which it then creates
+CRASH_EXIT_CODE = 17
+
+
+def hang_before_step(rank: int, step: int) -> None:
+    if os.environ.get(HANG_ENV) == f"{rank}:{step}":
+        while True:
+            time.sleep(1)
+
+
+def pause_in_checkpoint_write(step: int, tmp: Path) -> None:
+    """After the data files of `step`'s checkpoint are written and before the rename."""
+    if os.environ.get(PAUSE_ENV) == str(step):
+        (tmp / "PAUSED").write_text("paused inside the checkpoint write for a kill test\n")
+        while True:  # until the test kills this process
+            time.sleep(1)
+
+
+def crash_after_step(step: int, rank: int) -> None:
+    marker = os.environ.get(CRASH_MARKER_ENV)
+    if os.environ.get(CRASH_STEP_ENV) != str(step) or not marker or rank != 0:
+        return
+    try:
+        with open(marker, "x") as f:  # exclusive create: the crash happens once across restarts
+            f.write(f"crashed after step {step}\n")
+    except FileExistsError:
+        return
+    os._exit(CRASH_EXIT_CODE)
