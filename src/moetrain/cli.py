@@ -31,7 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("benchmarks: `bench moe`, `bench sync`, `bench ep`, `bench attention`, `bench data`, `bench train`",
               "moetrain.bench:main"),
     "simulate": ("predict step time of the sync policies at cluster scale", "moetrain.bench.simulate:main"),
-    "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.model.init_report:main"),
+    "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.train.init_report:main"),
 }
 
 USAGE = "usage: moetrain COMMAND [options]   (moetrain COMMAND --help for a command's options)"

@@ -43,6 +43,7 @@ from moetrain.model.moe import MoE
 from moetrain.model.transformer import Transformer
 from moetrain.testing import run_on_ranks
 from moetrain.train import run
+from moetrain.train.build import build_model
 from moetrain.train.loss import microbatch_loss, token_loss_sum
 
 BOUND = 1e-5
@@ -67,16 +68,10 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def _model_case(state, batches, shape, ep, policy_name, rank, world, device, model_cfg=MODEL_CFG) -> dict:
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
     from moetrain.parallel.mesh import build_mesh
-    from moetrain.parallel.parallelize import apply_ep
-    from moetrain.parallel.shard import apply_fsdp
 
     pcfg = ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1], ep=ep, sync_policy=policy_name)
     mesh = build_mesh(pcfg, world, device.type)
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    apply_ep(model, mesh, ep)
-    apply_fsdp(model, mesh, pcfg)
-    model.to_empty(device=device)
+    model = build_model(model_cfg, pcfg, mesh, device, weights="none")
     load_full_state(model, state)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     policy = resolve_sync_policy(pcfg, mesh, N_MICRO)

@@ -40,11 +40,12 @@ from moetrain.parallel.grad_sync import accumulation, resolve_sync_policy
 from moetrain.parallel.mesh import build_mesh
 from moetrain.runtime.run_dir import RunDir
 from moetrain.testing import run_on_ranks
+from moetrain.train.build import build_for_job
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.export_hf import ExportOptions, export
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
-from moetrain.train.trainer import Trainer, build_model
+from moetrain.train.trainer import Trainer
 
 BALANCE_CFG = ModelConfig(
     vocab_size=19, dim=16, n_layers=3, n_heads=2, n_dense_layers=1, ffn_hidden=12, qk_norm="per_head",
@@ -114,7 +115,7 @@ def family_worker(cfgs: list[JobConfig], balance_cfgs: list[JobConfig], logits_t
     result: dict = {"balance": []}
     for balance_cfg in balance_cfgs:
         mesh = build_mesh(balance_cfg.parallel, world, "cpu")
-        model = build_model(balance_cfg, mesh, torch.device("cpu"))
+        model = build_for_job(balance_cfg, mesh, torch.device("cpu"))
         batch = balance_batch()
         per_rank = 8 // world
         microbatches = [rows(batch, rank * per_rank + i, rank * per_rank + i + 1) for i in range(per_rank)]

@@ -28,6 +28,7 @@ from moetrain.data.packing import IGNORE_INDEX
 from moetrain.errors import ConfigError
 from moetrain.parallel.mesh import build_mesh
 from moetrain.testing import run_on_ranks
+from moetrain.train.build import build_model
 
 SHAPES = [(1, 4), (2, 2), (4, 1)]
 
@@ -37,15 +38,10 @@ def valid_targets(targets: torch.Tensor) -> int:
 
 
 def _sharded_model(shape, device, pcfg=None, state=None):
-    from moetrain.model.transformer import Transformer
-    from moetrain.parallel.shard import apply_fsdp
 
     pcfg = pcfg or ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1])
     mesh = build_mesh(pcfg, torch.distributed.get_world_size(), device.type)
-    with torch.device("meta"):
-        model = Transformer(MODEL_CFG)
-    apply_fsdp(model, mesh, pcfg)
-    model.to_empty(device=device)
+    model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
     load_full_state(model, state if state is not None else initial_state(0))
     return model, mesh, pcfg
 
@@ -223,10 +219,7 @@ _SINGLE_PROCESS = textwrap.dedent("""
     pcfg = ParallelConfig()
     rank, world, device = init_distributed(pcfg)
     mesh = build_mesh(pcfg, world, device.type)
-    with torch.device("meta"):
-        model = Transformer(MODEL_CFG)
-    apply_fsdp(model, mesh, pcfg)
-    model.to_empty(device=device)
+    model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
     load_full_state(model, initial_state(0))
     plain = Transformer(MODEL_CFG)
     plain.load_state_dict(initial_state(0))

@@ -15,6 +15,7 @@ from torch.func import functional_call
 from moetrain.config import ModelConfig, MoEConfig, ParallelConfig
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.model.transformer import Transformer
+from moetrain.train.build import build_model
 from moetrain.train.loss import microbatch_loss, token_loss_sum
 
 WORLD = 4
@@ -176,7 +177,6 @@ def grid_worker(state, batches: Batch, cases: list[tuple[tuple[int, int], str, s
 
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
     from moetrain.parallel.mesh import build_mesh, init_distributed
-    from moetrain.parallel.shard import apply_fsdp
 
     rank, world, device = init_distributed(ParallelConfig())
     meshes = {}
@@ -186,10 +186,7 @@ def grid_worker(state, batches: Batch, cases: list[tuple[tuple[int, int], str, s
         if shape not in meshes:
             meshes[shape] = build_mesh(pcfg, world, device.type)
         mesh = meshes[shape]
-        with torch.device("meta"):
-            model = Transformer(MODEL_CFG)
-        apply_fsdp(model, mesh, pcfg)
-        model.to_empty(device=device)
+        model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
         load_full_state(model, state)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         policy = resolve_sync_policy(pcfg, mesh, N_MICRO)

@@ -29,6 +29,7 @@ from moetrain.data.loader import DataLoader
 from moetrain.data.packing import PackedSequences
 from moetrain.model.transformer import Transformer
 from moetrain.testing import run_on_ranks
+from moetrain.train.build import build_model
 from moetrain.train.loss import microbatch_loss, token_loss_sum
 
 BOS, EOS, PAD = MODEL_CFG.vocab_size - 3, MODEL_CFG.vocab_size - 2, MODEL_CFG.vocab_size - 1
@@ -84,15 +85,11 @@ def hsdp_worker(state):
 
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
     from moetrain.parallel.mesh import build_mesh, init_distributed
-    from moetrain.parallel.shard import apply_fsdp
 
     pcfg = parallel_cfg((2, 2), "delayed_all_reduce", "fp32")
     rank, world, device = init_distributed(pcfg)
     mesh = build_mesh(pcfg, world, device.type)
-    with torch.device("meta"):
-        model = Transformer(MODEL_CFG)
-    apply_fsdp(model, mesh, pcfg)
-    model.to_empty(device=device)
+    model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
     load_full_state(model, state)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     policy = resolve_sync_policy(pcfg, mesh, MICRO)

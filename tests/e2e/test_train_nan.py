@@ -9,9 +9,9 @@ import torch
 
 from moetrain import cli
 from moetrain.config import parse_job_args
-from moetrain.model.transformer import Transformer
 from moetrain.train import loss as loss_module
 from moetrain.train import trainer as trainer_module
+from moetrain.train.build import build_model
 from moetrain.train.checkpoint import latest_complete, list_complete, load_checkpoint
 from moetrain.train.optim import build_optimizer
 
@@ -43,10 +43,7 @@ def test_skip_policy_drops_the_update_and_counts_it(job_args, tmp_path, poison_s
     assert final["kind"] == "final" and final["skipped_steps"] == 1
     # Four steps ran but the optimizer stepped three times: AdamW's own step counter says so.
     cfg = parse_job_args(argv)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=1)
+    model = build_model(cfg.model, seed=1)
     optimizer = build_optimizer(model, cfg.train)
     state = load_checkpoint(latest_complete(run_dir / "checkpoints"), model, optimizer)
     assert state["step"] == 4 and state["skipped_steps"] == 1

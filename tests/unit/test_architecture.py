@@ -36,7 +36,7 @@ LAYERS: list[set[str]] = [
 ]
 # Third-party packages a user may not have installed (extras): importing them where they
 # are used keeps every other command working without them.
-OPTIONAL_PACKAGES = {"datasets", "tokenizers", "transformers", "safetensors", "wandb", "tensorboard"}
+OPTIONAL_PACKAGES = {"datasets", "tokenizers", "transformers", "wandb", "tensorboard"}
 OPTIONAL_MODULE_PREFIXES = ("torch.utils.tensorboard",)
 
 

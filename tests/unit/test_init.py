@@ -12,8 +12,8 @@ from moetrain.cli import main as cli_main
 from moetrain.config import InitScheme, JobConfig, load
 from moetrain.errors import ConfigError
 from moetrain.model.init import KINDS, SCHEMES, Dims, Rule, _draw_rows, classify, get_scheme
-from moetrain.model.init_report import build_initialised, report_rows
-from moetrain.model.init_report import main as report_main
+from moetrain.train.init_report import build_initialised, report_rows
+from moetrain.train.init_report import main as report_main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_moe.toml"

@@ -11,6 +11,7 @@ from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model.attention import document_causal_mask
 from moetrain.model.layers import apply_rope, positions_from_documents, rope_cos_sin
 from moetrain.model.transformer import Transformer
+from moetrain.train.build import build_model
 
 
 def tiny_cfg(**overrides) -> ModelConfig:
@@ -22,11 +23,7 @@ def tiny_cfg(**overrides) -> ModelConfig:
 
 
 def build(cfg: ModelConfig, seed: int = 0, scheme: str = "gpt2") -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed, scheme=scheme)
-    return model
+    return build_model(cfg, seed=seed, init_scheme=scheme)
 
 
 def rope_matrix(position: int, head_dim: int, theta: float) -> torch.Tensor:

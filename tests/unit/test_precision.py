@@ -13,17 +13,14 @@ import torch
 from moetrain.config import ModelConfig, MoEConfig, ParallelConfig
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.precision import compute_copy
+from moetrain.train.build import build_model
 
 
 def tiny_model(tie: bool = False) -> Transformer:
     moe = MoEConfig(n_experts=4, top_k=2, expert_hidden=16)
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, n_dense_layers=1,
                       max_seq_len=32, moe=moe, tie_embeddings=tie)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    return model
+    return build_model(cfg)
 
 
 def microbatches(n: int = 3) -> list[torch.Tensor]:

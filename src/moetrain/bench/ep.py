@@ -1,7 +1,7 @@
 """`moetrain bench ep`: FSDP-only against expert parallelism on spawned gloo ranks, same model and global batch.
 
 Modes are expert-parallel degrees (`--eps 1 2 4`; 1 = FSDP-only), all on the 1-D data-parallel
-mesh of `--world` ranks, built by the project's own path (`mesh.build_mesh`, `trainer.build_model`:
+mesh of `--world` ranks, built by the project's own path (`mesh.build_mesh`, `build.build_for_job`:
 EP, FSDP, init). Every rank feeds the same synthetic token batches to every mode, so the global
 batch is identical.
 
@@ -49,9 +49,9 @@ from moetrain.parallel.expert_parallel import all_to_all_stats, expert_parameter
 from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.mesh import build_mesh, expert_meshes, init_distributed
 from moetrain.testing import run_on_ranks
+from moetrain.train.build import build_for_job
 from moetrain.train.loss import microbatch_loss, token_loss_sum
 from moetrain.train.optim import build_optimizer
-from moetrain.train.trainer import build_model
 
 RESULTS = Path("benchmarks/results")
 
@@ -176,7 +176,7 @@ def _timing_worker(opts: EpBenchOptions) -> dict[str, Any] | None:
         job = _job(opts, ep)
         mesh = build_mesh(job.parallel, world, device.type)
         torch.manual_seed(job.train.seed)
-        model = build_model(job, mesh, device)
+        model = build_for_job(job, mesh, device)
         experts = expert_meshes(mesh)
         modes[ep] = {
             "model": model, "optimizer": build_optimizer(model, job.train),
@@ -277,7 +277,7 @@ def _memory_worker(opts: EpBenchOptions, ep: int) -> dict[str, float]:
     job = _job(opts, ep)
     mesh = build_mesh(job.parallel, world, device.type)
     torch.manual_seed(job.train.seed)
-    model = build_model(job, mesh, device)
+    model = build_for_job(job, mesh, device)
     optimizer = build_optimizer(model, job.train)
     policy = resolve_sync_policy(job.parallel, mesh, opts.grad_accum)
     for step in range(opts.memory_steps):

@@ -492,6 +492,11 @@ def init_model(model: nn.Module, scheme_name: str, seed: int = 0) -> None:
         for name, param in model.named_parameters():
             canonical = canonical_name(name)
             fill_parameter(param, canonical, classify(canonical, cfg), scheme, seed, tied=cfg.tie_embeddings)
+    reset_buffers(model)
+
+
+def reset_buffers(model: nn.Module) -> None:
+    """Give the buffers no checkpoint or weight file carries (balancing state) their start values."""
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
-from moetrain.config import JobConfig
+from moetrain.config import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.expert_parallel import apply_expert_parallel
 from moetrain.parallel.mesh import expert_meshes
@@ -54,17 +54,18 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         checkpoint(block)
 
 
-def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, cfg: JobConfig) -> nn.Module:
-    """Apply activation checkpointing, compile and FSDP (not on one rank) to `model` in place per `cfg`; return it."""
-    apply_ep(model, mesh, cfg.parallel.ep)
-    if cfg.train.activation_checkpointing:
+def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, parallel: ParallelConfig, *,
+                      activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
+    """Apply EP, activation checkpointing, compile and FSDP (not on one rank) to `model` in place; return it."""
+    apply_ep(model, mesh, parallel.ep)
+    if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if cfg.train.compile:
+    if compile:
         for block in model.layers:
             block.compile()
     if runs_unsharded(mesh):
         return model
-    return apply_fsdp(model, mesh, cfg.parallel)
+    return apply_fsdp(model, mesh, parallel)
 
 
 def runs_unsharded(mesh: DeviceMesh | None) -> bool:

@@ -23,11 +23,10 @@ import torch.distributed as dist
 from moetrain.args import parse_typed_args
 from moetrain.errors import ConfigError
 from moetrain.interop.hf import check_output_dir, export_family, save_hf
-from moetrain.model.transformer import Transformer
 from moetrain.parallel.collectives import barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
-from moetrain.parallel.parallelize import parallelize_model
 from moetrain.runtime.run_dir import RunDir
+from moetrain.train.build import build_model
 from moetrain.train.checkpoint import CheckpointRef, latest_complete, list_complete, load_model_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -72,13 +71,7 @@ def export(args: ExportOptions) -> Path:
         except ConfigError:  # the run's mesh does not fit this world: plain FSDP over all of it
             parallel = dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1, ep=1)
             mesh = build_mesh(parallel, world, device.type)
-        layout = dataclasses.replace(cfg, parallel=parallel, train=dataclasses.replace(
-            cfg.train, activation_checkpointing=False, compile=False))
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        parallelize_model(model, mesh, layout)
-        model.to_empty(device=device)
-        model.init_weights(seed=cfg.train.seed)  # buffers; the weights come from the checkpoint
+        model = build_model(cfg.model, parallel, mesh, device, weights="none")  # the weights: the checkpoint's
         load_model_weights(ref, model)
         out = save_hf(model, cfg, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)
         if dist.get_rank() == 0:

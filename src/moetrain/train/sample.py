@@ -23,8 +23,8 @@ from moetrain.args import parse_typed_args
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
-from moetrain.model.transformer import Transformer
 from moetrain.runtime.run_dir import RunDir
+from moetrain.train.build import build_model
 from moetrain.train.checkpoint import load_model_weights, newest_intact, stored_config
 
 log = get_logger("sample")
@@ -113,10 +113,7 @@ def main(argv: list[str]) -> int:
         log.warning("skipping a damaged checkpoint: %s; sampling from %s", problem, ref.path.name)
     cfg = stored_config(ref) or run_cfg  # the config the weights were trained with
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=cfg.train.seed)  # fills non-checkpointed buffers; weights come from the checkpoint
+    model = build_model(cfg.model, weights="none")  # the weights: the checkpoint's
     load_model_weights(ref, model)
     text = generate(model, tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
                     max_context=cfg.data.seq_len)

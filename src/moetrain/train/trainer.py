@@ -1,8 +1,8 @@
 """The Trainer: one optimizer step, evaluation, and the state a checkpoint holds.
 
-Built by `moetrain.train.run` once the process group, mesh and data exist. It builds
-the model on the meta device, parallelizes it (`moetrain.parallel.parallelize`),
-initialises it, and owns the optimizer, schedule and data loader.
+Built by `moetrain.train.run` once the process group, mesh and data exist. It gets its
+model from the one builder (`moetrain.train.build`) and owns the optimizer, schedule and
+data loader.
 
 One step: take this rank's `grad_accum` microbatches of the step's global batch from
 the loader (the same global batch for any number of ranks: moetrain.data.loader), count the step's valid
@@ -27,7 +27,6 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.config import JobConfig
@@ -35,10 +34,8 @@ from moetrain.data.batching import build_batching
 from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
-from moetrain.interop.hf import load_hf_weights
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
-from moetrain.model.transformer import Transformer
 from moetrain.observe.metrics import StepResult, bits_per_byte, train_record
 from moetrain.observe.peak_flops import peak_flops
 from moetrain.observe.peak_memory import PeakMemory
@@ -46,32 +43,15 @@ from moetrain.observe.step_phases import StepPhases
 from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum, rank_and_world
 from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
-from moetrain.parallel.parallelize import parallelize_model
 from moetrain.parallel.precision import compute_copy
 from moetrain.parallel.shard import DTYPES
 from moetrain.train import checkpoint as ckpt
+from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
 
 log = get_logger("train")
-
-
-def build_model(cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
-    """The model on meta, parallelized per `cfg`, materialised on `device` and initialised.
-
-    With `model.init_from = "hf:DIR"` the weights then come from that Hugging Face directory
-    (each rank reads its own shards; a one-line ConfigError when the architecture differs).
-    """
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    parallelize_model(model, mesh, cfg)
-    model.to_empty(device=device)
-    model.init_weights(seed=cfg.train.seed)
-    if cfg.model.init_from is not None:
-        load_hf_weights(model, cfg.model.init_from)
-    model.train()
-    return model
 
 
 def eval_indices(n_sequences: int, wanted: int, rank: int, world: int) -> list[int]:
@@ -97,7 +77,7 @@ class Trainer:
         self.rank, self.world = rank_and_world()
         self.policy = resolve_sync_policy(cfg.parallel, mesh, cfg.train.grad_accum)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg, mesh, device)
+        self.model = build_for_job(cfg, mesh, device)
         self.compute_copy = compute_copy(self.model, cfg.parallel)  # None under FSDP or in float32
         self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)

@@ -1,11 +1,12 @@
 """`moetrain init-report`: build the configured model on the CPU, initialise it, print intended vs measured.
 
 `main(argv)` handles `moetrain init-report --config C --scheme S [--seed N] [--json]`: it
-initialises a `Transformer` with a scheme of the catalog (init.py) and prints, per parameter
+builds the model with the one builder (`moetrain.train.build`), initialised with a scheme of the
+catalog (moetrain.model.init), and prints, per parameter
 (fused expert weights: one row per half), the rule, the intended std and the measured std and
 mean, as a table or as JSON. `report_rows` also works on an FSDP-sharded model (it gathers each
-full tensor, a collective on every rank). This is the top of `moetrain.model`: nothing in the
-model imports it, and it holds no init logic of its own (the drawing lives in init.py).
+full tensor, a collective on every rank). It holds no init logic of its
+own (the drawing lives in moetrain.model.init).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from moetrain.args import parse_typed_args
 from moetrain.config import JobConfig, ModelConfig, load
 from moetrain.model.init import Scheme, canonical_name, classify, get_scheme, single_cpu_thread
 from moetrain.model.transformer import Transformer
+from moetrain.train.build import build_model
 
 JSON_KEYS = ("name", "shape", "dist", "cutoff", "target_std", "measured_std", "measured_mean", "sigma", "kind",
              "numel", "max_abs")
@@ -81,11 +83,7 @@ def _collect_rows(model: nn.Module, scheme: Scheme, rows: list[dict]) -> None:
 def build_initialised(cfg: ModelConfig, scheme_name: str, seed: int = 0) -> Transformer:
     """A `Transformer(cfg)` built on meta, materialised on the CPU and initialised with a scheme."""
     get_scheme(scheme_name, cfg.init_scale_embedding)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed, scheme=scheme_name)
-    return model
+    return build_model(cfg, seed=seed, init_scheme=scheme_name)
 
 
 def _format_table(rows: list[dict], scheme: str) -> str:

@@ -1,0 +1,74 @@
+"""The one model builder: config -> model on the meta device -> parallelized -> materialised -> weights.
+
+Every place that needs a model (the trainer, export, sampling, the init report, Hugging Face
+import, benchmarks and tests) builds it here, so the order that matters is written once:
+expert parallelism, activation checkpointing, compile and FSDP are applied while the model is
+still on the meta device (no memory is spent on parameters a rank will not hold), then
+`to_empty` gives each rank its shards, and only then are weights drawn or read.
+
+Weights: "init" draws them with the model's init scheme (each rank its own shards, the same
+distribution as an unsharded init); "hf:DIR" reads a Hugging Face directory (each rank reads
+its own slices); "none" leaves the parameters for the caller to load from a checkpoint and
+resets only the buffers a checkpoint does not carry. This module builds; it does not train,
+save or parse a command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from moetrain.config import JobConfig, ModelConfig, ParallelConfig
+from moetrain.errors import ConfigError
+from moetrain.interop import hf_job_config, load_hf_weights
+from moetrain.model.init import reset_buffers
+from moetrain.model.transformer import Transformer
+from moetrain.parallel.parallelize import parallelize_model
+
+WEIGHTS = ("init", "none", "hf:DIR")
+
+
+def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = None, mesh: DeviceMesh | None = None,
+                device: torch.device | str = "cpu", *, weights: str = "init", seed: int = 0,
+                init_scheme: str | None = None, activation_checkpointing: bool = False,
+                compile: bool = False) -> Transformer:
+    """The model of `model_cfg`, parallelized over `mesh` per `parallel_cfg`, on `device`, with `weights`.
+
+    Without a mesh (or on one rank without expert parallelism) the model stays a plain module.
+    Collective when the model is sharded: every rank of the mesh calls it with the same arguments.
+    """
+    if weights not in ("init", "none") and not weights.startswith("hf:"):
+        raise ConfigError(f"weights = {weights!r} is invalid: must be one of {', '.join(WEIGHTS)}")
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    parallelize_model(model, mesh, parallel_cfg or ParallelConfig(), activation_checkpointing=activation_checkpointing,
+                      compile=compile)
+    model.to_empty(device=device)
+    if weights == "none":
+        reset_buffers(model)
+    else:
+        # Under "hf:DIR" the draw is overwritten; it still runs so that the random state after
+        # building is the same whether or not weights come from a directory.
+        model.init_weights(seed=seed, scheme=init_scheme)
+        if weights.startswith("hf:"):
+            load_hf_weights(model, weights)
+    return model
+
+
+def build_for_job(cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device | str) -> Transformer:
+    """The model a training job starts from: `model.init_from` when set, else a fresh init, in train mode."""
+    model = build_model(cfg.model, cfg.parallel, mesh, device, weights=cfg.model.init_from or "init",
+                        seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing,
+                        compile=cfg.train.compile)
+    model.train()
+    return model
+
+
+def load_hf_model(model_dir: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, JobConfig]:
+    """(model, JobConfig) of a Hugging Face directory in one process: the architecture from config.json,
+    the weights from its safetensors files, its tokenizer as `data.tokenizer` when it has one."""
+    cfg = hf_job_config(model_dir)
+    model = build_model(cfg.model, device=device, weights=f"hf:{model_dir}")
+    return model, cfg
