@@ -16,7 +16,7 @@ import os
 import sys
 from typing import NoReturn
 
-from moetrain.errors import ConfigError
+from moetrain.errors import ConfigError, ModelError
 from moetrain.runtime.allocator import huge_pages_for_large_tensors
 
 # name -> (one-line help, "module:function")
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(argv[1:]) or 0)
-    except ConfigError as err:
+    except (ConfigError, ModelError) as err:
         print(f"moetrain: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:

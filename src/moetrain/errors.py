@@ -4,7 +4,10 @@
 command-line option): its message is one line naming the field or file, the value
 and what would be valid, and the CLI turns it into `moetrain: error: ...` with exit
 status 2. `TrainingDiverged` ends a run whose loss or state became NaN/inf (exit 1),
-`CollectiveFailed` one whose collective timed out or lost a peer (exit 3).
+`CollectiveFailed` one whose collective timed out or lost a peer (exit 3). `ModelError` is what
+model and kernel code raise when asked for something they do not compute: a validated config
+never gets there, so it means a caller (a benchmark's own options, library use) passed it
+directly; the CLI reports it in one line like a ConfigError.
 This module defines types only; it imports nothing from the project.
 """
 
@@ -13,6 +16,10 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A user-caused configuration, data or command-line problem; the message is one line."""
+
+
+class ModelError(ValueError):
+    """Model or kernel code was asked for an option it does not compute; the message is one line."""
 
 
 class TrainingDiverged(RuntimeError):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.errors import ConfigError
+from moetrain.errors import ModelError
 from moetrain.model.experts import routed_experts
 from moetrain.model.grouped_mm import CPU_GROUPED_MM_BACKEND, grouped_mm, grouped_mm_backend, grouped_mm_weight_grad
 from moetrain.model.routing import Routing, routing_from_topk
@@ -231,11 +231,11 @@ def test_routed_experts_rejects_bad_arguments():
     x = torch.randn(3, 8)
     w1, w2 = make_weights(2, 8, 4, "swiglu", torch.float32)
     routing = routing_from_topk(torch.tensor([[0], [1], [1]]), torch.ones(3, 1), 2)
-    with pytest.raises(ConfigError, match="impl = 'fast'.*loop, grouped, memory_efficient"):
+    with pytest.raises(ModelError, match="impl = 'fast'.*loop, grouped, memory_efficient"):
         routed_experts(x, routing, w1, w2, "swiglu", "fast")
-    with pytest.raises(ConfigError, match="activation = 'relu'"):
+    with pytest.raises(ModelError, match="activation = 'relu'"):
         routed_experts(x, routing, w1, w2, "relu", "loop")
-    with pytest.raises(ConfigError, match="backend = 'cuda'"):
+    with pytest.raises(ModelError, match="backend = 'cuda'"):
         routed_experts(x, routing, w1, w2, "swiglu", "grouped", backend="cuda")
     with pytest.raises(ValueError, match="inconsistent expert shapes"):
         routed_experts(x, routing, w1, w2, "gelu", "loop")

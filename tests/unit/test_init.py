@@ -10,7 +10,7 @@ import torch
 
 from moetrain.cli import main as cli_main
 from moetrain.config import InitScheme, JobConfig, load
-from moetrain.errors import ConfigError
+from moetrain.errors import ConfigError, ModelError
 from moetrain.model.init import KINDS, SCHEMES, Dims, Rule, _draw_rows, classify, get_scheme
 from moetrain.train.init_report import build_initialised, report_rows
 from moetrain.train.init_report import main as report_main
@@ -91,7 +91,7 @@ def test_olmo_megatron_embedding_is_002_unless_scaled(scale, sigma):
 
 
 def test_scaled_embedding_belongs_to_olmo_megatron_only():
-    with pytest.raises(ConfigError, match=r"model.init_scale_embedding = True is invalid with init scheme 'llama'"):
+    with pytest.raises(ModelError, match=r"model.init_scale_embedding = True is invalid with init scheme 'llama'"):
         get_scheme("llama", scale_embedding=True)
 
 
@@ -138,7 +138,7 @@ def test_config_names_exactly_the_catalog_schemes_in_order():
 
 
 def test_unknown_scheme_and_unknown_parameter_are_rejected(tiny_cfg):
-    with pytest.raises(ConfigError, match=r"'nope' is unknown; valid schemes: llama, gpt-oss"):
+    with pytest.raises(ModelError, match=r"'nope' is unknown; valid schemes: llama, gpt-oss"):
         get_scheme("nope")
     with pytest.raises(ValueError, match="no init rule"):
         classify("layers.0.attention.bias", tiny_cfg)

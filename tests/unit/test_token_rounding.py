@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.errors import ConfigError
+from moetrain.errors import ModelError
 from moetrain.model.experts import routed_experts
 from moetrain.model.routing import round_routing, routing_from_topk
 
@@ -107,7 +107,7 @@ def test_rounded_scores_stay_differentiable_to_the_router():
 
 def test_bad_arguments():
     _, probs, routing = make_routing()
-    with pytest.raises(ConfigError, match="token_rounding_tile = 0"):
+    with pytest.raises(ModelError, match="token_rounding_tile = 0"):
         round_routing(probs, routing, 0)
     with pytest.raises(ValueError, match="router_probs has 3 experts"):
         round_routing(probs[:, :3], routing, 4)

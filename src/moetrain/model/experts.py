@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moetrain.errors import ConfigError
+from moetrain.errors import ModelError
 from moetrain.model.grouped_mm import (
     BACKENDS,
     Backend,
@@ -95,9 +95,9 @@ def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activati
     per-device grouped GEMM choice (the benchmark measures both).
     """
     if impl not in IMPLS:
-        raise ConfigError(f"moe impl = {impl!r} is invalid: valid impls are {', '.join(IMPLS)}")
+        raise ModelError(f"moe impl = {impl!r} is invalid: valid impls are {', '.join(IMPLS)}")
     if backend is not None and backend not in BACKENDS:
-        raise ConfigError(f"grouped GEMM backend = {backend!r} is invalid: valid backends are {', '.join(BACKENDS)}")
+        raise ModelError(f"grouped GEMM backend = {backend!r} is invalid: valid backends are {', '.join(BACKENDS)}")
     check_expert_shapes(x, routing, w1, w2, activation)
     # Weights kept in a wider dtype than the activations (e.g. fp32 master weights, bf16 compute) are
     # cast differentiably here, so every implementation sees one dtype.

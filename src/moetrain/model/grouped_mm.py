@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moetrain.errors import ConfigError
+from moetrain.errors import ModelError
 
 Backend = Literal["torch_grouped_mm", "segment_loop"]
 
@@ -147,7 +147,7 @@ def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backen
 
 def check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
-        raise ConfigError(f"moe activation = {activation!r} is invalid: valid activations are {', '.join(ACTIVATIONS)}")
+        raise ModelError(f"moe activation = {activation!r} is invalid: valid activations are {', '.join(ACTIVATIONS)}")
 
 
 def activation_forward(h: Tensor, activation: str) -> Tensor:

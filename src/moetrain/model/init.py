@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moetrain.config import ModelConfig
-from moetrain.errors import ConfigError
+from moetrain.errors import ModelError
 
 KINDS = ("embedding", "qkv", "attn_out", "ffn_gate", "ffn_up", "ffn_down", "router",
          "expert_gate", "expert_up", "expert_down", "lm_head", "norm")
@@ -326,12 +326,12 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
 def get_scheme(name: str, scale_embedding: bool = False) -> Scheme:
     """The catalog scheme `name`; `scale_embedding` (olmo-megatron only) scales its embedding std by sqrt(d)."""
     if name not in SCHEMES:
-        raise ConfigError(f"init scheme {name!r} is unknown; valid schemes: {', '.join(SCHEMES)}")
+        raise ModelError(f"init scheme {name!r} is unknown; valid schemes: {', '.join(SCHEMES)}")
     scheme = SCHEMES[name]
     if not scale_embedding:
         return scheme
     if name != "olmo-megatron":
-        raise ConfigError(f"model.init_scale_embedding = True is invalid with init scheme {name!r}: only "
+        raise ModelError(f"model.init_scale_embedding = True is invalid with init scheme {name!r}: only "
                           "'olmo-megatron' has it")
     return dataclasses.replace(scheme, rules={**scheme.rules, "embedding": SCALED_EMBEDDING})
 

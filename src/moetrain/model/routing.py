@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moetrain.errors import ConfigError
+from moetrain.errors import ModelError
 
 
 @dataclass
@@ -103,7 +103,7 @@ def round_routing(router_probs: Tensor, routing: Routing, tile: int) -> tuple[Ro
     Filled assignments take router_probs[t, e] as their gate weight, so they stay differentiable.
     """
     if not isinstance(tile, int) or tile < 1:
-        raise ConfigError(f"token_rounding_tile = {tile!r} is invalid: must be an integer >= 1")
+        raise ModelError(f"token_rounding_tile = {tile!r} is invalid: must be an integer >= 1")
     n_tokens, n_experts = router_probs.shape
     if n_experts != routing.n_experts:
         raise ValueError(f"router_probs has {n_experts} experts, routing has {routing.n_experts}")
