@@ -3,7 +3,7 @@
 Layers, lowest first (a module may import only from lower layers, or from its own
 package without closing a cycle):
 
-    errors, testing, durable  <  args, logging  <  config  <  model, data  <  parallel
+    errors, testing, durable, dtypes  <  args, logging  <  config  <  model, data  <  parallel
     <  interop, runtime  <  observe  <  train  <  bench, cli  <  __main__
 
 Imports inside functions are allowed only for optional third-party extras (a user
@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "moetrain"
 
 LAYERS: list[set[str]] = [
-    {"errors", "testing", "durable", "__init__"},
+    {"errors", "testing", "durable", "dtypes", "__init__"},
     {"args", "logging"},
     {"config"},
     {"model", "data"},

@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from moetrain.args import parse_typed_args
+from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.model.attention import (
     BLOCK_SIZE,
@@ -43,7 +44,6 @@ from moetrain.model.attention import (
 matplotlib.use("Agg")  # the plot goes to a file only; never needs a display
 
 PROG = "moetrain bench attention"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -82,8 +82,8 @@ def _validate(opts: AttentionBenchOptions) -> None:
         raise ConfigError(f"--tiles = {opts.tiles} is invalid: tiles must be positive")
     if any(b < 1 for b in opts.blocks):
         raise ConfigError(f"--blocks = {opts.blocks} is invalid: blocks must be positive")
-    if opts.dtype not in DTYPES:
-        raise ConfigError(f"--dtype = {opts.dtype!r} is invalid: one of {', '.join(DTYPES)}")
+    if opts.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--dtype = {opts.dtype!r} is invalid: one of float32, bfloat16")
     if opts.device not in ("cpu", "cuda"):
         raise ConfigError(f"--device = {opts.device!r} is invalid: 'cpu' or 'cuda'")
     if opts.device == "cuda" and not torch.cuda.is_available():

@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from moetrain.args import parse_typed_args, take_option
+from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.model.experts import IMPLS, routed_experts
 from moetrain.model.grouped_mm import ACTIVATIONS, BACKENDS, grouped_mm_backend
@@ -40,7 +41,6 @@ matplotlib.use("Agg")  # the sweep plot goes to a file only; never needs a displ
 
 PROG = "moetrain bench moe"
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 RESULTS_DIR = Path("benchmarks/results")
 # (n_experts, top_k, intermediate) at constant top_k * intermediate = 1024.
 GRANULARITY_SWEEP: tuple[tuple[int, int, int], ...] = ((8, 1, 1024), (16, 2, 512), (32, 4, 256), (64, 8, 128),
@@ -84,7 +84,7 @@ def _validate(cfg: BenchConfig) -> None:
     check(cfg.warmup >= 0, "warmup", "must be >= 0")
     check(cfg.threads >= 0, "threads", "must be >= 0 (0 = torch default)")
     check(cfg.activation in ACTIVATIONS, "activation", f"valid: {', '.join(ACTIVATIONS)}")
-    check(cfg.dtype in DTYPES, "dtype", f"valid: {', '.join(DTYPES)}")
+    check(cfg.dtype in ("float32", "bfloat16", "float64"), "dtype", "valid: float32, bfloat16, float64")
     check(cfg.backend in ("auto", *BACKENDS), "backend", f"valid: auto, {', '.join(BACKENDS)}")
     check(cfg.device in ("cpu", "cuda"), "device", "valid: cpu, cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from moetrain.config import ParallelConfig
-from moetrain.parallel.shard import DTYPES, fsdp_modules
+from moetrain.dtypes import DTYPES
+from moetrain.parallel.shard import fsdp_modules
 
 _ADD_SLICE = 1 << 18  # elements per slice when adding a low-precision gradient into its buffer
 

@@ -35,12 +35,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPM
 from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.config import ParallelConfig
+from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.parallel.expert_parallel import expert_parameters
 from moetrain.parallel.mesh import EP_MESH_DIM_NAMES, ExpertMeshes, data_parallel_mesh, expert_meshes
 
 _GUARD_MARK = "_moetrain_grad_dtype_guard"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def mixed_precision_policy(parallel: ParallelConfig) -> MixedPrecisionPolicy:

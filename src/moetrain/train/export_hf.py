@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import torch
 import torch.distributed as dist
 
 from moetrain.args import parse_typed_args
+from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.interop.hf import check_output_dir, export_family, save_hf
 from moetrain.parallel.collectives import barrier, distributed
@@ -28,8 +28,6 @@ from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
 from moetrain.train.checkpoint import CheckpointRef, latest_complete, list_complete, load_model_weights
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass

@@ -9,7 +9,7 @@ then restore a checkpoint and start writing into the run directory.
 
 The run owns the process group's lifetime, logging and the schedule of everything
 around the steps: the components decide when they act (`metrics.due(step)`,
-`checkpointer.maybe_save(step)`), evaluation runs every `train.eval_every` steps, a
+`checkpointer.maybe_save(step)`, `evaluation.due(step)`: every `train.eval_every` steps), a
 non-finite step is skipped or stops the run per `train.nan_policy`, and the end of
 the run evaluates, samples and writes the final record. The step itself is the
 Trainer's (`moetrain.train.trainer`).
@@ -55,7 +55,7 @@ from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.sample import generate
-from moetrain.train.trainer import Trainer
+from moetrain.train.trainer import EvalSchedule, Trainer
 
 log = get_logger("train")
 EXIT_COLLECTIVE_FAILED = 3
@@ -150,6 +150,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                             log_every=cfg.logging.log_every, last_step=last_step,
                             wandb_config=cfg.to_dict() if cfg.logging.wandb else None,
                             wandb_project=cfg.logging.wandb_project)
+    evaluation = EvalSchedule(cfg.train.eval_every, last_step=cfg.train.steps)
     data = trainer.data
     start_record = {
         "kind": "event", "event": "resume" if resume_from else "start", "step": trainer.step,
@@ -191,8 +192,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                     window = []
                     metrics.write(record)
                     log.info(console_line(record, cfg.train.steps))
-                evaluate_now = cfg.train.eval_every > 0 and trainer.step % cfg.train.eval_every == 0
-                if data.heldout is not None and evaluate_now and trainer.step != cfg.train.steps:
+                if data.heldout is not None and evaluation.due(trainer.step):
                     phase.where = f"the evaluation after step {trainer.step}"
                     ev = trainer.evaluate()
                     metrics.write({"kind": "eval", "step": trainer.step, **ev})

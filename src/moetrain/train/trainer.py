@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from moetrain.data.batching import build_batching
 from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
+from moetrain.dtypes import DTYPES
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.observe.metrics import StepResult, bits_per_byte, train_record
@@ -44,7 +46,6 @@ from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum, ran
 from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.precision import compute_copy
-from moetrain.parallel.shard import DTYPES
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
@@ -52,6 +53,53 @@ from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_s
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
 
 log = get_logger("train")
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What every step sums over ranks in its one small all-reduce (float64 on the wire)."""
+
+    loss_sum: float  # summed token loss of this rank's microbatches
+    balance_loss: float  # this rank's part of the load-balance loss
+    z_loss: float  # this rank's part of the router z-loss
+    nonfinite_ranks: float  # 1 when this rank's sums are NaN/inf, so the sum counts such ranks
+    input_tokens: float  # input tokens this rank fed the model
+
+    @classmethod
+    def summed_over_ranks(cls, local: StepTotals, device: torch.device) -> StepTotals:
+        values = torch.tensor([getattr(local, f.name) for f in fields(cls)], dtype=torch.float64, device=device)
+        return cls(*(float(v) for v in all_reduce_sum(values).cpu()))
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's times and all-to-all traffic in a step, gathered to every rank for the record."""
+
+    compute_s: float
+    wait_s: float
+    step_s: float
+    all_to_all_s: float
+    all_to_all_rows_sent: float
+    all_to_all_rows_received: float
+
+    @classmethod
+    def gathered(cls, local: RankTimes, extra: list[float]) -> list[tuple[RankTimes, list[float]]]:
+        """(times, extra values) of every rank, in rank order; `extra` is as long on every rank."""
+        n = len(fields(cls))
+        rows = all_gather_floats([getattr(local, f.name) for f in fields(cls)] + list(extra))
+        return [(cls(*row[:n]), list(row[n:])) for row in rows]
+
+
+@dataclass(frozen=True)
+class EvalSchedule:
+    """When the run evaluates on the held-out split: every `every` steps (0 = never) and after the last step."""
+
+    every: int
+    last_step: int
+
+    def due(self, step: int) -> bool:
+        """An evaluation between steps; the one after the last step is the run's final report, not this."""
+        return self.every > 0 and step % self.every == 0 and step != self.last_step
 
 
 def eval_indices(n_sequences: int, wanted: int, rank: int, world: int) -> list[int]:
@@ -173,17 +221,17 @@ class Trainer:
         wait_start = time.perf_counter()
         with phases.phase("wait"):
             local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
-            flag = torch.tensor(0.0 if local_finite else 1.0, dtype=torch.float64)
-            inputs = torch.tensor(input_tokens, dtype=torch.float64)
-            summary = all_reduce_sum(torch.stack([loss_sum, aux_sum, z_sum, flag, inputs]).to(self.device)).cpu()
+            local = StepTotals(loss_sum=float(loss_sum), balance_loss=float(aux_sum), z_loss=float(z_sum),
+                               nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens))
+            totals = StepTotals.summed_over_ranks(local, self.device)
         wait_s = time.perf_counter() - wait_start
         denominator = max(global_tokens, 1)
-        loss = float(summary[0]) / denominator
-        aux_loss = float(summary[1])
-        z_loss = float(summary[2])
+        loss = totals.loss_sum / denominator
+        aux_loss = totals.balance_loss
+        z_loss = totals.z_loss
         with phases.phase("optimizer"):
             grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
-            finite = summary[3].item() == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
+            finite = totals.nonfinite_ranks == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
             if finite:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -192,7 +240,7 @@ class Trainer:
             else:
                 self.model.discard_pending_expert_load()  # this step's loads are not applied
         self.step += 1
-        self.step_input_tokens = int(summary[4])
+        self.step_input_tokens = int(totals.input_tokens)
         self.tokens_seen += self.step_input_tokens
         return StepResult(loss, aux_loss, grad_norm, lr, global_tokens, compute_s, wait_s,
                           time.perf_counter() - start, not finite, expert_load, a2a_s, a2a_sent, a2a_received,
@@ -205,13 +253,15 @@ class Trainer:
     def train_record(self, result: StepResult, window: list[StepResult]) -> dict[str, Any]:
         """The metrics record of the step just taken (collective: every rank calls it)."""
         memory = self.memory.read_and_reset()  # peaks since the previous record, this rank
-        gathered = all_gather_floats([result.compute_s, result.wait_s, result.step_s, result.all_to_all_s,
-                                      result.all_to_all_rows_sent, result.all_to_all_rows_received,
-                                      *memory.values()])
-        memory_per_rank = {name: [r[6 + i] for r in gathered] for i, name in enumerate(memory)}
+        ranks = RankTimes.gathered(RankTimes(result.compute_s, result.wait_s, result.step_s, result.all_to_all_s,
+                                             result.all_to_all_rows_sent, result.all_to_all_rows_received),
+                                   list(memory.values()))
+        memory_per_rank = {name: [extra[i] for _, extra in ranks] for i, name in enumerate(memory)}
         load = None if result.expert_load is None else all_reduce_sum(result.expert_load.clone())
-        all_to_all = [r[3:6] for r in gathered] if self.all_to_all is not None else None
-        record = train_record(self.step, result, window, self.tokens_per_rank_step, [r[:3] for r in gathered], load,
+        all_to_all = ([[r.all_to_all_s, r.all_to_all_rows_sent, r.all_to_all_rows_received] for r, _ in ranks]
+                      if self.all_to_all is not None else None)
+        times = [[r.compute_s, r.wait_s, r.step_s] for r, _ in ranks]
+        record = train_record(self.step, result, window, self.tokens_per_rank_step, times, load,
                               self.flops_per_token, self.peak_flops_per_rank(), self.tokens_seen, self.skipped_steps,
                               all_to_all, memory_per_rank, self._expert_bias())
         record["peak_rss_since_previous_record"] = self.memory.window_peaks  # else the process's lifetime peak
