@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
         if owns_process_group:
             barrier()
     finally:
-        if owns_process_group and dist.is_initialized():
+        if owns_process_group and distributed():
             dist.destroy_process_group()
     if result["rank"] != 0:
         return 0

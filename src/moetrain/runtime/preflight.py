@@ -21,6 +21,7 @@ import torch.distributed as dist
 from moetrain.config import JobConfig, check_world_size
 from moetrain.errors import ConfigError
 from moetrain.model.memory_estimate import MemoryEstimate, estimate_training_memory, format_bytes
+from moetrain.parallel.collectives import distributed, rank_and_world
 
 
 def physical_memory_bytes() -> int | None:
@@ -41,17 +42,14 @@ def _device_type(cfg: JobConfig) -> str:
     parallel = cfg.parallel
     if parallel.device != "auto":
         return parallel.device
-    if dist.is_available() and dist.is_initialized():
+    if distributed():
         return "cuda" if dist.get_backend() == "nccl" else "cpu"
     return "cuda" if parallel.backend != "gloo" and torch.cuda.is_available() else "cpu"
 
 
 def _ranks() -> tuple[int, int]:
     """(world size, ranks on this machine), from the process group or torchrun's environment."""
-    if dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-    else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = rank_and_world()[1] if distributed() else int(os.environ.get("WORLD_SIZE", "1"))
     return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
 
 

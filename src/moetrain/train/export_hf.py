@@ -77,7 +77,7 @@ def export(args: ExportOptions) -> Path:
         barrier()
         return out
     finally:
-        if owns_process_group and dist.is_initialized():
+        if owns_process_group and distributed():
             dist.destroy_process_group()
 
 

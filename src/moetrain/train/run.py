@@ -103,7 +103,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         if lock is not None:
             lock.release()
         # Also when the Trainer could not be built (e.g. a mesh that does not fit the world).
-        if owns_process_group and dist.is_initialized():
+        if owns_process_group and distributed():
             if completed:
                 # Ranks leave together, and only once gloo's worker threads have released the
                 # last collective: otherwise a rank can abort at interpreter exit (SIGABRT).

@@ -23,6 +23,7 @@ from moetrain.args import parse_typed_args
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
+from moetrain.parallel.collectives import rank_and_world
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
 from moetrain.train.checkpoint import load_model_weights, newest_intact, stored_config
@@ -64,7 +65,7 @@ def generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens
     generator = torch.Generator().manual_seed(seed)
     context = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
     new_tokens: list[int] = []
-    broadcast = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    broadcast = rank_and_world()[1] > 1
     try:
         for _ in range(max_new_tokens):
             window = torch.tensor([context[-max_context:]], dtype=torch.long, device=device)
