@@ -34,7 +34,7 @@ from moetrain.config import JobConfig, ModelConfig, MoEConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX, Batch
-from moetrain.interop.hf import load_hf, load_hf_weights
+from moetrain.interop import load_hf, load_hf_weights
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.grad_sync import accumulation, resolve_sync_policy
 from moetrain.parallel.mesh import build_mesh

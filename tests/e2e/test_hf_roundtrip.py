@@ -10,7 +10,7 @@ import torch
 
 import hf_tiny
 from moetrain import cli
-from moetrain.interop.hf import architecture, load_hf
+from moetrain.interop import architecture, load_hf
 from moetrain.model.transformer import Transformer
 from moetrain.train.checkpoint import latest_complete, load_model_weights
 from moetrain.train.rundir import RunDir

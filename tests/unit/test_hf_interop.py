@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 import hf_tiny
 from moetrain.config import JobConfig
 from moetrain.errors import ConfigError
-from moetrain.interop.hf import check_architecture, export_family, load_hf, load_hf_weights, save_hf
+from moetrain.interop import check_architecture, export_family, load_hf, load_hf_weights, save_hf
 from moetrain.model.transformer import Transformer
 
 TOL = 1e-5

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from moetrain.args import parse_typed_args
 from moetrain.errors import ConfigError
-from moetrain.interop.hf import check_output_dir, export_family, save_hf
+from moetrain.interop import check_output_dir, export_family, save_hf
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.collectives import barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed

@@ -35,7 +35,7 @@ from moetrain.data.batching import build_batching
 from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
-from moetrain.interop.hf import load_hf_weights
+from moetrain.interop import load_hf_weights
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.model.transformer import Transformer
