@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 from moetrain.args import take_option
 from moetrain.data.tokenizer import write_byte_level_tokenizer
-from moetrain.interop.hf import load_hf, load_hf_weights, save_hf
+from moetrain.interop import load_hf_weights, save_hf
 from moetrain.model.transformer import Transformer
+from moetrain.train.build import load_hf_model
 
 SPECIAL = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
 
@@ -65,7 +66,7 @@ def measure(family: str, layers: int, work: Path) -> dict[str, dict[str, float]]
     directory = work / family
     reference.save_pretrained(directory)
     write_byte_level_tokenizer(directory / "tokenizer.json")
-    model, cfg = load_hf(directory)
+    model, cfg = load_hf_model(directory)
     tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
     out: dict[str, dict[str, float]] = {}
     with torch.no_grad():

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from moetrain.args import take_option
 from moetrain.config import parse_job_args
-from moetrain.testing import run_on_ranks
-from moetrain.runtime.allocator import rank_environment
 from moetrain.observe.peak_memory import growth_per_step
+from moetrain.runtime.allocator import rank_environment
+from moetrain.testing import run_on_ranks
 from moetrain.train.run import run
 
 WINDOW = 25  # steps per slope window

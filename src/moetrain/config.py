@@ -88,7 +88,7 @@ class ModelConfig:
     # olmo-megatron only: embedding std init_std·sqrt(dim) instead of init_std (OLMo's `scale_emb_init`).
     init_scale_embedding: bool = False
     # Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors, and every
-    # architecture field above must agree with its config.json (moetrain.interop.hf). None = init_scheme.
+    # architecture field above must agree with its config.json (moetrain.interop.config_map). None = init_scheme.
     init_from: str | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)
 

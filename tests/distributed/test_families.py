@@ -34,7 +34,7 @@ from moetrain.config import JobConfig, ModelConfig, MoEConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX, Batch
-from moetrain.interop.hf import load_hf, load_hf_weights
+from moetrain.interop import hf_job_config, load_hf_weights
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.grad_sync import accumulation, resolve_sync_policy
 from moetrain.parallel.mesh import build_mesh
@@ -146,7 +146,7 @@ def to_torch(value):
 
 
 def job(directory: Path, tmp: Path, corpus: Path, name: str, replicate: int = 1, ep: int = 1) -> JobConfig:
-    _, cfg = load_hf(directory)
+    cfg = hf_job_config(directory)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_layout="interleaved"))
     cfg.parallel.dp_replicate, cfg.parallel.ep = replicate, ep
     cfg.data.source, cfg.data.path, cfg.data.glob, cfg.data.seq_len = "dir", str(corpus), "*.py", 32
@@ -203,7 +203,7 @@ def test_global_batch_balance_loss_on_4_ranks_equals_one_process_on_the_whole_ba
 @pytest.mark.parametrize("layout", ["hsdp", "ep"])
 def test_sharded_import_equals_one_process_and_transformers(runs, layout):
     hf_model, directory, tokens, four, _, _ = runs
-    _, cfg = load_hf(directory)
+    cfg = hf_job_config(directory)
     reference = Transformer(dataclasses.replace(cfg.model, rope_layout="interleaved"))
     load_hf_weights(reference, directory)
     for name, param in reference.named_parameters():

@@ -10,7 +10,7 @@ import torch
 
 import hf_tiny
 from moetrain import cli
-from moetrain.interop.hf import architecture, load_hf
+from moetrain.interop import architecture, hf_job_config
 from moetrain.model.transformer import Transformer
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.checkpoint import latest_complete, load_model_weights
@@ -18,7 +18,7 @@ from moetrain.train.checkpoint import latest_complete, load_model_weights
 
 def architecture_args(directory) -> list[str]:
     """--model.* overrides describing the directory's architecture (the TOML must agree with config.json)."""
-    _, cfg = load_hf(directory)
+    cfg = hf_job_config(directory)
     args = []
     for name, value in architecture(cfg.model).items():
         if value is not None:

@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 import hf_tiny
 from moetrain.config import JobConfig
 from moetrain.errors import ConfigError
-from moetrain.interop.hf import check_architecture, export_family, load_hf, load_hf_weights, save_hf
+from moetrain.interop import check_architecture, export_family, hf_job_config, load_hf_weights, save_hf
 from moetrain.model.transformer import Transformer
+from moetrain.train.build import load_hf_model
 
 TOL = 1e-5
 VARIANTS = {
@@ -60,7 +61,7 @@ def interleaved_copy(cfg: JobConfig, directory) -> Transformer:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_imported_logits_equal_transformers_in_both_rope_layouts(hf_dirs, variant):
     hf_model, directory = hf_dirs[variant]
-    model, cfg = load_hf(directory)
+    model, cfg = load_hf_model(directory)
     assert cfg.model.rope_layout == "half" and cfg.data.tokenizer == str(directory)
     x = tokens()
     with torch.no_grad():
@@ -74,7 +75,7 @@ def test_imported_logits_equal_transformers_in_both_rope_layouts(hf_dirs, varian
 @pytest.mark.parametrize("variant", ["qwen3_moe", "olmoe"])
 def test_packed_documents_equal_transformers_run_per_document(hf_dirs, variant):
     hf_model, directory = hf_dirs[variant]
-    model, _ = load_hf(directory)
+    model, _ = load_hf_model(directory)
     lengths = [7, 1, 11, 5]
     document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
     x = tokens(seed=3, shape=(1, sum(lengths)))
@@ -98,8 +99,8 @@ def test_fused_expert_layout_loads_like_the_per_expert_layout(hf_dirs, tmp_path)
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     assert "model.layers.0.mlp.experts.gate_up_proj" in state
     save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
-    model, _ = load_hf(fused)
-    reference, _ = load_hf(directory)
+    model, _ = load_hf_model(fused)
+    reference, _ = load_hf_model(directory)
     for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
@@ -109,7 +110,7 @@ def test_export_loads_in_transformers_with_no_missing_or_unexpected_keys(hf_dirs
     from transformers import AutoModelForCausalLM
 
     _, directory = hf_dirs[variant]
-    _, cfg = load_hf(directory)
+    cfg = hf_job_config(directory)
     model = interleaved_copy(cfg, directory)
     with torch.no_grad():  # move away from the imported weights so the test sees what was written
         for param in model.parameters():
@@ -128,7 +129,7 @@ def test_export_loads_in_transformers_with_no_missing_or_unexpected_keys(hf_dirs
 
 def test_architecture_mismatch_is_one_line_naming_each_field(hf_dirs):
     _, directory = hf_dirs["qwen3_moe"]
-    _, cfg = load_hf(directory)
+    cfg = hf_job_config(directory)
     wrong = dataclasses.replace(cfg.model, dim=64, moe=dataclasses.replace(cfg.model.moe, top_k=3))
     with pytest.raises(ConfigError) as err:
         check_architecture(wrong, directory)
@@ -161,29 +162,29 @@ def edit_config(directory, tmp_path, **changes):
 def test_unsupported_or_inconsistent_directories_fail_in_one_line(hf_dirs, tmp_path, changes, expected):
     _, directory = hf_dirs["qwen3_moe"]
     with pytest.raises(ConfigError) as err:
-        load_hf(edit_config(directory, tmp_path, **changes))
+        load_hf_model(edit_config(directory, tmp_path, **changes))
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
 def test_missing_files_are_named(hf_dirs, tmp_path):
     _, directory = hf_dirs["olmoe"]
     with pytest.raises(ConfigError, match="does not exist"):
-        load_hf(tmp_path / "nowhere")
+        load_hf_model(tmp_path / "nowhere")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ConfigError, match="config.json is missing"):
-        load_hf(empty)
+        load_hf_model(empty)
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     shutil.copyfile(directory / "config.json", pickled / "config.json")
     (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(ConfigError, match="pickle files are never loaded"):
-        load_hf(pickled)
+        load_hf_model(pickled)
     indexed = tmp_path / "indexed"
     shutil.copytree(directory, indexed)
     (indexed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-2.safetensors"}}))
     with pytest.raises(ConfigError, match="lists model-2.safetensors, which is missing"):
-        load_hf(indexed)
+        load_hf_model(indexed)
     partial = tmp_path / "partial"
     shutil.copytree(directory, partial)
     state = load_file(str(partial / "model.safetensors"))
@@ -191,7 +192,7 @@ def test_missing_files_are_named(hf_dirs, tmp_path):
     state["model.layers.1.self_attn.extra.bias"] = torch.zeros(3)
     save_file(state, str(partial / "model.safetensors"))
     with pytest.raises(ConfigError, match="tensor model.layers.1.self_attn.k_norm.weight is missing"):
-        load_hf(partial)
+        load_hf_model(partial)
 
 
 def test_models_outside_both_families_are_refused_for_export():

@@ -6,7 +6,7 @@ come from layers.py, the document-masked attention methods (`model.attention`) f
 planned once per forward. Parameter names follow torchtitan (`tok_embeddings.weight`,
 `layers.{i}.attention.wq.weight`, `layers.{i}.attention.q_norm.weight`,
 `layers.{i}.feed_forward.w1.weight`, `layers.{i}.moe.experts.w1`, `norm.weight`, `output.weight`)
-so init schemes, sharding and checkpoints can match by name (interop/hf.py maps them to Hugging
+so init schemes, sharding and checkpoints can match by name (moetrain.interop maps them to Hugging
 Face names).
 
 The model builds on any device, including `meta`; `init_weights()` fills every parameter and

@@ -3,7 +3,7 @@
 Reads the config the run stored, builds the model sharded over this invocation's ranks (the run's
 mesh and expert parallelism when they fit the world size, else plain FSDP over all ranks; one
 process works too), loads
-the checkpoint's model weights shard by shard and writes them with `moetrain.interop.hf.save_hf`:
+the checkpoint's model weights shard by shard and writes them with `moetrain.interop.save_hf`:
 safetensors files with per-expert tensors, config.json and the run's tokenizer. No rank holds
 the whole model. Run it under `torchrun` to spread a large model over several processes.
 Everything is checked (family fits, checkpoint exists, output directory is new) before anything
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from moetrain.args import parse_typed_args
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
-from moetrain.interop.hf import check_output_dir, export_family, save_hf
+from moetrain.interop import check_output_dir, export_family, save_hf
 from moetrain.parallel.collectives import barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.runtime.run_dir import RunDir

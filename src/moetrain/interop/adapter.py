@@ -1,0 +1,78 @@
+"""What a Hugging Face family declares: the `Family` adapter every module in `interop/families/` builds.
+
+A family is data plus pure functions: its config.json <-> ModelConfig mapping, the names its
+tensors have on disk, and what it refuses. The shared code (`config_map`, `hf_io`) does all the
+reading, writing and sharding through this interface and knows no family by name. This module
+defines the interface; it must not read files, touch process groups or name a family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from moetrain.config import ModelConfig
+from moetrain.data.tokenizer import Tokenizer
+
+
+class Refusal(NamedTuple):
+    """A moetrain option a family cannot represent: `field = value`, and why (for a one-line ConfigError)."""
+
+    field: str
+    value: Any
+    why: str
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family (a `model_type`), as the shared import/export code needs it.
+
+    Tensor names: `tensor_names` maps every moetrain state entry other than the routed experts
+    (parameters, and buffers such as a routing correction bias) to its name ON DISK, so a family
+    whose in-memory names differ from its files (Mixtral's `block_sparse_moe.*`) gives the file
+    names. A tensor's on-disk shape is the moetrain tensor's shape; only the routed experts change
+    layout: moetrain's stacked `w1` [E, d, 2n] (gate | up) and `w2` [E, n, d] are written one tensor
+    per expert (`expert_names`: gate [n, d], up [n, d], down [d, n]) and, where the family has a
+    fused layout, also read fused (`fused_expert_names`: gate_up [E, 2n, d], down [E, d, n]).
+    """
+
+    model_type: str  # config.json "model_type", the registry key
+    architecture: str  # config.json "architectures"[0], the transformers class
+    label: str  # the family's name in messages
+    # moetrain architecture field (`config_map.ARCH_FIELDS`) -> what fixes it in config.json, for messages.
+    field_names: dict[str, str]
+    # The moetrain fields, with values, that make a ModelConfig this family's kind of model for export
+    # (dotted for MoE fields: "moe.score_func"); no two families may have the same key.
+    export_key: dict[str, Any]
+    # config.json -> ModelConfig (RoPE in the "half" layout); raises a one-line ConfigError for what
+    # the family's config.json may say but moetrain does not compute the same way. Args: (config, where).
+    model_config: Callable[[dict[str, Any], str], ModelConfig]
+    # ModelConfig -> config.json, with the tokenizer's special ids and the files' dtype.
+    config_json: Callable[[ModelConfig, Tokenizer, torch.dtype], dict[str, Any]]
+    # Every reason a ModelConfig matching `export_key` still cannot be exported, most basic first.
+    export_refusals: Callable[[ModelConfig], list[Refusal]]
+    # moetrain name -> on-disk name of every tensor except the routed experts.
+    tensor_names: Callable[[ModelConfig], dict[str, str]]
+    # (layer, expert) -> on-disk (gate, up, down) names of one routed expert: the layout export writes.
+    expert_names: Callable[[int, int], tuple[str, str, str]]
+    # layer -> on-disk (gate_up, down) names of a layer's experts stored fused; None: no fused layout.
+    fused_expert_names: Callable[[int], tuple[str, str]] | None = None
+
+
+def plain_top_k_refusals(cfg: ModelConfig, label: str) -> list[Refusal]:
+    """What a family routing plain softmax top-k to SwiGLU experts, with no shared expert, refuses."""
+    moe = cfg.moe
+    checks = [
+        (moe.score_func == "softmax", "model.moe.score_func", moe.score_func, f"{label} routes with softmax"),
+        (moe.activation == "swiglu", "model.moe.activation", moe.activation, f"{label} uses SwiGLU experts"),
+        (moe.n_shared_experts == 0, "model.moe.n_shared_experts", moe.n_shared_experts,
+         f"{label} has no shared experts"),
+        (moe.load_balance != "aux_free", "model.moe.load_balance", moe.load_balance,
+         f"its expert bias changes the routing and {label} has no place for it"),
+        (moe.token_rounding_tile == 1, "model.moe.token_rounding_tile", moe.token_rounding_tile,
+         f"rounding changes which experts tokens reach; {label} routes plain top-k"),
+    ]
+    return [Refusal(name, value, why) for ok, name, value, why in checks if not ok]

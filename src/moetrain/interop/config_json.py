@@ -1,0 +1,105 @@
+"""Reading a Hugging Face directory's config.json, and the fields every supported family reads the same way.
+
+Families compose these helpers in their `model_config` / `config_json`; this module knows no family
+by name, reads no tensors and touches no process group.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetrain.config import ModelConfig
+from moetrain.data.tokenizer import Tokenizer
+from moetrain.errors import ConfigError
+
+
+def hf_dir(init_from: str) -> Path:
+    """The directory of a `model.init_from = "hf:DIR"` value."""
+    if not init_from.startswith("hf:") or len(init_from) <= 3:
+        raise ConfigError(f"model.init_from = {init_from!r} is invalid: must be 'hf:DIR'")
+    return Path(init_from[3:])
+
+
+def read_config_json(model_dir: str | Path) -> tuple[Path, Any]:
+    """(path, parsed contents) of DIR/config.json, else a one-line ConfigError naming what is missing."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(f"Hugging Face model directory {str(model_dir)!r} does not exist")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: {str(model_dir)!r} is not a Hugging Face model directory")
+    try:
+        return path, json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+
+
+def unsupported(where: str, key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"{where}: {key} = {value!r} is not supported: {why}")
+
+
+def rope_theta(hf: dict[str, Any], where: str) -> float:
+    """The RoPE base, from transformers 5's `rope_parameters` or the older top-level fields; default RoPE only."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise unsupported(where, "rope_type", rope_type, "moetrain computes the default RoPE only")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def num_experts(hf: dict[str, Any]) -> int:
+    # Some families (Mixtral) call it num_local_experts.
+    return int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
+
+
+def decoder_fields(hf: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ModelConfig fields, MoEConfig fields) of a softmax top-k MoE decoder with SwiGLU experts and RMSNorm.
+
+    Refuses, in one line, what such a config.json may say but moetrain does not compute the same way.
+    """
+    for key, ok, why in (
+        ("hidden_act", hf.get("hidden_act", "silu") == "silu", "experts and FFNs are SwiGLU (silu)"),
+        ("attention_bias", not hf.get("attention_bias", False), "moetrain's projections have no bias"),
+        ("attention_dropout", not hf.get("attention_dropout", 0.0), "moetrain has no dropout"),
+        ("use_sliding_window", not hf.get("use_sliding_window", False), "moetrain attends to the whole document"),
+    ):
+        if not ok:
+            raise unsupported(where, key, hf.get(key), why)
+    theta = rope_theta(hf, where)
+    dim, n_layers, n_heads = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
+    n_kv_heads = int(hf.get("num_key_value_heads") or n_heads)
+    experts = num_experts(hf)
+    if experts < 1:
+        raise unsupported(where, "num_experts", experts, "only MoE models are supported")
+    model = dict(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                 max_seq_len=int(hf.get("max_position_embeddings", 4096)), rope_theta=theta,
+                 rope_layout="half", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    moe = dict(n_experts=experts, top_k=int(hf["num_experts_per_tok"]), n_shared_experts=0,
+               score_func="softmax", renormalize=bool(hf.get("norm_topk_prob", False)), activation="swiglu",
+               aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
+    return model, moe
+
+
+def decoder_config_json(cfg: ModelConfig, model_type: str, architecture: str, tokenizer: Tokenizer,
+                        dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json fields `decoder_fields` reads, written back, with the tokenizer's ids and the dtype."""
+    moe = cfg.moe
+    return {
+        "architectures": [architecture], "model_type": model_type, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False, "attention_dropout": 0.0, "num_experts": moe.n_experts,
+        "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.renormalize,
+        "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": False, "initializer_range": 0.02,
+        "use_cache": True, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id, "dtype": str(dtype).removeprefix("torch."),
+    }

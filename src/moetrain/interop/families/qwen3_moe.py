@@ -1,0 +1,70 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`, model_type "qwen3_moe") as a moetrain architecture.
+
+QK-norm per head, a free head_dim, optional dense first layers (`mlp_only_layers`, or a
+`decoder_sparse_step` that makes every k-th layer MoE) with their own `intermediate_size`; the MoE
+layers route softmax top-k (gates renormalised or not, `norm_topk_prob`) to SwiGLU experts of
+`moe_intermediate_size`; Llama-style tensor names, experts per expert on disk or fused as
+transformers 5 holds them. This module declares the mapping; it reads no files and moves no tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetrain.config import ModelConfig, MoEConfig
+from moetrain.data.tokenizer import Tokenizer
+from moetrain.interop.adapter import Family, Refusal, plain_top_k_refusals
+from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
+from moetrain.interop.layouts import decoder_names, fused_expert_names, per_expert_names
+
+MODEL_TYPE, ARCHITECTURE, LABEL = "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE"
+
+FIELD_NAMES = {
+    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "n_dense_layers": "mlp_only_layers", "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta",
+    "qk_norm": "(QK-norm per head)", "clip_qkv": "(no clip_qkv)", "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings", "moe.n_experts": "num_experts", "moe.top_k": "num_experts_per_tok",
+    "moe.expert_hidden": "moe_intermediate_size", "moe.n_shared_experts": "(no shared expert)",
+    "moe.score_func": "(softmax router)", "moe.renormalize": "norm_topk_prob", "moe.activation": "hidden_act",
+}
+
+
+def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
+    model, moe = decoder_fields(hf, where)
+    n_layers = model["n_layers"]
+    step = int(hf.get("decoder_sparse_step", 1))
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    dense = [i for i in range(n_layers) if i in mlp_only or (i + 1) % step != 0]
+    if dense != list(range(len(dense))):
+        raise unsupported(where, "mlp_only_layers / decoder_sparse_step", (sorted(mlp_only), step),
+                          "moetrain's dense layers must be the first ones (layers 0..k-1)")
+    head_dim = int(hf.get("head_dim") or model["dim"] // model["n_heads"])
+    return ModelConfig(**model, head_dim=head_dim, ffn_hidden=int(hf.get("intermediate_size", 1)),
+                       n_dense_layers=len(dense), qk_norm="per_head",
+                       moe=MoEConfig(**moe, expert_hidden=int(hf["moe_intermediate_size"])))
+
+
+def config_json(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict[str, Any]:
+    out = decoder_config_json(cfg, MODEL_TYPE, ARCHITECTURE, tokenizer, dtype)
+    out.update(head_dim=cfg.attention_head_dim(), intermediate_size=cfg.ffn_hidden,
+               moe_intermediate_size=cfg.moe.expert_hidden, decoder_sparse_step=1,
+               mlp_only_layers=list(range(cfg.n_dense_layers)), use_sliding_window=False, sliding_window=None)
+    return out
+
+
+def export_refusals(cfg: ModelConfig) -> list[Refusal]:
+    refusals = plain_top_k_refusals(cfg, LABEL)
+    if cfg.clip_qkv is not None:
+        refusals.append(Refusal("model.clip_qkv", cfg.clip_qkv, "Qwen3-MoE has no clip_qkv"))
+    return refusals
+
+
+FAMILY = Family(
+    model_type=MODEL_TYPE, architecture=ARCHITECTURE, label=LABEL, field_names=FIELD_NAMES,
+    export_key={"qk_norm": "per_head"}, model_config=model_config, config_json=config_json,
+    export_refusals=export_refusals, tensor_names=decoder_names, expert_names=per_expert_names,
+    fused_expert_names=fused_expert_names,
+)

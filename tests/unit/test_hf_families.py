@@ -1,0 +1,74 @@
+"""The Hugging Face family registry: an unknown model_type is refused in one line, and every registered
+family maps a hand-written config.json to the hand-written ModelConfig it means and back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.config import ModelConfig, MoEConfig
+from moetrain.data.tokenizer import build_tokenizer
+from moetrain.errors import ConfigError
+from moetrain.interop import ARCH_FIELDS, FAMILIES, hf_config, model_config_from_hf
+from moetrain.interop.families import family
+
+# model_type -> (a config.json as the family's own tooling writes it, the ModelConfig it means).
+EXPECTED = {
+    "qwen3_moe": (
+        {"model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48,
+         "mlp_only_layers": [0], "decoder_sparse_step": 1, "max_position_embeddings": 128,
+         "rope_theta": 1e6, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "num_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 12, "norm_topk_prob": True,
+         "router_aux_loss_coef": 0.001, "hidden_act": "silu"},
+        ModelConfig(vocab_size=300, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, ffn_hidden=48,
+                    n_dense_layers=1, qk_norm="per_head", max_seq_len=128, rope_theta=1e6, rope_layout="half",
+                    norm_eps=1e-5, tie_embeddings=False,
+                    moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=12, n_shared_experts=0, score_func="softmax",
+                                  renormalize=True, activation="swiglu", aux_loss_coef=0.001)),
+    ),
+    "olmoe": (
+        {"model_type": "olmoe", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 12, "clip_qkv": 0.5,
+         "max_position_embeddings": 64, "rope_theta": 1e4, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+         "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False, "router_aux_loss_coef": 0.01},
+        ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=8, ffn_hidden=12,
+                    n_dense_layers=0, qk_norm="full", clip_qkv=0.5, max_seq_len=64, rope_theta=1e4,
+                    rope_layout="half", norm_eps=1e-5, tie_embeddings=True,
+                    moe=MoEConfig(n_experts=6, top_k=3, expert_hidden=12, n_shared_experts=0, score_func="softmax",
+                                  renormalize=False, activation="swiglu", aux_loss_coef=0.01)),
+    ),
+}
+
+
+def test_unknown_model_type_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        family("llama", "some/config.json")
+    assert str(err.value) == ("some/config.json: model_type = 'llama' is not a supported family; supported: "
+                              "qwen3_moe (Qwen3MoeForCausalLM), olmoe (OlmoeForCausalLM)")
+    with pytest.raises(ConfigError, match="model_type = None is not a supported family"):
+        family(None)
+
+
+def test_every_registered_family_has_an_expectation_here():
+    assert set(EXPECTED) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", EXPECTED)
+def test_family_maps_its_config_json_to_the_expected_model_config_and_back(model_type):
+    config_json, expected = EXPECTED[model_type]
+    assert model_config_from_hf(config_json, model_type) == expected
+    written = hf_config(expected, model_type, build_tokenizer("byte"), torch.bfloat16)
+    assert written["model_type"] == model_type and written["architectures"] == [FAMILIES[model_type].architecture]
+    assert written["dtype"] == "bfloat16"
+    assert model_config_from_hf(written, model_type) == expected
+
+
+@pytest.mark.parametrize("model_type", EXPECTED)
+def test_family_names_what_fixes_every_architecture_field(model_type):
+    assert set(FAMILIES[model_type].field_names) == set(ARCH_FIELDS)
+
+
+def test_no_two_families_share_an_export_key():
+    keys = [tuple(sorted(f.export_key.items())) for f in FAMILIES.values()]
+    assert len(set(keys)) == len(keys)
