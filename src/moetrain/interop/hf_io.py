@@ -92,10 +92,6 @@ def expected_shapes(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
 
 def stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in the directory's safetensors files (headers only)."""
-    try:
-    except ImportError:
-        raise ConfigError("Hugging Face model directories need the `safetensors` package, which is not installed; "
-                          "install the extra `pip install moetrain[hf]`") from None
     files = sorted(model_dir.glob("*.safetensors"))
     index = model_dir / INDEX_FILE
     if index.is_file():
