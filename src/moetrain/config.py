@@ -34,63 +34,85 @@ InitScheme = Literal["llama", "gpt-oss", "depth-total", "olmo-normal", "olmo-mit
 @dataclass
 class MoEConfig:
     n_experts: int = 16
+    """Routed experts per MoE layer."""
     top_k: int = 2
+    """Routed experts each token is sent to."""
     expert_hidden: int = 128
+    """Hidden width of one routed expert's FFN."""
     n_shared_experts: int = 0
+    """Experts every token goes through beside the routed ones (DeepSeekMoE); each expert_hidden wide."""
     score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over all experts, or an independent sigmoid per expert (DeepSeek-V3)."""
     renormalize: bool = True
+    """Rescale the selected experts' scores to sum to 1 (Hugging Face's norm_topk_prob)."""
     activation: Literal["swiglu", "gelu"] = "swiglu"
-    # loop: per-expert reference; grouped: grouped GEMM + autograd; memory_efficient: SonicMoE backward
+    """The experts' activation."""
     impl: Literal["loop", "grouped", "memory_efficient"] = "memory_efficient"
+    """loop: per-expert reference; grouped: grouped GEMM + autograd; memory_efficient: SonicMoE backward."""
     load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    """Load balancing: an auxiliary loss (Switch), a per-expert routing bias with no loss (DeepSeek-V3), or none."""
     aux_loss_coef: float = 0.01
+    """Weight of the load-balance auxiliary loss (load_balance = 'aux_loss')."""
     bias_update_rate: float = 1e-3
-    # Token rounding (tile-aware routing): per-expert token counts rounded to this multiple; 1 = off.
+    """Step of the sign-based expert-bias update per optimizer step (load_balance = 'aux_free')."""
     token_rounding_tile: int = 1
-    # Router z-loss (ST-MoE, arXiv 2202.08906): coef · mean over tokens of logsumexp(router logits)^2,
-    # token-weighted like the LM loss; 0 = off. Logged apart from the balance loss.
+    """Token rounding (tile-aware routing): per-expert token counts rounded to this multiple; 1 = off."""
     z_loss_coef: float = 0.0
-    # Where the balance loss's expert shares f_e and mean probabilities P_e are measured: each
-    # microbatch on its own, or the whole step (every microbatch on every data-parallel rank; costs a
-    # no-grad routing pre-pass per step, see docs/models.md).
+    """Router z-loss (ST-MoE, arXiv 2202.08906): coef · mean over tokens of logsumexp(router logits)^2,
+    token-weighted like the LM loss; 0 = off. Logged apart from the balance loss."""
     aux_loss_scope: Literal["microbatch", "global_batch"] = "microbatch"
+    """Where the balance loss's expert shares f_e and mean probabilities P_e are measured: each
+    microbatch on its own, or the whole step (every microbatch on every data-parallel rank; costs a
+    no-grad routing pre-pass per step, see docs/guides/models.md)."""
 
 
 @dataclass
 class ModelConfig:
     vocab_size: int = 259
+    """Token vocabulary size (259 = the byte tokenizer's 256 bytes and 3 special tokens)."""
     dim: int = 256
+    """Model (residual stream) width."""
     n_layers: int = 4
+    """Transformer blocks."""
     n_heads: int = 4
+    """Query heads."""
     n_kv_heads: int | None = None
-    # Width of one attention head; None = dim // n_heads (Qwen3-MoE sets it freely, e.g. 128 at dim 2048, 32 heads).
+    """Key/value heads (grouped-query attention); None = n_heads."""
     head_dim: int | None = None
+    """Width of one attention head; None = dim // n_heads (Qwen3-MoE sets it freely, e.g. 128 at dim 2048, 32 heads)."""
     ffn_hidden: int = 512
-    # The first n_dense_layers blocks use a dense SwiGLU FFN; the rest are MoE (DeepSeek style).
+    """Hidden width of the dense SwiGLU FFN of the first n_dense_layers blocks."""
     n_dense_layers: int = 1
+    """The first n_dense_layers blocks use a dense SwiGLU FFN; the rest are MoE (DeepSeek style)."""
     max_seq_len: int = 512
+    """Longest sequence the RoPE tables are built for."""
     rope_theta: float = 10000.0
-    # Which channels RoPE rotates together: (2j, 2j+1) "interleaved" (torchtitan, Meta Llama) or
-    # (j, j + head_dim/2) "half" (Hugging Face's rotate_half). The same function up to a fixed
-    # permutation of the q/k projection rows, which the Hugging Face conversion applies.
+    """RoPE base frequency."""
     rope_layout: Literal["interleaved", "half"] = "interleaved"
-    # RMSNorm on queries and keys before RoPE: over each head's channels (Qwen3) or over the whole
-    # projected width (OLMoE).
+    """Which channels RoPE rotates together: (2j, 2j+1) "interleaved" (torchtitan, Meta Llama) or
+    (j, j + head_dim/2) "half" (Hugging Face's rotate_half). The same function up to a fixed
+    permutation of the q/k projection rows, which the Hugging Face conversion applies."""
     qk_norm: Literal["none", "per_head", "full"] = "none"
-    # Document-masked attention (moetrain.model.attention): "auto" = flex attention on CUDA, per-document
-    # SDPA ("segments") on CPU when the documents make it cheaper; "dense" = the S×S mask (reference).
+    """RMSNorm on queries and keys before RoPE: over each head's channels (Qwen3) or over the whole
+    projected width (OLMoE)."""
     attention: Literal["auto", "dense", "segments", "flex"] = "auto"
-    # Clamp q, k and v to [-clip_qkv, clip_qkv] after the projections (and QK-norm); None = off (OLMoE option).
+    """Document-masked attention (moetrain.model.attention): "auto" = flex attention on CUDA, per-document
+    SDPA ("segments") on CPU when the documents make it cheaper; "dense" = the S×S mask (reference)."""
     clip_qkv: float | None = None
+    """Clamp q, k and v to [-clip_qkv, clip_qkv] after the projections (and QK-norm); None = off (OLMoE option)."""
     norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
     tie_embeddings: bool = False
+    """Share the token embedding and the output projection."""
     init_scheme: InitScheme = "llama"
-    # olmo-megatron only: embedding std init_std·sqrt(dim) instead of init_std (OLMo's `scale_emb_init`).
+    """Initialization scheme (docs/design/init.md)."""
     init_scale_embedding: bool = False
-    # Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors, and every
-    # architecture field above must agree with its config.json (moetrain.interop.config_map). None = init_scheme.
+    """olmo-megatron only: embedding std init_std·sqrt(dim) instead of init_std (OLMo's `scale_emb_init`)."""
     init_from: str | None = None
+    """Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors, and every
+    architecture field above must agree with its config.json (moetrain.interop.config_map). None = init_scheme."""
     moe: MoEConfig = field(default_factory=MoEConfig)
+    """The MoE layers."""
 
     def attention_head_dim(self) -> int:
         """model.head_dim, or dim // n_heads when it is None."""
@@ -100,113 +122,165 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     dp_replicate: int = 1
-    # -1: whatever is left of the world size after dp_replicate.
+    """Data-parallel replicas (HSDP's replicate dimension; 1 = plain FSDP)."""
     dp_shard: int = -1
-    # Expert parallelism: each MoE layer's experts are split into `ep` groups of whole experts,
-    # over `ep` ranks carved out of dp_shard (tokens travel to their experts by all-to-all);
-    # expert weights are FSDP-sharded over the dp_shard / ep ranks holding the same experts. 1 = off.
+    """Ranks each replica is sharded over (FSDP2); -1 = whatever is left of the world size after dp_replicate."""
     ep: int = 1
-    # auto: delayed_all_reduce under HSDP with accumulation, else every_microbatch.
+    """Expert parallelism: each MoE layer's experts are split into `ep` groups of whole experts,
+    over `ep` ranks carved out of dp_shard (tokens travel to their experts by all-to-all);
+    expert weights are FSDP-sharded over the dp_shard / ep ranks holding the same experts. 1 = off."""
     sync_policy: Literal["auto", "every_microbatch", "delayed_all_reduce", "final_only"] = "auto"
+    """Gradient sync under accumulation; auto = delayed_all_reduce under HSDP with accumulation, else
+    every_microbatch (docs/design/parallel.md)."""
     reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (FSDP2's ZeRO-3); False keeps them until backward."""
     param_dtype: DType = "float32"
+    """Dtype the forward and backward compute in (master weights stay float32)."""
     reduce_dtype: DType = "float32"
+    """Dtype gradients are reduced and accumulated in."""
     output_dtype: DType | None = None
+    """Dtype of the FSDP units' outputs; None = param_dtype."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto = NCCL on CUDA, gloo on CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # How long a collective waits for its peers before the rank gives up (a hung or lost
-    # peer); passed to init_process_group. Torch's own default is 30 minutes.
+    """Where to compute; auto = CUDA when available."""
     collective_timeout_s: float = 300.0
+    """How long a collective waits for its peers before the rank gives up (a hung or lost
+    peer); passed to init_process_group. Torch's own default is 30 minutes."""
 
 
 @dataclass
 class DataConfig:
-    # stdlib: this interpreter's own standard-library .py sources (embedded, no download).
-    # tokens: a directory written by `moetrain data prepare` (memory-mapped token shards).
     source: Literal["stdlib", "dir", "jsonl", "hf", "tokens"] = "stdlib"
+    """stdlib: this interpreter's own standard-library .py sources (embedded, no download); dir: text
+    files under data.path; jsonl: a JSON-lines file; hf: a `datasets` save_to_disk directory;
+    tokens: a directory written by `moetrain data prepare` (memory-mapped token shards)."""
     path: str | None = None
+    """The file or directory of data.source (dir, jsonl, hf, tokens)."""
     glob: str = "**/*"
+    """Which files under data.path a 'dir' source reads."""
     text_field: str = "text"
+    """The field holding a document's text in JSON-lines records and datasets rows."""
     tokenizer: str = "byte"
+    """'byte' (256 bytes + 3 special tokens) or a directory holding a Hugging Face tokenizer.json."""
     seq_len: int = 512
+    """Tokens per training sequence."""
     heldout_fraction: float = 0.05
+    """Share of documents kept out of training for held-out loss and bits per byte."""
     skip_bad_files: bool = False
+    """Skip unreadable or non-UTF-8 inputs with a warning instead of refusing them."""
     max_documents: int | None = None
-    # packed: microbatches of train.microbatch_size sequences of seq_len tokens. token_budget: each
-    # microbatch is one row of as many whole documents as fit data.token_budget tokens (longer
-    # documents cut into budget-size pieces), so lengths vary; train.microbatch_size then only sizes evaluation.
+    """Read at most this many documents; None = all."""
     batching: Literal["packed", "token_budget"] = "packed"
-    token_budget: int | None = None  # None = data.seq_len
+    """packed: microbatches of train.microbatch_size sequences of seq_len tokens. token_budget: each
+    microbatch is one row of as many whole documents as fit data.token_budget tokens (longer
+    documents cut into budget-size pieces), so lengths vary; train.microbatch_size then only sizes evaluation."""
+    token_budget: int | None = None
+    """Tokens per microbatch under batching = 'token_budget'; None = data.seq_len."""
 
 
 @dataclass
 class TrainConfig:
     steps: int = 300
+    """Optimizer steps of the whole run (the schedule spans them)."""
     microbatch_size: int = 4
+    """Sequences per microbatch per rank (under token budgets: per evaluation batch)."""
     grad_accum: int = 1
+    """Microbatches per rank per optimizer step."""
     lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
+    """The schedule's final learning rate as a fraction of train.lr."""
     warmup_steps: int = 20
+    """Steps of linear warm-up from 0 to train.lr."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    # WSD: fraction of steps spent in the final decay.
+    """Learning-rate schedule after warm-up: cosine decay, warmup-stable-decay, or constant."""
     decay_fraction: float = 0.2
+    """WSD: fraction of steps spent in the final decay."""
     weight_decay: float = 0.1
+    """AdamW weight decay (matrices only unless decay_norms_and_embeddings)."""
     decay_norms_and_embeddings: bool = False
+    """Apply weight decay to norm weights and embeddings too."""
     beta1: float = 0.9
+    """AdamW beta1."""
     beta2: float = 0.95
+    """AdamW beta2."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
     seed: int = 0
+    """Seed of the init, the data order and sampling."""
     activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
     compile: bool = False
+    """torch.compile each transformer block."""
     nan_policy: Literal["skip", "stop"] = "stop"
-    # nan_policy = "skip": this many non-finite steps in a row end the run (TrainingDiverged);
-    # a run that keeps producing NaN is not recovering, and skipping forever only burns compute.
+    """A step whose loss or gradient norm is NaN/inf: skip it (no optimizer step) or stop the run."""
     max_consecutive_skips: int = 10
+    """nan_policy = "skip": this many non-finite steps in a row end the run (TrainingDiverged);
+    a run that keeps producing NaN is not recovering, and skipping forever only burns compute."""
     eval_every: int = 100
+    """Steps between held-out evaluations; 0 = only the final one."""
     eval_batches: int = 8
-    # MFU's peak FLOP/s per rank; 0 = measured at start (moetrain.observe.peak_flops).
+    """Held-out batches per evaluation."""
     peak_flops: float = 0.0
+    """MFU's peak FLOP/s per rank; 0 = measured at start (moetrain.observe.peak_flops)."""
     sample_tokens: int = 200
+    """Tokens sampled from the model at the end of the run; 0 = none."""
     sample_prompt: str = "def "
+    """Prompt of the end-of-run sample."""
     sample_temperature: float = 0.8
+    """Temperature of the end-of-run sample; 0 = greedy."""
     sample_top_p: float = 0.95
-    # End this invocation after this step (checkpoint written) as if interrupted; the
-    # schedule still spans train.steps. Resume later with --checkpoint.resume True.
+    """Nucleus (top-p) cut of the end-of-run sample."""
     stop_at_step: int | None = None
-    # torch intra-op threads per process; 0 = OMP_NUM_THREADS when set (torchrun sets 1), else
-    # every usable core unless a short GEMM probe at start finds them busy (moetrain.runtime.threads).
+    """End this invocation after this step (checkpoint written) as if interrupted; the
+    schedule still spans train.steps. Resume later with --checkpoint.resume True."""
     num_threads: int = 0
+    """torch intra-op threads per process; 0 = OMP_NUM_THREADS when set (torchrun sets 1), else
+    every usable core unless a short GEMM probe at start finds them busy (moetrain.runtime.threads)."""
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = True
+    """Write checkpoints."""
     every: int = 100
+    """Steps between checkpoints (the last step is always saved)."""
     keep_last: int = 2
-    resume: bool | Literal["auto"] = False  # "auto": resume when a checkpoint exists, else start fresh
-    # On SIGTERM/SIGINT the run stops at the next step boundary and saves there when a
-    # save is due or the last save (or the run's start) is older than this many seconds.
+    """Complete checkpoints kept; older ones are deleted after a save."""
+    resume: bool | Literal["auto"] = False
+    """Resume from the newest intact checkpoint: True (one must exist), False (start fresh; refuse to
+    overwrite), or "auto" (resume when a checkpoint exists, else start fresh)."""
     signal_save_after_s: float = 0.0
+    """On SIGTERM/SIGINT the run stops at the next step boundary and saves there when a
+    save is due or the last save (or the run's start) is older than this many seconds."""
 
 
 @dataclass
 class LoggingConfig:
     run_dir: str = "runs/tiny_moe"
+    """Directory of the run: config.json, metrics.jsonl, checkpoints/, logs/."""
     log_every: int = 10
+    """Steps between metrics records and console lines."""
     all_ranks_to_files: bool = False
+    """Every rank writes its log to RUN_DIR/logs/ (rank 0 always logs to the console)."""
     progress_bar: bool = True
+    """A tqdm progress bar on rank 0."""
     tensorboard: bool = False
-    # Weights & Biases tracking beside metrics.jsonl (extra `wandb`; WANDB_MODE=offline works without network).
+    """TensorBoard event files beside metrics.jsonl (extra `tensorboard`)."""
     wandb: bool = False
+    """Weights & Biases tracking beside metrics.jsonl (extra `wandb`; WANDB_MODE=offline works without network)."""
     wandb_project: str = "moetrain"
+    """The Weights & Biases project."""
 
 
 @dataclass
 class ProfileConfig:
-    # Trace steps A to B (inclusive, the step numbers of the log) with torch.profiler, "A-B" or "A";
-    # each rank writes a Chrome trace into RUN_DIR/profile/. "" = off.
     steps: str = ""
+    """Trace steps A to B (inclusive, the step numbers of the log) with torch.profiler, "A-B" or "A";
+    each rank writes a Chrome trace into RUN_DIR/profile/. "" = off."""
 
 
 def parse_step_range(text: str) -> tuple[int, int] | None:
