@@ -60,7 +60,7 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
     values["layer_types"] = (None if cfg.sliding_window is None else
                              ["full_attention" if cfg.window_of(i) is None else "sliding_attention"
                               for i in range(cfg.n_layers)])
-    values["moe.shared_expert_hidden"] = cfg.moe.shared_width()
+    values["moe.shared_expert_hidden"] = cfg.moe.shared_width() or None
     if cfg.moe.activation != "clamped_swiglu":
         values["moe.swiglu_alpha"] = values["moe.swiglu_limit"] = None
     return values

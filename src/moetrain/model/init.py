@@ -197,8 +197,8 @@ def _gpt_oss() -> Scheme:
     attention/router, trunc_normal for expert biases; LM head trunc_normal(d^-0.5) cut ±3σ; norms ones).
     The older torchtitan/models/gpt_oss/model/model.py @ff0829c10fbfbf86134c4908e4b06f1f97ee4e23 used
     normal(std=1.0) for the embedding instead. Cutoffs are torch's default ±2 (absolute).
-    moetrain has no biases or attention sinks; dense FFN layers (GPT-OSS has none) get the same
-    depth-scaled std as the experts.
+    moetrain starts every bias (expert biases included) and the attention sinks at zero in every scheme
+    (`BIAS_KIND`); dense FFN layers (GPT-OSS has none) get the same depth-scaled std as the experts.
     """
     scaled = _trunc_abs(*STD_DEPTH_LAYER)
     rules = {kind: scaled for kind in KINDS}
