@@ -3,8 +3,12 @@
     .venv/bin/python benchmarks/hf_parity.py [--layers 2] [--json benchmarks/results/hf_parity.json]
 
 Builds Qwen3-MoE and OLMoE models at the presets' widths (Qwen3: dim 256, 16/8 heads, head_dim 128,
-64 experts top-8, expert width 768; OLMoE: dim 256, 8 heads, 64 experts top-8, width 128) with
-random weights (transformers' init, norm weights perturbed), float32, CPU, and reports for each:
+64 experts top-8, expert width 768; OLMoE: dim 256, 8 heads, 64 experts top-8, width 128), and
+Mixtral (dim 256, 8/2 heads, 8 experts top-2 of width 512, sliding window 64), Qwen2-MoE (dim 256,
+8 heads, q/k/v biases, 16 experts top-4 of width 128, a gated shared expert of width 512) and
+GPT-OSS (dim 256, 8/2 heads of 64 with biases and sinks, window 32 on every other layer, 16 experts
+top-4 of width 256 with biases and the clamped SwiGLU) with random weights (transformers' init,
+norm weights, biases and sinks perturbed), float32, CPU, and reports for each:
 import (moetrain's RoPE "half" and "interleaved" layouts) against transformers on the same
 tokens; packed documents (document masking on) against transformers run on each document
 alone; and export after 3 AdamW steps of the imported model, reloaded with `from_pretrained`.
@@ -33,10 +37,31 @@ SPECIAL = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
 
 
 def hf_model(family: str, layers: int):
-    from transformers import AutoModelForCausalLM, OlmoeConfig, Qwen3MoeConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        GptOssConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     rope = {"rope_type": "default", "rope_theta": 1e6 if family == "qwen3_moe" else 1e4}
-    if family == "qwen3_moe":
+    if family == "mixtral":
+        config = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                               num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                               sliding_window=64, max_position_embeddings=512, rope_parameters=rope, **SPECIAL)
+    elif family == "qwen2_moe":
+        config = Qwen2MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                                num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=128,
+                                shared_expert_intermediate_size=512, num_experts=16, num_experts_per_tok=4,
+                                max_position_embeddings=512, rope_parameters=rope, **SPECIAL)
+    elif family == "gpt_oss":
+        config = GptOssConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
+                              num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=16,
+                              num_experts_per_tok=4, sliding_window=32, max_position_embeddings=512,
+                              rope_parameters=rope, **SPECIAL)
+    elif family == "qwen3_moe":
         config = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=layers,
                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, moe_intermediate_size=768,
                                 num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=512,
@@ -51,6 +76,8 @@ def hf_model(family: str, layers: int):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.mul_(1 + 0.3 * torch.randn_like(param))
+            elif "bias" in name or "sinks" in name:  # zeros at init: a mis-mapped one would hide
+                param.add_(0.1 * torch.randn_like(param))
     return model
 
 
@@ -107,7 +134,7 @@ def main() -> int:
     torch.set_num_threads(1)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for family in ("qwen3_moe", "olmoe"):
+        for family in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss"):
             results[family] = measure(family, int(layers or 2), Path(tmp))
     print(f"{'family':<10} {'path':<36} {'max |diff|':>11} {'max |diff| / max |logit|':>25}")
     for family, paths in results.items():

@@ -1,7 +1,9 @@
-"""Tiny random Qwen3-MoE and OLMoE models from transformers' own config classes (nothing downloaded).
+"""Tiny random Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE and GPT-OSS models from transformers' own config
+classes (nothing downloaded).
 
 `build(family, **overrides)` makes a float32 model in eval mode whose weights are all random
-(norm weights too, so a wrong QK-norm or RoPE permutation shows in the logits); `save(model, dir)`
+(norm weights, biases and sinks too, so a wrong QK-norm, RoPE permutation or bias mapping shows
+in the logits); `save(model, dir)`
 writes it with `save_pretrained` plus a byte-level tokenizer.json. Shared by the unit,
 distributed and end-to-end tests (tests/ is on sys.path through tests/conftest.py).
 """
@@ -16,11 +18,34 @@ from moetrain.data.tokenizer import write_byte_level_tokenizer
 
 VOCAB = 272  # the byte tokenizer's 259 ids fit; the rest are rows no token uses
 SPECIAL_IDS = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
-FAMILIES = ("qwen3_moe", "olmoe")
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss")
 
 
 def config(family: str, **overrides):
-    from transformers import OlmoeConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    rope = {"rope_type": "default", "rope_theta": 1000.0}
+    if family == "mixtral":
+        fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=8, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2,
+                      max_position_embeddings=128, rope_parameters=rope, **SPECIAL_IDS)
+        fields.update(overrides)
+        return MixtralConfig(**fields)
+    if family == "qwen2_moe":
+        fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=8,
+                      shared_expert_intermediate_size=20, num_experts=6, num_experts_per_tok=2,
+                      max_position_embeddings=128, rope_parameters=rope, **SPECIAL_IDS)
+        fields.update(overrides)
+        return Qwen2MoeConfig(**fields)
+    if family == "gpt_oss":
+        # A window of 5 tokens (sequences are longer) and a clamp limit the pre-activations cross.
+        fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=8, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=6,
+                      num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.3, max_position_embeddings=128,
+                      rope_parameters=rope, **SPECIAL_IDS)
+        fields.update(overrides)
+        return GptOssConfig(**fields)
 
     if family == "qwen3_moe":
         fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,

@@ -41,12 +41,26 @@ class MoEConfig:
     """Hidden width of one routed expert's FFN."""
     n_shared_experts: int = 0
     """Experts every token goes through beside the routed ones (DeepSeekMoE); each expert_hidden wide."""
+    shared_expert_hidden: int | None = None
+    """Hidden width of the (fused) shared expert; None = expert_hidden · n_shared_experts. Qwen2-MoE's
+    shared expert has a width of its own (shared_expert_intermediate_size)."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output per token by sigmoid(w·x), a learned [1, dim] gate (Qwen2-MoE)."""
+    router_bias: bool = False
+    """A bias on the router's logits (GPT-OSS)."""
+    expert_proj_bias: bool = False
+    """Biases on every routed expert's input (gate/up) and output projections (GPT-OSS)."""
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax over all experts, or an independent sigmoid per expert (DeepSeek-V3)."""
     renormalize: bool = True
     """Rescale the selected experts' scores to sum to 1 (Hugging Face's norm_topk_prob)."""
-    activation: Literal["swiglu", "gelu"] = "swiglu"
-    """The experts' activation."""
+    activation: Literal["swiglu", "gelu", "clamped_swiglu"] = "swiglu"
+    """The experts' activation: silu(gate)·up; exact GELU; or GPT-OSS's clamped SwiGLU
+    (clamp(up, ±swiglu_limit) + 1) · g · sigmoid(swiglu_alpha · g) with g = min(gate, swiglu_limit)."""
+    swiglu_alpha: float = 1.702
+    """clamped_swiglu only: the sigmoid's slope alpha (GPT-OSS's swiglu_alpha)."""
+    swiglu_limit: float = 7.0
+    """clamped_swiglu only: the clamp limit (GPT-OSS's swiglu_limit)."""
     impl: Literal["loop", "grouped", "memory_efficient"] = "memory_efficient"
     """loop: per-expert reference; grouped: grouped GEMM + autograd; memory_efficient: SonicMoE backward."""
     load_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
@@ -64,6 +78,12 @@ class MoEConfig:
     """Where the balance loss's expert shares f_e and mean probabilities P_e are measured: each
     microbatch on its own, or the whole step (every microbatch on every data-parallel rank; costs a
     no-grad routing pre-pass per step, see docs/guides/models.md)."""
+
+    def shared_width(self) -> int:
+        """Hidden width of the shared expert (0 without one)."""
+        if self.n_shared_experts == 0:
+            return 0
+        return self.shared_expert_hidden or self.expert_hidden * self.n_shared_experts
 
 
 @dataclass
@@ -100,6 +120,17 @@ class ModelConfig:
     SDPA ("segments") on CPU when the documents make it cheaper; "dense" = the S×S mask (reference)."""
     clip_qkv: float | None = None
     """Clamp q, k and v to [-clip_qkv, clip_qkv] after the projections (and QK-norm); None = off (OLMoE option)."""
+    attention_bias: Literal["none", "qkv", "all"] = "none"
+    """Biases on the attention projections: none; on q, k and v (Qwen2-MoE); or on q, k, v and the
+    output projection (GPT-OSS)."""
+    attention_sinks: bool = False
+    """A learned logit per query head that joins every softmax's denominator and carries no value (GPT-OSS)."""
+    sliding_window: int | None = None
+    """Keys a query of a sliding-window layer sees, itself included (query i sees keys j > i - sliding_window
+    of its own document); None = no sliding window."""
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    """Per layer, whether it attends within model.sliding_window or to its whole document (transformers'
+    layer_types; GPT-OSS alternates them). None = every layer sliding when sliding_window is set (Mixtral)."""
     norm_eps: float = 1e-5
     """Epsilon of every RMSNorm."""
     tie_embeddings: bool = False
@@ -117,6 +148,14 @@ class ModelConfig:
     def attention_head_dim(self) -> int:
         """model.head_dim, or dim // n_heads when it is None."""
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of block `layer`, or None where it attends to its whole document."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
 
 @dataclass
@@ -382,6 +421,20 @@ def _validate(cfg: JobConfig) -> None:
                f"must be a positive divisor of model.n_heads = {m.n_heads}")
     _check(m.n_dense_layers <= m.n_layers, "model.n_dense_layers", m.n_dense_layers,
            f"must be <= model.n_layers = {m.n_layers}")
+    if m.sliding_window is not None:
+        _check(m.sliding_window >= 1, "model.sliding_window", m.sliding_window, "must be >= 1 or None (off)")
+    if m.layer_types is not None:
+        _check(len(m.layer_types) == m.n_layers, "model.layer_types", m.layer_types,
+               f"must name one type per layer (model.n_layers = {m.n_layers}) or be None")
+        _check(m.sliding_window is not None or "sliding_attention" not in m.layer_types, "model.layer_types",
+               m.layer_types, "has sliding_attention layers but model.sliding_window is None")
+    if moe.shared_expert_hidden is not None:
+        _check(moe.shared_expert_hidden >= 1 and moe.n_shared_experts >= 1, "model.moe.shared_expert_hidden",
+               moe.shared_expert_hidden, "must be >= 1, with model.moe.n_shared_experts >= 1, or None")
+    _check(not moe.shared_expert_gate or moe.n_shared_experts >= 1, "model.moe.shared_expert_gate",
+           moe.shared_expert_gate, "needs a shared expert (model.moe.n_shared_experts >= 1)")
+    if moe.activation == "clamped_swiglu":
+        _check(moe.swiglu_limit > 0, "model.moe.swiglu_limit", moe.swiglu_limit, "must be > 0")
     _check(moe.top_k <= moe.n_experts, "model.moe.top_k", moe.top_k,
            f"must be <= model.moe.n_experts = {moe.n_experts}")
     _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}")
@@ -391,6 +444,8 @@ def _validate(cfg: JobConfig) -> None:
                f"must be in [1, model.max_seq_len = {m.max_seq_len}] or None (= data.seq_len)")
     _check(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", p.dp_shard, "must be -1 (auto) or >= 1")
     if p.ep > 1:
+        _check(not moe.expert_proj_bias, "model.moe.expert_proj_bias", moe.expert_proj_bias,
+               "expert parallelism does not move expert biases yet; use parallel.ep = 1")
         _check(m.n_dense_layers < m.n_layers, "parallel.ep", p.ep,
                f"expert parallelism needs an MoE layer, but all model.n_layers = {m.n_layers} layers are dense; use 1")
         _check(moe.n_experts % p.ep == 0, "parallel.ep", p.ep,

@@ -38,6 +38,48 @@ EXPECTED = {
                     moe=MoEConfig(n_experts=6, top_k=3, expert_hidden=12, n_shared_experts=0, score_func="softmax",
                                   renormalize=False, activation="swiglu", aux_loss_coef=0.01)),
     ),
+    "mixtral": (
+        {"model_type": "mixtral", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": None, "intermediate_size": 14,
+         "max_position_embeddings": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+         "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "num_local_experts": 8, "num_experts_per_tok": 2,
+         "sliding_window": 64, "router_jitter_noise": 0.0, "router_aux_loss_coef": 0.02, "hidden_act": "silu"},
+        ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden=14,
+                    n_dense_layers=0, max_seq_len=256, rope_theta=1e6, rope_layout="half", norm_eps=1e-5,
+                    sliding_window=64,
+                    moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=14, n_shared_experts=0, score_func="softmax",
+                                  renormalize=True, activation="swiglu", aux_loss_coef=0.02)),
+    ),
+    "qwen2_moe": (
+        {"model_type": "qwen2_moe", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 40, "mlp_only_layers": [],
+         "decoder_sparse_step": 1, "moe_intermediate_size": 10, "shared_expert_intermediate_size": 24,
+         "num_experts": 6, "num_experts_per_tok": 4, "norm_topk_prob": False, "qkv_bias": True,
+         "use_sliding_window": False, "sliding_window": 0, "max_position_embeddings": 128, "rope_theta": 1e6,
+         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "router_aux_loss_coef": 0.001},
+        ModelConfig(vocab_size=300, dim=32, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=8, ffn_hidden=40,
+                    n_dense_layers=0, max_seq_len=128, rope_theta=1e6, rope_layout="half", norm_eps=1e-6,
+                    attention_bias="qkv",
+                    moe=MoEConfig(n_experts=6, top_k=4, expert_hidden=10, n_shared_experts=1, shared_expert_hidden=24,
+                                  shared_expert_gate=True, score_func="softmax", renormalize=False,
+                                  activation="swiglu", aux_loss_coef=0.001)),
+    ),
+    "gpt_oss": (
+        {"model_type": "gpt_oss", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 24,
+         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16, "attention_bias": True,
+         "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "max_position_embeddings": 512,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 1.5e5}, "rms_norm_eps": 1e-5,
+         "tie_word_embeddings": False, "num_local_experts": 8, "num_experts_per_tok": 4,
+         "router_aux_loss_coef": 0.001},
+        ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_hidden=24,
+                    n_dense_layers=0, max_seq_len=512, rope_theta=1.5e5, rope_layout="half", norm_eps=1e-5,
+                    attention_bias="all", attention_sinks=True, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"],
+                    moe=MoEConfig(n_experts=8, top_k=4, expert_hidden=24, n_shared_experts=0, score_func="softmax",
+                                  renormalize=True, activation="clamped_swiglu", router_bias=True,
+                                  expert_proj_bias=True, aux_loss_coef=0.001)),
+    ),
 }
 
 
@@ -45,7 +87,9 @@ def test_unknown_model_type_is_refused_in_one_line():
     with pytest.raises(ConfigError) as err:
         family("llama", "some/config.json")
     assert str(err.value) == ("some/config.json: model_type = 'llama' is not a supported family; supported: "
-                              "qwen3_moe (Qwen3MoeForCausalLM), olmoe (OlmoeForCausalLM)")
+                              "qwen3_moe (Qwen3MoeForCausalLM), olmoe (OlmoeForCausalLM), "
+                              "mixtral (MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), "
+                              "gpt_oss (GptOssForCausalLM)")
     with pytest.raises(ConfigError, match="model_type = None is not a supported family"):
         family(None)
 

@@ -196,9 +196,12 @@ def test_missing_files_are_named(hf_dirs, tmp_path):
 
 
 def test_models_outside_both_families_are_refused_for_export():
-    cfg = JobConfig().model  # tiny_moe-like defaults: no QK-norm
-    with pytest.raises(ConfigError, match="model.qk_norm = 'none' cannot be exported"):
+    cfg = JobConfig().model  # tiny_moe-like defaults: no QK-norm (Mixtral's kind), but a dense first layer
+    with pytest.raises(ConfigError, match="model.n_dense_layers = 1 cannot be exported.*Mixtral has every layer MoE"):
         export_family(cfg)
+    assert export_family(dataclasses.replace(cfg, n_dense_layers=0)) == "mixtral"
+    with pytest.raises(ConfigError, match="model.attention_sinks = True cannot be exported.*OLMoE has no attention"):
+        export_family(dataclasses.replace(cfg, qk_norm="full", attention_sinks=True))
     olmoe_dense = dataclasses.replace(cfg, qk_norm="full", n_dense_layers=1)
     with pytest.raises(ConfigError, match="OLMoE has every layer MoE"):
         export_family(olmoe_dense)

@@ -34,9 +34,16 @@ class Family:
     (parameters, and buffers such as a routing correction bias) to its name ON DISK, so a family
     whose in-memory names differ from its files (Mixtral's `block_sparse_moe.*`) gives the file
     names. A tensor's on-disk shape is the moetrain tensor's shape; only the routed experts change
-    layout: moetrain's stacked `w1` [E, d, 2n] (gate | up) and `w2` [E, n, d] are written one tensor
-    per expert (`expert_names`: gate [n, d], up [n, d], down [d, n]) and, where the family has a
-    fused layout, also read fused (`fused_expert_names`: gate_up [E, 2n, d], down [E, d, n]).
+    layout: moetrain's stacked `w1` [E, d, 2n] (gate | up) and `w2` [E, n, d] are stored in one of
+    three layouts:
+
+    - per expert (`expert_names`: gate [n, d], up [n, d], down [d, n]), what save_pretrained writes for
+      most families; where the family also has a fused layout it is read too (`fused_expert_names`:
+      gate_up [E, 2n, d] with gate | up halves, down [E, d, n]);
+    - fused and interleaved (`interleaved_expert_names`, GPT-OSS, on disk as in memory): gate_up
+      [E, d, 2n] applied as x @ W with gate = [..., 0::2] and up = [..., 1::2], its bias [E, 2n]
+      interleaved alike, down [E, n, d] and its bias [E, d]. A family that sets it reads and writes
+      only that layout (its `expert_names` is None).
     """
 
     model_type: str  # config.json "model_type", the registry key
@@ -57,13 +64,29 @@ class Family:
     # moetrain name -> on-disk name of every tensor except the routed experts.
     tensor_names: Callable[[ModelConfig], dict[str, str]]
     # (layer, expert) -> on-disk (gate, up, down) names of one routed expert: the layout export writes.
-    expert_names: Callable[[int, int], tuple[str, str, str]]
+    expert_names: Callable[[int, int], tuple[str, str, str]] | None
     # layer -> on-disk (gate_up, down) names of a layer's experts stored fused; None: no fused layout.
     fused_expert_names: Callable[[int], tuple[str, str]] | None = None
+    # layer -> on-disk (gate_up, gate_up_bias, down, down_bias) names in the interleaved layout (see above).
+    interleaved_expert_names: Callable[[int], tuple[str, str, str, str]] | None = None
 
 
-def plain_top_k_refusals(cfg: ModelConfig, label: str) -> list[Refusal]:
-    """What a family routing plain softmax top-k to SwiGLU experts, with no shared expert, refuses."""
+# What families without the newer options call them in messages (merged into their field_names).
+PLAIN_FIELD_NAMES = {
+    "attention_bias": "(no attention bias)", "attention_sinks": "(no attention sinks)",
+    "sliding_window": "(no sliding window)", "layer_types": "(every layer full attention)",
+    "moe.router_bias": "(no router bias)", "moe.expert_proj_bias": "(no expert biases)",
+    "moe.shared_expert_hidden": "(no shared expert)", "moe.shared_expert_gate": "(no shared expert gate)",
+    "moe.swiglu_alpha": "(plain SwiGLU)", "moe.swiglu_limit": "(plain SwiGLU)",
+}
+
+
+def plain_top_k_refusals(cfg: ModelConfig, label: str, allow: tuple[str, ...] = ()) -> list[Refusal]:
+    """What a family routing plain softmax top-k to SwiGLU experts, with no shared expert, refuses.
+
+    `allow` names the fields (as in the refusals, "model.moe.n_shared_experts") a family does have,
+    which it then checks itself.
+    """
     moe = cfg.moe
     checks = [
         (moe.score_func == "softmax", "model.moe.score_func", moe.score_func, f"{label} routes with softmax"),
@@ -74,5 +97,14 @@ def plain_top_k_refusals(cfg: ModelConfig, label: str) -> list[Refusal]:
          f"its expert bias changes the routing and {label} has no place for it"),
         (moe.token_rounding_tile == 1, "model.moe.token_rounding_tile", moe.token_rounding_tile,
          f"rounding changes which experts tokens reach; {label} routes plain top-k"),
+        (cfg.attention_bias == "none", "model.attention_bias", cfg.attention_bias,
+         f"{label}'s attention projections have no bias"),
+        (not cfg.attention_sinks, "model.attention_sinks", cfg.attention_sinks, f"{label} has no attention sinks"),
+        (cfg.sliding_window is None, "model.sliding_window", cfg.sliding_window, f"{label} has no sliding window"),
+        (not moe.router_bias, "model.moe.router_bias", moe.router_bias, f"{label}'s router has no bias"),
+        (not moe.expert_proj_bias, "model.moe.expert_proj_bias", moe.expert_proj_bias,
+         f"{label}'s experts have no biases"),
+        (not moe.shared_expert_gate, "model.moe.shared_expert_gate", moe.shared_expert_gate,
+         f"{label} has no shared expert gate"),
     ]
-    return [Refusal(name, value, why) for ok, name, value, why in checks if not ok]
+    return [Refusal(name, value, why) for ok, name, value, why in checks if not ok and name not in allow]

@@ -57,10 +57,12 @@ def num_experts(hf: dict[str, Any]) -> int:
     return int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
 
 
-def decoder_fields(hf: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def decoder_fields(hf: dict[str, Any], where: str, allow: tuple[str, ...] = ()) -> tuple[dict[str, Any],
+                                                                                      dict[str, Any]]:
     """(ModelConfig fields, MoEConfig fields) of a softmax top-k MoE decoder with SwiGLU experts and RMSNorm.
 
-    Refuses, in one line, what such a config.json may say but moetrain does not compute the same way.
+    Refuses, in one line, what such a config.json may say but moetrain does not compute the same way,
+    except the keys in `allow`, which the calling family reads itself.
     """
     for key, ok, why in (
         ("hidden_act", hf.get("hidden_act", "silu") == "silu", "experts and FFNs are SwiGLU (silu)"),
@@ -68,7 +70,7 @@ def decoder_fields(hf: dict[str, Any], where: str) -> tuple[dict[str, Any], dict
         ("attention_dropout", not hf.get("attention_dropout", 0.0), "moetrain has no dropout"),
         ("use_sliding_window", not hf.get("use_sliding_window", False), "moetrain attends to the whole document"),
     ):
-        if not ok:
+        if not ok and key not in allow:
             raise unsupported(where, key, hf.get(key), why)
     theta = rope_theta(hf, where)
     dim, n_layers, n_heads = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])

@@ -24,6 +24,8 @@ ARCH_FIELDS = (
     "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_dense_layers", "ffn_hidden",
     "rope_theta", "qk_norm", "clip_qkv", "norm_eps", "tie_embeddings", "moe.n_experts", "moe.top_k",
     "moe.expert_hidden", "moe.n_shared_experts", "moe.score_func", "moe.renormalize", "moe.activation",
+    "attention_bias", "attention_sinks", "sliding_window", "layer_types", "moe.router_bias", "moe.expert_proj_bias",
+    "moe.shared_expert_hidden", "moe.shared_expert_gate", "moe.swiglu_alpha", "moe.swiglu_limit",
 )
 
 
@@ -53,6 +55,14 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
     values["head_dim"] = cfg.attention_head_dim()
     if cfg.n_dense_layers == 0:
         values["ffn_hidden"] = None  # unused without dense layers
+    # Equal computations compare equal: the window of each layer, the shared expert's actual width,
+    # the clamp constants only where the clamped activation uses them.
+    values["layer_types"] = (None if cfg.sliding_window is None else
+                             ["full_attention" if cfg.window_of(i) is None else "sliding_attention"
+                              for i in range(cfg.n_layers)])
+    values["moe.shared_expert_hidden"] = cfg.moe.shared_width() or None
+    if cfg.moe.activation != "clamped_swiglu":
+        values["moe.swiglu_alpha"] = values["moe.swiglu_limit"] = None
     return values
 
 

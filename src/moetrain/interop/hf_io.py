@@ -59,7 +59,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # Output files of an export are split at about this size, like save_pretrained's shards.
 MAX_FILE_BYTES = 5 * 1024**3
 # moetrain names of the tensors whose rows are permuted between the interleaved and half RoPE layouts.
-ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight", "attention.k_norm.weight")
+ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight", "attention.k_norm.weight",
+             "attention.wq.bias", "attention.wk.bias")
 
 
 def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
@@ -80,6 +81,12 @@ def expected_shapes(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
     d, n, n_experts = cfg.dim, cfg.moe.expert_hidden, cfg.moe.n_experts
     shapes = {theirs: tuple(tensors[ours].shape) for ours, theirs in family.tensor_names(cfg).items()}
     for layer in range(cfg.n_dense_layers, cfg.n_layers):
+        if family.interleaved_expert_names is not None:
+            gate_up, gate_up_bias, down, down_bias = family.interleaved_expert_names(layer)
+            shapes[gate_up], shapes[down] = (n_experts, d, 2 * n), (n_experts, n, d)
+            if cfg.moe.expert_proj_bias:
+                shapes[gate_up_bias], shapes[down_bias] = (n_experts, 2 * n), (n_experts, d)
+            continue
         if layer in fused_layers:
             gate_up, down = family.fused_expert_names(layer)
             shapes[gate_up], shapes[down] = (n_experts, 2 * n, d), (n_experts, d, n)
@@ -188,6 +195,13 @@ def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
             local_w2.copy_(local_view(down)[0].transpose(1, 2))
         return copy
 
+    def deinterleave_into(local: Tensor, gate_up: Tensor) -> Callable[[], None]:
+        def copy() -> None:  # gate = [..., 0::2], up = [..., 1::2] -> moetrain's [gate | up] halves
+            buffer = local_view(gate_up)[0]
+            local[..., :n].copy_(buffer[..., 0::2])
+            local[..., n:].copy_(buffer[..., 1::2])
+        return copy
+
     def expert_into(local_w1: Tensor, local_w2: Tensor, row: int, gate: Tensor, up: Tensor,
                     down: Tensor) -> Callable[[], None]:
         def copy() -> None:
@@ -210,7 +224,17 @@ def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
         w1, w2 = by_rows(w1_param), by_rows(w2_param)  # the parameters themselves unless sharded on dim 1
         local_w1, first = local_rows(w1)
         local_w2, _ = local_rows(w2)
-        if layer in fused:
+        if family.interleaved_expert_names is not None:
+            gate_up_name, gate_up_bias_name, down_name, down_bias_name = family.interleaved_expert_names(layer)
+            state[gate_up_name] = rows_like(w1, (cfg.moe.n_experts, cfg.dim, 2 * n))
+            finish.append(deinterleave_into(local_w1, state[gate_up_name]))
+            state[down_name] = w2  # the same layout as moetrain's w2: read in place
+            if cfg.moe.expert_proj_bias:  # biases are FSDP-sharded on dim 0 (expert parallelism refuses them)
+                b1 = tensors[f"layers.{layer}.moe.experts.b1"].detach()
+                state[gate_up_bias_name] = rows_like(b1, tuple(b1.shape))
+                finish.append(deinterleave_into(local_rows(b1)[0], state[gate_up_bias_name]))
+                state[down_bias_name] = tensors[f"layers.{layer}.moe.experts.b2"].detach()
+        elif layer in fused:
             gate_up_name, down_name = family.fused_expert_names(layer)
             state[gate_up_name] = rows_like(w1, (cfg.moe.n_experts, 2 * n, cfg.dim))
             state[down_name] = rows_like(w2, (cfg.moe.n_experts, cfg.dim, n))
@@ -244,6 +268,14 @@ def _file_index(shapes: dict[str, tuple[int, ...]], element_size: int, max_file_
     return index
 
 
+def _interleaved(t: Tensor, n: int) -> Tensor:
+    """[..., gate | up] (halves of width n) -> gate and up interleaved ([..., 0::2] gate), sharded like `t`."""
+    out = rows_like(t, tuple(t.shape))
+    local = local_view(t)[0]
+    local_view(out)[0].copy_(torch.stack((local[..., :n], local[..., n:]), dim=-1).flatten(-2))
+    return out
+
+
 def _export_tensors(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor],
                     dtype: torch.dtype) -> dict[str, Tensor]:
     """HF name -> tensor to write: DTensor shards as they are, this rank's experts as whole tensors."""
@@ -256,8 +288,18 @@ def _export_tensors(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
             tensor = rope_reorder(full(tensor), head_dim, order)
         state[theirs] = tensor.to(dtype)
     for layer in range(cfg.n_dense_layers, cfg.n_layers):
-        local_w1, first = local_rows(by_rows(tensors[f"layers.{layer}.moe.experts.w1"].detach()))
-        local_w2, _ = local_rows(by_rows(tensors[f"layers.{layer}.moe.experts.w2"].detach()))
+        w1 = by_rows(tensors[f"layers.{layer}.moe.experts.w1"].detach())
+        w2 = by_rows(tensors[f"layers.{layer}.moe.experts.w2"].detach())
+        if family.interleaved_expert_names is not None:
+            gate_up, gate_up_bias, down, down_bias = family.interleaved_expert_names(layer)
+            state[gate_up] = _interleaved(w1, n).to(dtype)
+            state[down] = w2.to(dtype)
+            if cfg.moe.expert_proj_bias:
+                state[gate_up_bias] = _interleaved(tensors[f"layers.{layer}.moe.experts.b1"].detach(), n).to(dtype)
+                state[down_bias] = tensors[f"layers.{layer}.moe.experts.b2"].detach().to(dtype)
+            continue
+        local_w1, first = local_rows(w1)
+        local_w2, _ = local_rows(w2)
         for row in range(local_w1.shape[0]):
             gate, up, down = family.expert_names(layer, first + row)
             state[gate] = local_w1[row, :, :n].T.contiguous().to(dtype)

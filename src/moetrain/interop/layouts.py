@@ -10,8 +10,13 @@ from __future__ import annotations
 from moetrain.config import ModelConfig
 
 
-def decoder_names(cfg: ModelConfig) -> dict[str, str]:
-    """moetrain parameter name -> Hugging Face name, for every parameter that is not a routed expert."""
+def decoder_names(cfg: ModelConfig, router: str = "mlp.gate") -> dict[str, str]:
+    """moetrain parameter name -> Hugging Face name, for every parameter that is not a routed expert.
+
+    Covers what the config has of: attention projection biases, attention sinks (`self_attn.sinks`),
+    a router bias, a shared expert (`mlp.shared_expert.*`) and its gate (`mlp.shared_expert_gate`).
+    `router` is the router's module path inside a layer (GPT-OSS: "mlp.router").
+    """
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
@@ -19,6 +24,10 @@ def decoder_names(cfg: ModelConfig) -> dict[str, str]:
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         for a, b in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
             names[f"{ours}.attention.{a}.weight"] = f"{theirs}.self_attn.{b}.weight"
+            if cfg.attention_bias == "all" or (cfg.attention_bias == "qkv" and a != "wo"):
+                names[f"{ours}.attention.{a}.bias"] = f"{theirs}.self_attn.{b}.bias"
+        if cfg.attention_sinks:
+            names[f"{ours}.attention.sinks"] = f"{theirs}.self_attn.sinks"
         if cfg.qk_norm != "none":
             names[f"{ours}.attention.q_norm.weight"] = f"{theirs}.self_attn.q_norm.weight"
             names[f"{ours}.attention.k_norm.weight"] = f"{theirs}.self_attn.k_norm.weight"
@@ -28,7 +37,14 @@ def decoder_names(cfg: ModelConfig) -> dict[str, str]:
             for a, b in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
                 names[f"{ours}.feed_forward.{a}.weight"] = f"{theirs}.mlp.{b}.weight"
         else:
-            names[f"{ours}.moe.router.weight"] = f"{theirs}.mlp.gate.weight"
+            names[f"{ours}.moe.router.weight"] = f"{theirs}.{router}.weight"
+            if cfg.moe.router_bias:
+                names[f"{ours}.moe.router.bias"] = f"{theirs}.{router}.bias"
+            if cfg.moe.n_shared_experts:
+                for a, b in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                    names[f"{ours}.moe.shared_expert.{a}.weight"] = f"{theirs}.mlp.shared_expert.{b}.weight"
+            if cfg.moe.shared_expert_gate:
+                names[f"{ours}.moe.shared_expert_gate.weight"] = f"{theirs}.mlp.shared_expert_gate.weight"
     return names
 
 
@@ -43,3 +59,10 @@ def fused_expert_names(layer: int) -> tuple[str, str]:
     [E, 2n, d] and down_proj [E, d, n]."""
     base = f"model.layers.{layer}.mlp.experts"
     return f"{base}.gate_up_proj", f"{base}.down_proj"
+
+
+def interleaved_expert_names(layer: int) -> tuple[str, str, str, str]:
+    """GPT-OSS's expert tensors, on disk as in memory: gate_up_proj [E, d, 2n] (gate and up interleaved),
+    gate_up_proj_bias [E, 2n], down_proj [E, n, d], down_proj_bias [E, d]."""
+    base = f"model.layers.{layer}.mlp.experts"
+    return f"{base}.gate_up_proj", f"{base}.gate_up_proj_bias", f"{base}.down_proj", f"{base}.down_proj_bias"

@@ -31,6 +31,22 @@ k, v [B, S, H_kv, D] (grouped-query heads: query head h reads kv head h // (H / 
   ("blocks" measured slower than "segments" in float32 at every mix and no faster beyond the noise in
   bf16, so auto does not pick it).
 
+Two per-layer options compose with every method (`attend(..., sinks=, window=)`):
+
+- a sliding window: query i also needs i - j < window (the window counts the query itself, as
+  transformers' `sliding_window` does), on top of "same document and causal";
+- attention sinks (GPT-OSS): one learned logit per query head that joins the softmax's
+  denominator and carries no value: out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sink}).
+
+The SDPA methods ("dense", "segments", "blocks", and "causal" rows) realise a sink as one extra
+key whose k and v are zero and whose logit an additive float mask sets to the head's sink (q·0 = 0,
+so the score is exactly the sink and its value adds nothing); the window is part of the boolean
+mask (for "segments" a band inside each padded document, for "blocks" a band inside each key
+span). "flex" puts the window in its mask_mod and applies the sink from the log-sum-exp flex
+returns: out · sigmoid(lse - sink), the same quantity. A "causal" plan with either option runs the
+dense band mask on CPU and flex on CUDA. Masks and block masks a window needs are built once per
+forward and window (cached in the plan).
+
 Documents must be contiguous runs (each id appears in one run per row, as packing produces):
 "dense" and "flex" compare ids, "segments" cuts at id changes. This module holds no parameters
 and no projections (layers.Attention does); it imports nothing else from moetrain.model.
@@ -39,12 +55,12 @@ and no projections (layers.Attention does); it imports nothing else from moetrai
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 METHODS = ("auto", "dense", "segments", "blocks", "flex")
 # Query block of "blocks". Measured (docs/performance.md) against 32 and 128: 32 was best at mean document
@@ -115,6 +131,30 @@ class AttentionPlan:
     segments: SegmentLayout | None = None
     blocks: BlockLayout | None = None
     block_mask: BlockMask | None = None
+    document_ids: Tensor | None = None  # [B, S]; None for "causal" (every row one document)
+    # Masks built for a sliding window (or a "causal" plan with sinks), once per forward: key (kind, window).
+    cache: dict = field(default_factory=dict, repr=False)
+
+    def mask_for(self, seq: int, device: torch.device, window: int | None) -> Tensor:
+        """The [B or 1, 1, S, S] boolean mask of this plan's documents (all one document for "causal"),
+        restricted to the sliding window when one is given."""
+        key = ("mask", window)
+        if key not in self.cache:
+            if self.document_ids is not None:
+                mask = self.mask if self.mask is not None else document_causal_mask(self.document_ids)
+            else:
+                mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril().view(1, 1, seq, seq)
+            self.cache[key] = mask if window is None else mask & window_band(seq, seq, window, device)
+        return self.cache[key]
+
+    def block_mask_for(self, batch: int, seq: int, device: torch.device, window: int | None) -> BlockMask:
+        """flex's block mask of this plan's documents, restricted to the window when one is given."""
+        if window is None and self.block_mask is not None:
+            return self.block_mask
+        key = ("block_mask", window)
+        if key not in self.cache:
+            self.cache[key] = document_block_mask(self.document_ids, window, batch, seq, device)
+        return self.cache[key]
 
 
 def document_causal_mask(document_ids: Tensor) -> Tensor:
@@ -182,14 +222,33 @@ def block_layout(document_ids: Tensor, block: int = BLOCK_SIZE) -> BlockLayout:
     return BlockLayout(block=block, padded_seq=padded_seq, groups=groups, inverse=inverse)
 
 
-def document_block_mask(document_ids: Tensor) -> BlockMask:
-    """flex_attention's block mask for "same document and causal" over [B, S] ids (all heads alike)."""
-    batch, seq = document_ids.shape
+def window_band(queries: int, keys: int, window: int, device: torch.device, offset: int = 0) -> Tensor:
+    """[queries, keys] bool: query i (at position i + offset among the keys) sees key j when i + offset - j < window.
 
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
+    Only the window's lower edge: the causal part (j <= i + offset) comes from the mask it is combined with.
+    """
+    query_pos = torch.arange(queries, device=device).unsqueeze(1) + offset
+    return query_pos - torch.arange(keys, device=device) < window
 
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+
+def document_block_mask(document_ids: Tensor | None, window: int | None = None, batch: int | None = None,
+                        seq: int | None = None, device: torch.device | None = None) -> BlockMask:
+    """flex_attention's block mask for "same document and causal" over [B, S] ids (all heads alike),
+    and inside the sliding window when one is given. `document_ids` None: every row is one document
+    (then `batch`, `seq` and `device` say the shape)."""
+    if document_ids is not None:
+        batch, seq = document_ids.shape
+        device = document_ids.device
+
+    def allowed(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        if document_ids is not None:
+            keep = keep & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        return keep
+
+    return create_block_mask(allowed, batch if document_ids is not None else None, None, seq, seq, device=device)
 
 
 def plan_attention(document_ids: Tensor | None, method: str) -> AttentionPlan:
@@ -198,29 +257,43 @@ def plan_attention(document_ids: Tensor | None, method: str) -> AttentionPlan:
         raise ValueError(f"attention method {method!r} is not one of {METHODS}")
     if document_ids is None:
         return AttentionPlan("causal")
+    ids = document_ids
     if method == "dense":
-        return AttentionPlan("dense", mask=document_causal_mask(document_ids))
+        return AttentionPlan("dense", mask=document_causal_mask(ids), document_ids=ids)
     if method == "flex":
-        return AttentionPlan("flex", block_mask=document_block_mask(document_ids))
+        return AttentionPlan("flex", block_mask=document_block_mask(ids), document_ids=ids)
     if method == "segments":
-        return AttentionPlan("segments", segments=segment_layout(document_ids))
+        return AttentionPlan("segments", segments=segment_layout(ids), document_ids=ids)
     if method == "blocks":
-        return AttentionPlan("blocks", blocks=block_layout(document_ids))
-    if bool((document_ids == document_ids[:, :1]).all()):  # auto: one document per row
+        return AttentionPlan("blocks", blocks=block_layout(ids), document_ids=ids)
+    if bool((ids == ids[:, :1]).all()):  # auto: one document per row
         return AttentionPlan("causal")
-    if document_ids.is_cuda:
-        return AttentionPlan("flex", block_mask=document_block_mask(document_ids))
-    layout = segment_layout(document_ids)
-    batch, seq = document_ids.shape
+    if ids.is_cuda:
+        return AttentionPlan("flex", block_mask=document_block_mask(ids), document_ids=ids)
+    layout = segment_layout(ids)
+    batch, seq = ids.shape
     if layout.padded_work() <= SEGMENTS_PAY_OFF * batch * seq * seq:
-        return AttentionPlan("segments", segments=layout)
-    return AttentionPlan("dense", mask=document_causal_mask(document_ids))
+        return AttentionPlan("segments", segments=layout, document_ids=ids)
+    return AttentionPlan("dense", mask=document_causal_mask(ids), document_ids=ids)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     """SDPA on [N, L, H, D] tensors (heads-second views for the kernel), grouped-query heads expanded."""
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           enable_gqa=q.shape[2] != k.shape[2], **kwargs).transpose(1, 2)
+
+
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor | None) -> Tensor:
+    """SDPA on [N, L, H, D] / [N, Lk, H_kv, D] under a boolean mask broadcastable to [N, 1, L, Lk], with
+    optional sinks [H]: one zero key and value appended, its logit set to the head's sink by a float mask."""
+    if sinks is None:
+        return _sdpa(q, k, v, attn_mask=allowed)
+    n, length, heads, _ = q.shape
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    bias = bias.expand(n, heads, length, allowed.shape[-1])
+    sink_column = sinks.to(q.dtype).view(1, heads, 1, 1).expand(n, heads, length, 1)
+    k, v = (F.pad(t, (0, 0, 0, 0, 0, 1)) for t in (k, v))  # the sink's key and value: zeros
+    return _sdpa(q, k, v, attn_mask=torch.cat((bias, sink_column), dim=-1))
 
 
 class _GatherIntoSegments(torch.autograd.Function):
@@ -257,7 +330,8 @@ class _ScatterFromSegments(torch.autograd.Function):
         return grad.new_zeros(ctx.padded_rows, *grad.shape[1:]).index_copy_(0, scatter, grad), None
 
 
-def _attend_segments(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout) -> Tensor:
+def _attend_segments(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout, sinks: Tensor | None = None,
+                     window: int | None = None) -> Tensor:
     batch, seq, heads, head_dim = q.shape
     q_pad, k_pad, v_pad = (_GatherIntoSegments.apply(t.reshape(batch * seq, *t.shape[2:]), layout.gather,
                                                      layout.scatter) for t in (q, k, v))
@@ -267,12 +341,20 @@ def _attend_segments(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout) -> 
     for (documents, length), q_g, k_g, v_g in zip(layout.groups, *(t.split(sizes) for t in (q_pad, k_pad, v_pad)),
                                                   strict=True):
         q_g, k_g, v_g = (t.unflatten(0, (documents, length)) for t in (q_g, k_g, v_g))
-        outputs.append(_sdpa(q_g, k_g, v_g, is_causal=True).flatten(0, 1))
+        if sinks is None and window is None:
+            outputs.append(_sdpa(q_g, k_g, v_g, is_causal=True).flatten(0, 1))
+            continue
+        # Every document of the group starts at slot 0: one [length, length] causal band serves them all.
+        band = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        if window is not None:
+            band = band & window_band(length, length, window, q.device)
+        outputs.append(_masked_sdpa(q_g, k_g, v_g, band.view(1, 1, length, length), sinks).flatten(0, 1))
     out_pad = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     return _ScatterFromSegments.apply(out_pad, layout.scatter).view(batch, seq, heads, head_dim)
 
 
-def _attend_blocks(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout) -> Tensor:
+def _attend_blocks(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, sinks: Tensor | None = None,
+                   window: int | None = None) -> Tensor:
     batch, seq, heads, head_dim = q.shape
     block, tail = layout.block, layout.padded_seq - seq
     if tail:  # zero tokens in a document of their own: no real query reaches them; their outputs are cut
@@ -285,12 +367,15 @@ def _attend_blocks(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout) -> Tens
         span = group.key_blocks * block
         q_g = q_blocks if layout.inverse is None else q_blocks.index_select(0, group.query_index)
         k_g, v_g = (t.index_select(0, group.key_index).view(-1, span, *t.shape[2:]) for t in (k_blocks, v_blocks))
-        outputs.append(_sdpa(q_g, k_g, v_g, attn_mask=group.mask))
+        mask = group.mask
+        if window is not None:  # query i of the block sits at (n - 1) * block + i in its key span
+            mask = mask & window_band(block, span, window, q.device, offset=span - block)
+        outputs.append(_masked_sdpa(q_g, k_g, v_g, mask, sinks))
     out = outputs[0] if layout.inverse is None else torch.cat(outputs).index_select(0, layout.inverse)
     return out.reshape(batch, layout.padded_seq, heads, head_dim)[:, :seq]
 
 
-def _attend_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
+def _attend_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, sinks: Tensor | None = None) -> Tensor:
     global _compiled_flex
     if q.is_cuda:
         if _compiled_flex is None:  # eager flex materialises the full scores; compiled it skips masked blocks
@@ -303,9 +388,15 @@ def _attend_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tens
         kernel = flex_attention
     with warnings.catch_warnings():  # eager on CPU is deliberate (inference, tests): no "use torch.compile" notice
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        extra = {} if sinks is None else {"return_aux": AuxRequest(lse=True)}
         out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-                     enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
+                     enable_gqa=q.shape[2] != k.shape[2], **extra)
+    if sinks is None:
+        return out.transpose(1, 2)
+    out, aux = out
+    # The sink joins the denominator only: out · Z / (Z + e^sink) = out · sigmoid(lse - sink).
+    keep = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1)).to(out.dtype)  # [B, H, S]
+    return (out * keep.unsqueeze(-1)).transpose(1, 2)
 
 
 def _sdpa_repeated_kv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -319,19 +410,35 @@ def _sdpa_repeated_kv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> T
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan | None) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan | None, sinks: Tensor | None = None,
+           window: int | None = None) -> Tensor:
     """Document-masked causal attention of q [B, S, H, D] over k, v [B, S, H_kv, D] -> [B, S, H, D].
 
-    `plan` None: plain causal attention (every row one document).
+    `plan` None: plain causal attention (every row one document). `sinks` [H]: one learned logit per
+    query head in the softmax's denominator; `window`: query i sees keys j > i - window only.
     """
-    if plan is None or plan.method == "causal":
-        return _sdpa_repeated_kv(q, k, v, None)
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be a positive number of tokens")
+    if sinks is not None and sinks.shape != (q.shape[2],):
+        raise ValueError(f"sinks shape {tuple(sinks.shape)} != ({q.shape[2]},): one per query head")
+    plain = sinks is None and window is None
+    if plan is None:
+        plan = AttentionPlan("causal")
+    batch, seq = q.shape[:2]
+    if plan.method == "causal":
+        if plain:
+            return _sdpa_repeated_kv(q, k, v, None)
+        if q.is_cuda:
+            return _attend_flex(q, k, v, plan.block_mask_for(batch, seq, q.device, window), sinks)
+        return _masked_sdpa(q, k, v, plan.mask_for(seq, q.device, window), sinks)
     if plan.method == "dense":
-        return _sdpa_repeated_kv(q, k, v, plan.mask)
+        if plain:
+            return _sdpa_repeated_kv(q, k, v, plan.mask)
+        return _masked_sdpa(q, k, v, plan.mask_for(seq, q.device, window), sinks)
     if plan.method == "segments":
-        return _attend_segments(q, k, v, plan.segments)
+        return _attend_segments(q, k, v, plan.segments, sinks, window)
     if plan.method == "blocks":
-        return _attend_blocks(q, k, v, plan.blocks)
+        return _attend_blocks(q, k, v, plan.blocks, sinks, window)
     if plan.method == "flex":
-        return _attend_flex(q, k, v, plan.block_mask)
+        return _attend_flex(q, k, v, plan.block_mask_for(batch, seq, q.device, window), sinks)
     raise ValueError(f"attention plan method {plan.method!r} is unknown")

@@ -10,6 +10,9 @@ The MoE layer (moe.py) decides *which* tokens go to which experts (routing.py); 
 - ``memory_efficient``: the SonicMoE-style autograd Function in `moe_function.py`, which saves
   only X, the pre-activation H, scores and indices.
 
+Optional expert biases (GPT-OSS): b1 [E, width of W1] is added to x_t W1_e and b2 [E, d] to the
+expert's output, before the score weighting: out[t] = sum scores[a] * (phi(x_t W1_e + b1_e) W2_e + b2_e).
+
 The grouped GEMMs, their per-device backend choice and the activations live in grouped_mm.py.
 This module makes no routing decisions, holds no parameters of its own and has no distributed code.
 
@@ -26,11 +29,13 @@ from torch import Tensor
 from moetrain.errors import ModelError
 from moetrain.model.grouped_mm import (
     BACKENDS,
+    Activation,
     Backend,
     activation_forward,
     check_activation,
     grouped_mm,
     grouped_mm_backend,
+    is_gated,
 )
 from moetrain.model.moe_function import memory_efficient_experts
 from moetrain.model.routing import Routing
@@ -38,16 +43,21 @@ from moetrain.model.routing import Routing
 IMPLS: tuple[str, ...] = ("loop", "grouped", "memory_efficient")
 
 
-def check_expert_shapes(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str) -> None:
+def check_expert_shapes(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation,
+                        b1: Tensor | None = None, b2: Tensor | None = None) -> None:
     check_activation(activation)
     if x.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [T,d], w1 [E,d,h], w2 [E,n,d]; got {tuple(x.shape)}, {tuple(w1.shape)}, "
                          f"{tuple(w2.shape)}")
     n_experts, dim, width = w1.shape
-    inner = width // 2 if activation == "swiglu" else width
-    if w2.shape != (n_experts, inner, dim) or x.shape[1] != dim or (activation == "swiglu" and width % 2):
+    gated = is_gated(activation)
+    inner = width // 2 if gated else width
+    if w2.shape != (n_experts, inner, dim) or x.shape[1] != dim or (gated and width % 2):
         raise ValueError(f"inconsistent expert shapes for {activation}: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, "
-                         f"w2 {tuple(w2.shape)} (want w1 [E,d,{'2n' if activation == 'swiglu' else 'n'}], w2 [E,n,d])")
+                         f"w2 {tuple(w2.shape)} (want w1 [E,d,{'2n' if gated else 'n'}], w2 [E,n,d])")
+    if (b1 is not None and b1.shape != (n_experts, width)) or (b2 is not None and b2.shape != (n_experts, dim)):
+        raise ValueError(f"expert biases b1 {None if b1 is None else tuple(b1.shape)}, b2 "
+                         f"{None if b2 is None else tuple(b2.shape)}: want [E,{width}] and [E,{dim}]")
     if routing.n_experts != n_experts:
         raise ValueError(f"routing has {routing.n_experts} experts, weights have {n_experts}")
     if routing.token_index.shape != routing.scores.shape or routing.token_index.dim() != 1:
@@ -64,47 +74,69 @@ def _scatter_to_tokens(contrib_AD: Tensor, token_index_A: Tensor, n_tokens: int)
     return out_TD.to(contrib_AD.dtype)
 
 
-def _experts_loop(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: str) -> Tensor:
+def _experts_loop(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: Activation,
+                  b1_EN: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
     """Reference: one expert at a time, plain matmuls, standard autograd."""
     sizes = routing.counts.tolist()
+    n_experts = w1_EDN.shape[0]
+    b1s = b1_EN.unbind(0) if b1_EN is not None else (None,) * n_experts
+    b2s = b2_ED.unbind(0) if b2_ED is not None else (None,) * n_experts
     pieces = []
     # Empty experts run too (zero-row matmuls) so every weight gets a zero gradient, never None.
-    for tokens, scores, w1_DN, w2_FD in zip(routing.token_index.split(sizes), routing.scores.split(sizes),
-                                            w1_EDN.unbind(0), w2_EFD.unbind(0), strict=True):
-        expert_out = activation_forward(x_TD[tokens] @ w1_DN, activation) @ w2_FD
+    for tokens, scores, w1_DN, w2_FD, b1_N, b2_D in zip(routing.token_index.split(sizes),
+                                                        routing.scores.split(sizes), w1_EDN.unbind(0),
+                                                        w2_EFD.unbind(0), b1s, b2s, strict=True):
+        hidden = x_TD[tokens] @ w1_DN
+        expert_out = activation_forward(hidden if b1_N is None else hidden + b1_N, activation) @ w2_FD
+        if b2_D is not None:
+            expert_out = expert_out + b2_D
         pieces.append(expert_out * scores.unsqueeze(1).to(expert_out.dtype))
     return _scatter_to_tokens(torch.cat(pieces), routing.token_index, x_TD.shape[0])
 
 
-def _experts_grouped(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: str,
-                     backend: Backend) -> Tensor:
+def expert_of_rows(counts: Tensor, n_rows: int) -> Tensor:
+    """The expert owning each row of the grouped layout, [n_rows] (no host sync: the size is given)."""
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=n_rows)
+
+
+def _experts_grouped(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: Activation,
+                     backend: Backend, b1_EN: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
     """Gather, two grouped GEMMs, weight by score, scatter back; standard autograd saves the lot."""
     sizes = routing.counts.tolist() if backend == "segment_loop" else None
     gathered_AD = x_TD.index_select(0, routing.token_index)
     hidden_AN = grouped_mm(gathered_AD, w1_EDN, routing.counts, backend, sizes)
+    experts_A = expert_of_rows(routing.counts, routing.n_assignments) if b1_EN is not None or b2_ED is not None \
+        else None
+    if b1_EN is not None:
+        hidden_AN = hidden_AN + b1_EN.index_select(0, experts_A)
     expert_out_AD = grouped_mm(activation_forward(hidden_AN, activation), w2_EFD, routing.counts, backend, sizes)
+    if b2_ED is not None:
+        expert_out_AD = expert_out_AD + b2_ED.index_select(0, experts_A)
     weighted_AD = expert_out_AD * routing.scores.unsqueeze(1).to(expert_out_AD.dtype)
     return _scatter_to_tokens(weighted_AD, routing.token_index, x_TD.shape[0])
 
 
-def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str = "swiglu",
-                   impl: str = "memory_efficient", backend: Backend | None = None) -> Tensor:
-    """out[t] = sum over assignments a of token t: scores[a] * (phi(x_t W1_e) W2_e), shape [T,d].
+def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation = "swiglu",
+                   impl: str = "memory_efficient", backend: Backend | None = None, b1: Tensor | None = None,
+                   b2: Tensor | None = None) -> Tensor:
+    """out[t] = sum over assignments a of token t: scores[a] * (phi(x_t W1_e + b1_e) W2_e + b2_e), shape [T,d].
 
-    x [T,d]; w1 [E,d,2n] (swiglu) or [E,d,n] (gelu); w2 [E,n,d]. `backend` overrides the
-    per-device grouped GEMM choice (the benchmark measures both).
+    x [T,d]; w1 [E,d,2n] (gated: swiglu, ClampedSwiGLU) or [E,d,n] (gelu); w2 [E,n,d]; optional
+    biases b1 [E, width of w1], b2 [E,d]. `backend` overrides the per-device grouped GEMM choice
+    (the benchmark measures both).
     """
     if impl not in IMPLS:
         raise ModelError(f"moe impl = {impl!r} is invalid: valid impls are {', '.join(IMPLS)}")
     if backend is not None and backend not in BACKENDS:
         raise ModelError(f"grouped GEMM backend = {backend!r} is invalid: valid backends are {', '.join(BACKENDS)}")
-    check_expert_shapes(x, routing, w1, w2, activation)
+    check_expert_shapes(x, routing, w1, w2, activation, b1, b2)
     # Weights kept in a wider dtype than the activations (e.g. fp32 master weights, bf16 compute) are
     # cast differentiably here, so every implementation sees one dtype.
     w1_EDN, w2_EFD = w1.to(x.dtype), w2.to(x.dtype)
+    b1_EN, b2_ED = (None if b is None else b.to(x.dtype) for b in (b1, b2))
     chosen = grouped_mm_backend(x.device, x.dtype, impl) if backend is None else backend
     if impl == "loop":
-        return _experts_loop(x, routing, w1_EDN, w2_EFD, activation)
+        return _experts_loop(x, routing, w1_EDN, w2_EFD, activation, b1_EN, b2_ED)
     if impl == "grouped":
-        return _experts_grouped(x, routing, w1_EDN, w2_EFD, activation, chosen)
-    return memory_efficient_experts(x, routing, w1_EDN, w2_EFD, activation, chosen)
+        return _experts_grouped(x, routing, w1_EDN, w2_EFD, activation, chosen, b1_EN, b2_ED)
+    return memory_efficient_experts(x, routing, w1_EDN, w2_EFD, activation, chosen, b1=b1_EN, b2=b2_ED)

@@ -22,12 +22,17 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     moe = cfg.moe
     attention = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # wq, wo, wk, wv
     qk_norm = {"none": 0, "per_head": 2 * head_dim, "full": (heads + kv_heads) * head_dim}[cfg.qk_norm]
-    norms_per_layer = 2 * d + qk_norm
+    # Projection biases and sinks are not matmul parameters: counted with the norms (in `active`, not FLOPs).
+    attention_bias = {"none": 0, "qkv": (heads + 2 * kv_heads) * head_dim,
+                      "all": (heads + 2 * kv_heads) * head_dim + d}[cfg.attention_bias]
+    norms_per_layer = 2 * d + qk_norm + attention_bias + (heads if cfg.attention_sinks else 0)
     dense_ffn = 3 * d * cfg.ffn_hidden
-    w1_width = 2 * moe.expert_hidden if moe.activation == "swiglu" else moe.expert_hidden
+    w1_width = moe.expert_hidden if moe.activation == "gelu" else 2 * moe.expert_hidden
     one_expert = d * w1_width + moe.expert_hidden * d
+    one_expert_bias = (w1_width + d) if moe.expert_proj_bias else 0
     router = d * moe.n_experts
-    shared = 3 * d * moe.expert_hidden * moe.n_shared_experts
+    router_bias = moe.n_experts if moe.router_bias else 0
+    shared = 3 * d * moe.shared_width() + (d if moe.shared_expert_gate else 0)
     n_moe = cfg.n_layers - cfg.n_dense_layers
     n_dense = cfg.n_dense_layers
     embedding = cfg.vocab_size * d
@@ -35,12 +40,14 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     head_matmul = cfg.vocab_size * d  # tied or not, the head is a matmul
     layer_matmul_dense = attention + dense_ffn
     layer_matmul_moe_active = attention + router + shared + moe.top_k * one_expert
+    moe_biases = router_bias + moe.n_experts * one_expert_bias
     total = (embedding + head + d
              + n_dense * (layer_matmul_dense + norms_per_layer)
-             + n_moe * (attention + router + shared + moe.n_experts * one_expert + norms_per_layer))
+             + n_moe * (attention + router + shared + moe.n_experts * one_expert + norms_per_layer + moe_biases))
     active_matmul = head_matmul + n_dense * layer_matmul_dense + n_moe * layer_matmul_moe_active
-    # + norms, + the token's embedding row (already inside the head matrix when tied)
-    active = active_matmul + cfg.n_layers * norms_per_layer + d + (0 if cfg.tie_embeddings else d)
+    # + norms (and biases, sinks), + the token's embedding row (already inside the head matrix when tied)
+    active = (active_matmul + cfg.n_layers * norms_per_layer + n_moe * (router_bias + moe.top_k * one_expert_bias)
+              + d + (0 if cfg.tie_embeddings else d))
     return {
         "total": total,
         "embedding": embedding,

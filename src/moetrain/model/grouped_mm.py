@@ -6,8 +6,8 @@ forms the per-expert weight gradients a_e^T g_e. Two backends share that contrac
 loop of matmuls over the contiguous segments). `grouped_mm_backend` chooses per device:
 ``_grouped_mm`` on CUDA, and on CPU whichever of the two `moetrain bench moe` measured faster for
 each implementation (see docs/bench_moe.md). The activations (SwiGLU on a fused [gate | up] input,
-exact GELU) and their derivative are shared by the standard-autograd implementations and the
-memory-efficient backward.
+exact GELU, GPT-OSS's clamped SwiGLU as a `ClampedSwiGLU` with its constants) and their derivative
+are shared by the standard-autograd implementations and the memory-efficient backward.
 
 These are kernels only: nothing here knows about routing decisions, parameters or distribution,
 and this module imports no other model module.
@@ -15,6 +15,7 @@ and this module imports no other model module.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -145,23 +146,59 @@ def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backen
 # Activations and their derivative (shared with the memory-efficient backward)
 # ---------------------------------------------------------------------------------------------
 
-def check_activation(activation: str) -> None:
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation on H = [gate | up]: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g),
+    g = min(gate, limit) (gate clamped from above only), as transformers' GptOssExperts computes it."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+# What the expert functions take as `activation`: a name of ACTIVATIONS, or a ClampedSwiGLU.
+Activation = str | ClampedSwiGLU
+
+
+def check_activation(activation: Activation) -> None:
+    if isinstance(activation, ClampedSwiGLU):
+        return
     if activation not in ACTIVATIONS:
-        raise ModelError(f"moe activation = {activation!r} is invalid: valid activations are {', '.join(ACTIVATIONS)}")
+        raise ModelError(f"moe activation = {activation!r} is invalid: valid activations are {', '.join(ACTIVATIONS)} "
+                         "or a ClampedSwiGLU")
 
 
-def activation_forward(h: Tensor, activation: str) -> Tensor:
-    """A = phi(H). SwiGLU: H = [gate | up] (width 2n), A = silu(gate) * up. GELU: A = gelu(H)."""
+def is_gated(activation: Activation) -> bool:
+    """Whether W1's output is [gate | up] (width 2n) rather than n wide."""
+    return activation == "swiglu" or isinstance(activation, ClampedSwiGLU)
+
+
+def activation_forward(h: Tensor, activation: Activation) -> Tensor:
+    """A = phi(H). SwiGLU: H = [gate | up] (width 2n), A = silu(gate) * up. GELU: A = gelu(H).
+    ClampedSwiGLU: see the class."""
+    if isinstance(activation, ClampedSwiGLU):
+        gate, up = h.chunk(2, dim=-1)
+        gate = gate.clamp(max=activation.limit)
+        return (up.clamp(-activation.limit, activation.limit) + 1) * (gate * torch.sigmoid(activation.alpha * gate))
     if activation == "swiglu":
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
     return F.gelu(h)
 
 
-def activation_backward(h: Tensor, grad_a: Tensor, activation: str) -> Tensor:
+def activation_backward(h: Tensor, grad_a: Tensor, activation: Activation) -> Tensor:
     """dH = dA * phi'(H), computed in float32 for low-precision inputs and returned in H's dtype."""
     compute_dtype = torch.float32 if h.dtype in (torch.bfloat16, torch.float16) else h.dtype
     h_c, grad_c = h.to(compute_dtype), grad_a.to(compute_dtype)
+    if isinstance(activation, ClampedSwiGLU):
+        alpha, limit = activation.alpha, activation.limit
+        gate, up = h_c.chunk(2, dim=-1)
+        g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+        sig = torch.sigmoid(alpha * g)
+        # d/dg [g·σ(αg)] = σ(αg)·(1 + αg·(1 − σ(αg))); the clamps pass the gradient inside their range
+        # (bounds included, as torch.clamp's backward does).
+        grad_gate = grad_c * (u + 1) * sig * (1 + alpha * g * (1 - sig)) * (gate <= limit)
+        grad_up = grad_c * g * sig * ((up >= -limit) & (up <= limit))
+        return torch.cat((grad_gate, grad_up), dim=-1).to(h.dtype)
     if activation == "swiglu":
         gate, up = h_c.chunk(2, dim=-1)
         grad_h = torch.empty_like(h_c)

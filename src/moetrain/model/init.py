@@ -45,6 +45,10 @@ Kind = Literal["embedding", "qkv", "attn_out", "ffn_gate", "ffn_up", "ffn_down",
                "expert_gate", "expert_up", "expert_down", "lm_head", "norm"]
 Dist = Literal["normal", "trunc_normal", "ones", "zeros"]
 
+# Biases (attention projections, router, experts) and attention sinks start at zero in every scheme:
+# the cited sources zero every bias; a zero sink is one extra zero logit in each softmax.
+BIAS_KIND = "bias"
+
 # Rows of a parameter drawn from one generator: large enough to amortise generator setup,
 # small enough that a shard wastes little. Changing it changes every initial value.
 BLOCK_NUMEL = 1 << 16
@@ -113,6 +117,8 @@ class Scheme:
     tied_weight_kind: str = "embedding"
 
     def rule(self, kind: str, tied: bool = False) -> Rule:
+        if kind == BIAS_KIND:
+            return Rule("zeros")
         if tied and kind == "embedding":
             kind = self.tied_weight_kind
         return self.rules[kind]
@@ -191,8 +197,8 @@ def _gpt_oss() -> Scheme:
     attention/router, trunc_normal for expert biases; LM head trunc_normal(d^-0.5) cut ±3σ; norms ones).
     The older torchtitan/models/gpt_oss/model/model.py @ff0829c10fbfbf86134c4908e4b06f1f97ee4e23 used
     normal(std=1.0) for the embedding instead. Cutoffs are torch's default ±2 (absolute).
-    moetrain has no biases or attention sinks; dense FFN layers (GPT-OSS has none) get the same
-    depth-scaled std as the experts.
+    moetrain starts every bias (expert biases included) and the attention sinks at zero in every scheme
+    (`BIAS_KIND`); dense FFN layers (GPT-OSS has none) get the same depth-scaled std as the experts.
     """
     scaled = _trunc_abs(*STD_DEPTH_LAYER)
     rules = {kind: scaled for kind in KINDS}
@@ -373,6 +379,13 @@ def classify(name: str, cfg: ModelConfig) -> list[Segment]:
         layer, rest = int(parts[1]), parts[2:]
         dims = Dims(cfg.dim, cfg.n_layers, layer, cfg.ffn_hidden)
         moe = cfg.moe
+        projection_bias = len(rest) == 3 and rest[0] == "attention" and rest[1] in ("wq", "wk", "wv", "wo") \
+            and rest[2] == "bias"
+        if projection_bias or rest in (["attention", "sinks"], ["moe", "router", "bias"], ["moe", "experts", "b1"],
+                                       ["moe", "experts", "b2"]):
+            return [Segment(BIAS_KIND, "", dims)]
+        if rest == ["moe", "shared_expert_gate", "weight"]:  # a one-output router
+            return [Segment("router", "", dims)]
         if rest in (["attention_norm", "weight"], ["ffn_norm", "weight"], ["attention", "q_norm", "weight"],
                     ["attention", "k_norm", "weight"]):
             return [Segment("norm", "", dims)]
@@ -388,14 +401,14 @@ def classify(name: str, cfg: ModelConfig) -> list[Segment]:
             if rest[1:] == ["router", "weight"]:
                 return [Segment("router", "", dims)]
             if rest[1] == "shared_expert" and len(rest) == 4 and rest[2] in ffn:
-                shared = Dims(cfg.dim, cfg.n_layers, layer, moe.expert_hidden * moe.n_shared_experts)
+                shared = Dims(cfg.dim, cfg.n_layers, layer, moe.shared_width())
                 return [Segment(ffn[rest[2]], "", shared)]
             expert = Dims(cfg.dim, cfg.n_layers, layer, moe.expert_hidden)
             if rest[1:] == ["experts", "w2"]:
                 return [Segment("expert_down", "", expert)]
             if rest[1:] == ["experts", "w1"]:
                 n = moe.expert_hidden
-                if moe.activation == "swiglu":
+                if moe.activation != "gelu":  # gated: [gate | up]
                     return [Segment("expert_gate", "gate", expert, 0, n), Segment("expert_up", "up", expert, n, 2 * n)]
                 # GELU experts: the single input projection goes through the activation like the gate.
                 return [Segment("expert_gate", "", expert)]

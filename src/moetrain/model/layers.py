@@ -4,7 +4,8 @@ These are the building blocks both the transformer (transformer.py) and the MoE 
 for its shared expert) use; parameter names inside each layer (`wq`, `wk`, `wv`, `wo`, `q_norm`,
 `k_norm`, `w1`, `w2`, `w3`) follow torchtitan so init schemes, sharding and checkpoints can match
 by name. Attention supports a free head width, QK-norm (per head or over the full projected
-width), both RoPE channel layouts and q/k/v clipping, which the Hugging Face families need.
+width), both RoPE channel layouts, q/k/v clipping, projection biases, learned attention sinks
+(`sinks` [n_heads]) and a per-layer sliding window, which the Hugging Face families need.
 The attention computation itself (document masking and its methods) lives in attention.py; this
 module imports no other model module but that one, holds no initialisation (init.py fills the
 parameters) and no distributed code.
@@ -86,7 +87,7 @@ class Attention(nn.Module):
     The document-masked attention runs by the forward's plan (attention.plan_attention).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
@@ -95,10 +96,14 @@ class Attention(nn.Module):
         self.rope_layout = cfg.rope_layout
         self.qk_norm = cfg.qk_norm
         self.clip_qkv = cfg.clip_qkv
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.window = cfg.window_of(layer_id)  # None: the whole document
+        qkv_bias, out_bias = cfg.attention_bias in ("qkv", "all"), cfg.attention_bias == "all"
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=out_bias)
+        # One logit per query head in the softmax's denominator (attention.attend); None: no sinks.
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attention_sinks else None
         if cfg.qk_norm == "per_head":  # one weight of head_dim, shared by every head (Qwen3)
             self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
@@ -126,7 +131,7 @@ class Attention(nn.Module):
         q, k, v = self._project(x)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin, self.rope_layout), apply_rope(k, cos, sin, self.rope_layout)
-        return self.wo(attend(q, k, v, plan).reshape(batch, seq, -1))
+        return self.wo(attend(q, k, v, plan, self.sinks, self.window).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):

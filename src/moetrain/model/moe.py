@@ -1,13 +1,20 @@
 """MoE feed-forward layer: linear router, top-k selection, routed experts, optional shared expert.
 
-Routing: the router is a bias-free linear layer; `routing.select_experts` turns its logits into
-scores (softmax or sigmoid, float32), chooses the top-k experts of each token on the scores (plus a
-per-expert bias under aux-loss-free balancing, which only affects the choice, never the gate values)
-and gives gate values = the chosen scores, optionally renormalised to sum to 1. The routed experts
-are computed by `experts.routed_experts` (loop / grouped GEMM / memory-efficient, chosen by
+Routing: the router is a linear layer (with a bias under `router_bias`, GPT-OSS);
+`routing.select_experts` turns its logits into scores (softmax or sigmoid, float32), chooses the
+top-k experts of each token on the scores (plus a per-expert bias under aux-loss-free balancing,
+which only affects the choice, never the gate values) and gives gate values = the chosen scores,
+optionally renormalised to sum to 1. The routed experts are computed by `experts.routed_experts`
+(loop / grouped GEMM / memory-efficient, chosen by
 `MoEConfig.impl`) on stacked weights `experts.w1` [E, d, 2n] (gate | up, SwiGLU) or [E, d, n] (GELU)
-and `experts.w2` [E, n, d]. A shared expert, when configured, is a dense SwiGLU FFN
-(`layers.FeedForward`) of width n · n_shared_experts added to every token's output.
+and `experts.w2` [E, n, d], with biases `experts.b1` [E, width of w1] and `experts.b2` [E, d] under
+`expert_proj_bias` (GPT-OSS). A shared expert, when configured, is a dense SwiGLU FFN
+(`layers.FeedForward`) of width `MoEConfig.shared_width()` added to every token's output, scaled per
+token by sigmoid(shared_expert_gate(x)) under `shared_expert_gate` (Qwen2-MoE).
+
+GPT-OSS's router (softmax over the top-k logits it selects) is the softmax router with
+`renormalize`: exp(l_i) / Σ_top-k exp(l_j) = p_i / Σ_top-k p_j, and the top-k of the logits are the
+top-k of the probabilities, so it needs no routing mode of its own.
 
 After each forward the module exposes `aux_loss` (the load-balancing loss, not multiplied by its
 coefficient: of this forward alone under `aux_loss_scope = "microbatch"`, or this forward's exact
@@ -30,6 +37,7 @@ from torch import Tensor, nn
 
 from moetrain.config import MoEConfig
 from moetrain.model.experts import routed_experts
+from moetrain.model.grouped_mm import Activation, ClampedSwiGLU
 from moetrain.model.layers import FeedForward
 from moetrain.model.routing import (
     balance_fractions,
@@ -42,14 +50,29 @@ from moetrain.model.routing import (
 )
 
 
+def expert_activation(cfg: MoEConfig) -> Activation:
+    """The `activation` argument of the expert functions for this config."""
+    if cfg.activation == "clamped_swiglu":
+        return ClampedSwiGLU(alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    return cfg.activation
+
+
 class RoutedExpertWeights(nn.Module):
-    """Stacked expert weights: w1 [E, d, 2n] (SwiGLU: gate = [..., :n], up = [..., n:]) or [E, d, n]; w2 [E, n, d]."""
+    """Stacked expert weights: w1 [E, d, 2n] (gated: gate = [..., :n], up = [..., n:]) or [E, d, n]; w2 [E, n, d];
+    under `expert_proj_bias` also b1 [E, width of w1] and b2 [E, d]."""
 
     def __init__(self, dim: int, cfg: MoEConfig):
         super().__init__()
-        width = 2 * cfg.expert_hidden if cfg.activation == "swiglu" else cfg.expert_hidden
+        width = cfg.expert_hidden if cfg.activation == "gelu" else 2 * cfg.expert_hidden
         self.w1 = nn.Parameter(torch.empty(cfg.n_experts, dim, width))
         self.w2 = nn.Parameter(torch.empty(cfg.n_experts, cfg.expert_hidden, dim))
+        if cfg.expert_proj_bias:
+            self.b1 = nn.Parameter(torch.empty(cfg.n_experts, width))
+            self.b2 = nn.Parameter(torch.empty(cfg.n_experts, dim))
+
+    def biases(self) -> dict[str, Tensor]:
+        """{"b1": ..., "b2": ...} for the expert functions' keyword arguments; empty without biases."""
+        return {"b1": self.b1, "b2": self.b2} if hasattr(self, "b1") else {}
 
 
 class MoE(nn.Module):
@@ -59,18 +82,20 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dim = dim
-        self.router = nn.Linear(dim, cfg.n_experts, bias=False)
+        self.router = nn.Linear(dim, cfg.n_experts, bias=cfg.router_bias)
         self.experts = RoutedExpertWeights(dim, cfg)
-        self.shared_expert = (FeedForward(dim, cfg.expert_hidden * cfg.n_shared_experts)
-                              if cfg.n_shared_experts > 0 else None)
+        self.activation = expert_activation(cfg)
+        self.shared_expert = FeedForward(dim, cfg.shared_width()) if cfg.n_shared_experts > 0 else None
+        # Qwen2-MoE: the shared expert's output scaled per token by sigmoid(shared_expert_gate(x)).
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
         # Aux-loss-free balancing (DeepSeek-V3, arXiv 2408.15664): a bias added to the scores for
         # the top-k choice only. Persistent so a resumed run keeps its balance state.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         # Loads accumulated since the last bias update (one optimizer step spans several microbatches).
         self.register_buffer("load_since_update", torch.zeros(cfg.n_experts, dtype=torch.float32),
                              persistent=False)
-        # (x, routing, w1, w2, activation, impl) -> out, the contract of `routed_experts`. A plain
-        # attribute, not a submodule: it holds no parameters or state.
+        # (x, routing, w1, w2, activation, impl[, b1=, b2=]) -> out, the contract of `routed_experts`. A
+        # plain attribute, not a submodule: it holds no parameters or state.
         self.expert_compute: Callable[..., Tensor] = routed_experts
         self.aux_loss: Tensor | None = None
         self.router_z: Tensor | None = None
@@ -112,10 +137,13 @@ class MoE(nn.Module):
         routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
         if self.cfg.token_rounding_tile > 1:
             routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
-        out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.cfg.activation,
-                                     self.cfg.impl)
+        out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.activation,
+                                     self.cfg.impl, **self.experts.biases())
         if self.shared_expert is not None:
-            out_TD = out_TD + self.shared_expert(x_TD)
+            shared_TD = self.shared_expert(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            out_TD = out_TD + shared_TD
         counts_E = routing.counts.detach()
         self.tokens_per_expert = counts_E
         self.aux_loss = self._balance_loss(probs_TE, counts_E)

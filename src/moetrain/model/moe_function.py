@@ -10,6 +10,10 @@ again, and gets the router-score gradient as dS = <dO W2^T, A> = <dA', A> (never
     dH   = dA * phi'(H)              dW2_e = sum (S A)^T dO[token]
     dW1_e = sum X[token]^T dH        dX = scatter-add over assignments of dH W1_e^T
 
+With expert biases (H = X W1_e + b1_e, Y = A W2_e + b2_e) the score gradient gains <dO, b2_e>,
+db2_e = sum S dO[token] and db1_e = sum dH over the expert's rows; nothing more is saved but the
+expert of each row.
+
 GEMMs run over contiguous expert segments with the backend from `grouped_mm.grouped_mm_backend`:
 on accelerators one `torch._grouped_mm` call per projection over all experts; on CPU the experts
 are processed in cache-sized chunks (gather, GEMMs, elementwise work and scatter per chunk), so
@@ -30,6 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from moetrain.model.grouped_mm import (
+    Activation,
     Backend,
     activation_backward,
     activation_forward,
@@ -88,7 +93,8 @@ class MemoryEfficientExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
-                activation: str, backend: Backend, chunk_rows: int) -> Tensor:  # noqa: D102
+                activation: Activation, backend: Backend, chunk_rows: int, b1: Tensor | None = None,
+                b2: Tensor | None = None) -> Tensor:  # noqa: D102
         # The segment loop needs the counts on the host: read them once, reuse them in backward.
         counts_host = counts.tolist() if backend == "segment_loop" else None
         chunks = plan_chunks(counts_host, counts.numel(), token_index.numel(), chunk_rows)
@@ -96,6 +102,10 @@ class MemoryEfficientExperts(torch.autograd.Function):
         out = torch.zeros(x.shape, dtype=acc, device=x.device)
         # One chunk writes H directly; several fill row slices of one preallocated H.
         hidden = x.new_empty(token_index.numel(), w1.shape[2]) if len(chunks) > 1 else None
+        biased = b1 is not None or b2 is not None
+        # The expert of every row, for the biases: [N] integers, the only thing biases add to what is saved.
+        experts_of_rows = (torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                                   output_size=token_index.numel()) if biased else None)
         for chunk in chunks:
             rows = slice(chunk.first_row, chunk.end_row)
             experts = slice(chunk.first_expert, chunk.end_expert)
@@ -105,20 +115,26 @@ class MemoryEfficientExperts(torch.autograd.Function):
             # Gathered rows are a chunk-sized temporary; backward gathers X again rather than keep them.
             hidden_c = grouped_mm(x.index_select(0, tokens), w1[experts], counts_c, backend, counts_host_c,
                                   out=None if hidden is None else hidden[rows])
+            if b1 is not None:  # in place: H is saved with its bias
+                hidden_c += b1.index_select(0, experts_of_rows[rows])
             # Scaling A (rows x n) by S before W2 is cheaper than scaling Y (rows x d), equal by linearity.
             weighted_act = _scale_rows(activation_forward(hidden_c, activation), scores[rows])
-            out.index_add_(0, tokens, grouped_mm(weighted_act, w2[experts], counts_c, backend, counts_host_c).to(acc))
+            out_rows = grouped_mm(weighted_act, w2[experts], counts_c, backend, counts_host_c).to(acc)
+            if b2 is not None:  # S · b2_e per row
+                out_rows += _scale_rows(b2.index_select(0, experts_of_rows[rows]), scores[rows]).to(acc)
+            out.index_add_(0, tokens, out_rows)
         hidden = hidden_c if hidden is None else hidden
-        ctx.save_for_backward(x, hidden, scores, token_index, counts, w1, w2)
+        ctx.save_for_backward(x, hidden, scores, token_index, counts, w1, w2, b1, b2, experts_of_rows)
         ctx.activation, ctx.backend, ctx.counts_host, ctx.chunks = activation, backend, counts_host, chunks
         return out.to(x.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):  # noqa: D102
-        x, hidden, scores, token_index, counts, w1, w2 = ctx.saved_tensors
+        x, hidden, scores, token_index, counts, w1, w2, b1, b2, experts_of_rows = ctx.saved_tensors
         activation, backend, counts_host = ctx.activation, ctx.backend, ctx.counts_host
         need_x, need_scores, need_w1, need_w2 = ctx.needs_input_grad[:4]
+        need_b1, need_b2 = (*ctx.needs_input_grad, False, False)[9:11]  # the biases may not be passed
         # An expanded (stride-0) gradient, e.g. from out.sum(), would trip `_grouped_mm`; make it dense.
         grad_out = grad_out.contiguous()
         acc = _accumulate_dtype(x.dtype)
@@ -127,6 +143,8 @@ class MemoryEfficientExperts(torch.autograd.Function):
         # Every expert's slice is written (zeros for empty experts) by grouped_mm_weight_grad.
         grad_w1 = torch.empty_like(w1) if need_w1 else None
         grad_w2 = torch.empty_like(w2) if need_w2 else None
+        grad_b1 = torch.zeros(b1.shape, dtype=acc, device=b1.device) if need_b1 else None
+        grad_b2 = torch.zeros(b2.shape, dtype=acc, device=b2.device) if need_b2 else None
         for chunk in ctx.chunks:
             rows = slice(chunk.first_row, chunk.end_row)
             experts = slice(chunk.first_expert, chunk.end_expert)
@@ -138,15 +156,23 @@ class MemoryEfficientExperts(torch.autograd.Function):
             grad_act_unscaled = grouped_mm(grad_out_rows, w2[experts].transpose(1, 2), counts_c, backend,
                                            counts_host_c)
             act = activation_forward(hidden_c, activation)  # recomputed from H, never saved
-            if need_scores:  # dS = <dA', A>, reduced in float32 for low-precision inputs
-                grad_scores[rows] = (grad_act_unscaled.to(acc) * act.to(acc)).sum(dim=1).to(scores.dtype)
+            expert_rows = None if experts_of_rows is None else experts_of_rows[rows]
+            if need_scores:  # dS = <dA', A> (+ <dO, b2_e>), reduced in float32 for low-precision inputs
+                grad_s = (grad_act_unscaled.to(acc) * act.to(acc)).sum(dim=1)
+                if b2 is not None:
+                    grad_s += (grad_out_rows.to(acc) * b2.index_select(0, expert_rows).to(acc)).sum(dim=1)
+                grad_scores[rows] = grad_s.to(scores.dtype)
             if need_w2:  # dW2_e = (S A)^T dO
                 grouped_mm_weight_grad(_scale_rows(act, scores_c), grad_out_rows, counts_c, backend, counts_host_c,
                                        out=grad_w2[experts])
+            if need_b2:  # db2_e = sum over the expert's rows of S dO
+                grad_b2.index_add_(0, expert_rows, _scale_rows(grad_out_rows, scores_c).to(acc))
             del grad_out_rows, act
-            if need_x or need_w1:
+            if need_x or need_w1 or need_b1:
                 grad_hidden = activation_backward(hidden_c, _scale_rows(grad_act_unscaled, scores_c), activation)
                 del grad_act_unscaled
+                if need_b1:  # db1_e = sum over the expert's rows of dH
+                    grad_b1.index_add_(0, expert_rows, grad_hidden.to(acc))
                 if need_w1:  # dW1_e = X[token]^T dH, X gathered again
                     grouped_mm_weight_grad(x.index_select(0, tokens), grad_hidden, counts_c, backend, counts_host_c,
                                            out=grad_w1[experts])
@@ -155,14 +181,19 @@ class MemoryEfficientExperts(torch.autograd.Function):
                     grad_x.index_add_(0, tokens, grad_rows.to(acc))
         if need_x:
             grad_x = grad_x.to(x.dtype)
-        return grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None
+        grad_b1 = None if grad_b1 is None else grad_b1.to(b1.dtype)
+        grad_b2 = None if grad_b2 is None else grad_b2.to(b2.dtype)
+        grads = (grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None, grad_b1, grad_b2)
+        return grads[:len(ctx.needs_input_grad)]
 
 
-def memory_efficient_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str,
-                             backend: Backend, chunk_rows: int | None = None) -> Tensor:
+def memory_efficient_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation,
+                             backend: Backend, chunk_rows: int | None = None, b1: Tensor | None = None,
+                             b2: Tensor | None = None) -> Tensor:
     """Entry point used by `experts.routed_experts(impl="memory_efficient")` (shapes already checked)."""
     # Integer metadata must be contiguous int64 for index_select/index_add and the offsets cumsum.
     token_index = routing.token_index.to(torch.long).contiguous()
     counts = routing.counts.to(torch.long).contiguous()
     return MemoryEfficientExperts.apply(x.contiguous(), routing.scores.contiguous(), w1, w2, token_index, counts,
-                                        activation, backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows)
+                                        activation, backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows,
+                                        b1, b2)

@@ -37,7 +37,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer_id)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.is_moe = layer_id >= cfg.n_dense_layers
         if self.is_moe:

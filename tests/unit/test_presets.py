@@ -1,0 +1,63 @@
+"""Real-size presets: parameter counts of the model built on the meta device against the published totals.
+
+Published totals (the figure each model's own publication gives for all parameters, embeddings included):
+- GPT-OSS-20B 20.9 B and GPT-OSS-120B 116.8 B: OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card"
+  (August 2025), Table 1 (20.91 B total / 3.61 B active; 116.83 B total / 5.13 B active).
+- Mixtral-8x7B 46.7 B: Mistral AI, "Mixtral of experts" (blog, December 2023; arXiv 2401.04088):
+  "46.7B total parameters but only uses 12.9B parameters per token".
+- Qwen2-57B-A14B 57.4 B: the Qwen/Qwen2-57B-A14B model card ("57B total, 14B activated"; its
+  safetensors index totals 57.4 B parameters).
+Each must be within 0.5%. `count_params` (flops.py, used for MFU) must equal the built model's count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain.config import load
+from moetrain.interop import export_family
+from moetrain.model.flops import count_params
+from moetrain.model.transformer import Transformer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PUBLISHED = {
+    "gpt_oss_20b": (20.9e9, "gpt_oss"),
+    "gpt_oss_120b": (116.8e9, "gpt_oss"),
+    "mixtral_8x7b": (46.7e9, "mixtral"),
+    "qwen2_57b_a14b": (57.4e9, "qwen2_moe"),
+}
+
+
+@pytest.mark.parametrize("preset", PUBLISHED)
+def test_meta_parameter_count_matches_the_published_total(preset):
+    published, family = PUBLISHED[preset]
+    cfg = load(CONFIGS / f"{preset}.toml")
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(total - published) / published < 0.005, (preset, total)
+    assert count_params(cfg.model)["total"] == total
+    assert export_family(cfg.model) == family
+
+
+def test_active_parameters_of_gpt_oss_match_the_model_card():
+    """The model card's active counts (3.61 B, 5.13 B) include the embedding row and the head."""
+    for preset, active in (("gpt_oss_20b", 3.61e9), ("gpt_oss_120b", 5.13e9)):
+        counted = count_params(load(CONFIGS / f"{preset}.toml").model)["active"]
+        assert abs(counted - active) / active < 0.005, (preset, counted)
+
+
+def test_the_tiny_gpt_oss_preset_is_gpt_oss_shaped():
+    cfg = load(CONFIGS / "gpt_oss_tiny.toml").model
+    assert export_family(cfg) == "gpt_oss"
+    windows = [cfg.window_of(i) for i in range(cfg.n_layers)]
+    assert windows == [64, None, 64, None]
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    names = {name for name, _ in model.named_parameters()}
+    assert {"layers.0.attention.sinks", "layers.0.attention.wo.bias", "layers.0.moe.router.bias",
+            "layers.0.moe.experts.b1", "layers.0.moe.experts.b2"} <= names
+    assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
