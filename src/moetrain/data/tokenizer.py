@@ -132,6 +132,12 @@ class HFTokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return torch.tensor(ids, dtype=torch.int32)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` (no special tokens added; special tokens written in it are parsed) and each
+        token's character span, as transformers' tokenizer(..., add_special_tokens=False) gives them."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids: list[int]) -> str:
         specials = {self.bos_id, self.eos_id, self.pad_id}
         return self._tok.decode([i for i in ids if 0 <= i < self.base_vocab_size and i not in specials])
