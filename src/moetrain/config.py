@@ -177,6 +177,10 @@ class DataConfig:
     documents cut into budget-size pieces), so lengths vary; train.microbatch_size then only sizes evaluation."""
     token_budget: int | None = None
     """Tokens per microbatch under batching = 'token_budget'; None = data.seq_len."""
+    chat_template: str | None = None
+    """Conversations (shards prepared with --format chat): the Jinja chat template file they were
+    prepared with when it is not the data.tokenizer directory's own (as `data prepare --chat-template`);
+    checked against the manifest's template hash, and written by export-hf."""
 
 
 @dataclass

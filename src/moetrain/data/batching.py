@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from moetrain.config import DataConfig
-from moetrain.data.packing import Batch, PackedSequences, sequence_fields
+from moetrain.data.packing import Batch, PackedSequences
 from moetrain.errors import ConfigError
 
 # Salt of the document layout's generator, so it draws a stream of its own rather than
@@ -78,14 +78,6 @@ class PackedBatching:
 
     def signature(self) -> dict[str, Any]:
         return {"batching": "packed", "n_units": self.n_units, "seq_len": self.sequences.seq_len}
-
-
-def read_tokens(stream: Any, start: int, stop: int, pad_id: int) -> np.ndarray:
-    """int64 tokens start..stop-1 of a 1-D token stream (tensor, array or memory map), PAD past its end."""
-    out = np.full(stop - start, pad_id, dtype=np.int64)
-    available = np.asarray(stream[start: min(stop, len(stream))])
-    out[: available.size] = available
-    return out
 
 
 def documents_end(stream: Any, pad_id: int, block: int = 4096) -> int:
@@ -150,10 +142,13 @@ class TokenBudgetBatching:
     units_per_microbatch = 1
 
     def __init__(self, sequences: PackedSequences, token_budget: int, seed: int):
+        self.sequences = sequences
         self.stream = sequences.stream
         self.eos_id, self.pad_id = sequences.eos_id, sequences.pad_id
         self.token_budget = token_budget
-        self.layout = BinLayout(sequences.document_starts, documents_end(self.stream, self.pad_id), token_budget, seed)
+        # Conversations (a loss mask) end where the stream ends: their last token may be the PAD id.
+        end = len(self.stream) if sequences.loss_mask is not None else documents_end(self.stream, self.pad_id)
+        self.layout = BinLayout(sequences.document_starts, end, token_budget, seed)
         self.n_units = len(self.layout)
 
     def microbatch(self, units: Sequence[int]) -> Batch:
@@ -164,8 +159,7 @@ class TokenBudgetBatching:
         for start, length in self.layout.pieces(int(units[0])):
             # One token more than the piece: the target of its last input (the next piece of
             # the same document, or the next document's BOS that EOS never predicts).
-            window = torch.from_numpy(read_tokens(self.stream, start, start + length + 1, self.pad_id))
-            piece = sequence_fields(window, self.eos_id, self.pad_id)
+            piece = self.sequences.fields(start, start + length + 1)
             piece["document_ids"] = piece["document_ids"] + documents_before
             documents_before = int(piece["document_ids"][-1]) + 1
             fields.append(piece)

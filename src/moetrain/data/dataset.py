@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from moetrain.config import JobConfig
+from moetrain.data.chat import load_chat_template
 from moetrain.data.corpus import load_corpus
 from moetrain.data.packing import PackedSequences, TokenStream, pack_documents
 from moetrain.data.shards import TokenShards, open_token_shards
@@ -76,13 +77,35 @@ def _packed_split(shards: TokenShards, split: str, tokenizer: Tokenizer, seq_len
     stream = TokenStream([s.tokens for s in pieces], tokenizer.pad_id)
     bases = np.cumsum([0] + [s.tokens.size for s in pieces[:-1]], dtype=np.int64)
     starts = np.concatenate([s.offsets[:-1] + base for s, base in zip(pieces, bases)]) if pieces else None
-    return PackedSequences(stream, seq_len, tokenizer.eos_id, tokenizer.pad_id, document_starts=starts)
+    loss_mask = None
+    if "chat" in shards.manifest:  # conversations: every shard carries its loss mask (checked when opened)
+        if any(s.mask is None for s in pieces):
+            raise ConfigError(f"{shards.root / 'manifest.json'} holds conversations but a {split} shard has no "
+                              "loss mask; prepare the directory again")
+        loss_mask = TokenStream([s.mask for s in pieces], 0)  # type: ignore[misc]
+        starts = starts if starts is not None else np.zeros(0, dtype=np.int64)
+    return PackedSequences(stream, seq_len, tokenizer.eos_id, tokenizer.pad_id, document_starts=starts,
+                           loss_mask=loss_mask)
+
+
+def check_chat_template(cfg: JobConfig, shards: TokenShards) -> None:
+    """Conversations train only with the template they were rendered with (one-line ConfigError otherwise)."""
+    chat = shards.manifest.get("chat")
+    if chat is None:
+        return
+    template = load_chat_template(cfg.data.tokenizer, cfg.data.chat_template)
+    if template.sha256 != chat["template_sha256"]:
+        raise ConfigError(f"{shards.root / 'manifest.json'} holds conversations rendered with chat template "
+                          f"sha256 {chat['template_sha256'][:12]}, but data.tokenizer = {cfg.data.tokenizer!r} "
+                          f"with data.chat_template = {cfg.data.chat_template!r} gives {template.sha256[:12]}; train "
+                          "with the template they were prepared with, or prepare them again")
 
 
 def _shard_training_data(cfg: JobConfig, tokenizer: Tokenizer) -> TrainingData:
     """Memory-mapped prepared shards (data.source = 'tokens'), verified before anything else happens."""
     d = cfg.data
     shards = open_token_shards(Path(d.path or ""), d.tokenizer, tokenizer)
+    check_chat_template(cfg, shards)
     manifest_fraction = shards.manifest["heldout_fraction"]
     if d.heldout_fraction != manifest_fraction:
         raise ConfigError(f"data.heldout_fraction = {d.heldout_fraction} differs from {shards.root / 'manifest.json'}"

@@ -5,6 +5,8 @@ A prepared directory (written by `moetrain data prepare`, see moetrain.data.prep
     manifest.json                        what is there (written last: no manifest, no dataset)
     train/shard_00000.tokens.npy         the token stream of the shard's documents: [BOS] ids [EOS] ...
     train/shard_00000.offsets.npy        int64[n_documents + 1]: where each document's BOS starts, then the end
+    train/shard_00000.mask.npy           conversations only (--format chat): uint8 per token, 1 where the
+                                         token is a target to learn (the assistant's), 0 elsewhere
     train/shard_00000.json               the shard's manifest entry, written once the two files are in place
     heldout/...                          the same for the held-out documents
 
@@ -62,17 +64,22 @@ def shard_stem(split: str, index: int) -> str:
 
 
 def write_shard(root: Path, split: str, index: int, tokens: np.ndarray, offsets: np.ndarray,
-                extra: dict[str, Any]) -> dict[str, Any]:
-    """Write one finished shard (token file, offsets file, then its entry) and return the entry."""
+                extra: dict[str, Any], mask: np.ndarray | None = None) -> dict[str, Any]:
+    """Write one finished shard (token file, offsets file, the loss mask if any, then its entry); return the entry."""
     stem = shard_stem(split, index)
     (root / split).mkdir(parents=True, exist_ok=True)
     files = {"tokens": f"{stem}.tokens.npy", "offsets": f"{stem}.offsets.npy"}
-    for key, array in (("tokens", tokens), ("offsets", offsets.astype(np.int64))):
+    arrays = [("tokens", tokens), ("offsets", offsets.astype(np.int64))]
+    if mask is not None:
+        files["mask"] = f"{stem}.mask.npy"
+        arrays.append(("mask", mask.astype(np.uint8)))
+    for key, array in arrays:
         write_atomically(root / files[key], lambda handle, a=array: np.save(handle, a, allow_pickle=False),
                          sync_dir=False)
     fsync_dir(root / split)  # both renames are durable before the entry that declares the shard finished
     entry = {"split": split, "index": index, "files": files, "dtype": str(tokens.dtype),
              "n_tokens": int(tokens.size), "n_documents": int(offsets.size - 1),
+             **({"n_loss_tokens": int(mask.sum(dtype=np.int64))} if mask is not None else {}),
              "sha256": {key: file_sha256(root / name) for key, name in files.items()}, **extra}
     write_json_atomically(root / f"{stem}.json", entry)
     return entry
@@ -130,6 +137,7 @@ def npy_layout(path: Path) -> tuple[np.dtype, tuple[int, ...], int]:
 class Shard:
     tokens: np.memmap
     offsets: np.ndarray
+    mask: np.memmap | None = None  # conversations: uint8 per token, 1 on the targets to learn
 
 
 def _open_file(root: Path, name: str, dtype: str, length: int, sha256: str, verify: bool) -> tuple[Path, int]:
@@ -161,7 +169,11 @@ def _open_shard(root: Path, entry: dict[str, Any], dtype: str, verify: bool) -> 
     if offsets[0] != 0 or offsets[-1] != entry["n_tokens"] or np.any(np.diff(offsets) < 2):
         raise ConfigError(f"shard file {offsets_path} has document offsets that do not fit its token file")
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r", offset=tokens_header, shape=(entry["n_tokens"],))
-    return Shard(tokens, offsets)
+    mask = None
+    if "mask" in files:
+        mask_path, mask_header = _open_file(root, files["mask"], "uint8", entry["n_tokens"], sums["mask"], verify)
+        mask = np.memmap(mask_path, dtype=np.uint8, mode="r", offset=mask_header, shape=(entry["n_tokens"],))
+    return Shard(tokens, offsets, mask)
 
 
 @dataclass(frozen=True)
