@@ -6,8 +6,8 @@ import copy
 
 import numpy as np
 import pytest
-from chat_fixtures import CONVERSATIONS, TEMPLATES, tokenizer_dir
 
+from chat_fixtures import CONVERSATIONS, TEMPLATES, tokenizer_dir
 from moetrain.data.chat import ConversationError, encode_conversation, load_chat_template
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.errors import ConfigError

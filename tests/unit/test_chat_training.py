@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from chat_fixtures import CONVERSATIONS, TEMPLATES, tokenizer_dir
 
+from chat_fixtures import TEMPLATES, tokenizer_dir
 from moetrain.config import DataConfig, JobConfig
 from moetrain.data.batching import build_batching
 from moetrain.data.chat import load_chat_template
@@ -178,7 +178,8 @@ def test_sft_loss_of_an_imported_model_equals_transformers_with_labels_minus_100
             want_n += count
         want = want_sum / want_n
     assert n_valid == want_n
-    print(f"SFT loss {float(got):.8f} vs transformers {float(want):.8f}: relative {abs(float(got) - float(want)) / float(want):.2e}")
+    relative = abs(float(got) - float(want)) / float(want)
+    print(f"SFT loss {float(got):.8f} vs transformers {float(want):.8f}: relative {relative:.2e}")
     assert abs(float(got) - float(want)) / float(want) <= 1e-5, (float(got), float(want))
 
 

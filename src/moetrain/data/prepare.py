@@ -384,7 +384,8 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
     chat: dict[str, Any] | None = None
     if args.format == "chat":
         if not hasattr(tokenizer, "encode_with_offsets"):
-            raise ConfigError(f"--format chat needs a Hugging Face tokenizer directory, not --tokenizer {args.tokenizer!r}")
+            raise ConfigError(f"--format chat needs a Hugging Face tokenizer directory, not --tokenizer "
+                              f"{args.tokenizer!r}")
         template = load_chat_template(args.tokenizer, args.chat_template)
         chat = {"template_sha256": template.sha256, "messages_field": args.messages_field,
                 "chat_template": args.chat_template, "generation_markers": template.has_generation_markers}
