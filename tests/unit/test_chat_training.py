@@ -251,3 +251,35 @@ def test_parquet_and_json_inputs_prepare_like_jsonl(tmp_path, suffix):
     assert a.n_sequences == b.n_sequences
     every = list(range(a.n_sequences))
     assert all(torch.equal(x, y) for x, y in zip(vars(a.batch(every)).values(), vars(b.batch(every)).values()))
+
+
+@pytest.mark.parametrize("style,end", [("qwen_chatml", "<|im_end|>"), ("llama3", "<|eot_id|>")])
+def test_export_writes_the_chat_template_and_a_generation_config_that_stops_at_the_end_of_turn(tmp_path, style,
+                                                                                               end):
+    import hf_tiny
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from moetrain.interop.hf_io import save_hf
+    from moetrain.train.build import load_hf_model
+
+    directory = tokenizer_dir(tmp_path / "model", TEMPLATES[style])
+    special = json.loads((directory / "config.json").read_text())
+    hf_tiny.build("qwen3_moe", vocab_size=512, **special).save_pretrained(directory)
+    if style == "qwen_chatml":  # no tokenizer_config.json (the template uses no special-token variable):
+        (directory / "tokenizer_config.json").unlink()  # export writes the config transformers needs
+    override = tmp_path / "template.jinja"
+    override.write_text(TEMPLATES[style])
+    model, cfg = load_hf_model(directory)
+    cfg.data.chat_template = str(override)
+    out = save_hf(model, cfg, tmp_path / "export")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    conversation = [{"role": "user", "content": "What is 2 + 2?"}]
+    prompt = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert prompt == load_chat_template(str(directory), str(override)).render(conversation, True)[0]
+    generation = GenerationConfig.from_pretrained(str(out))
+    eos = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    assert tok.convert_tokens_to_ids(end) in eos
+    exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = tok.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    generated = exported.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] > ids["input_ids"].shape[1]

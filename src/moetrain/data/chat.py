@@ -329,3 +329,20 @@ def encode_conversation(template: ChatTemplate, encode_with_offsets: Callable[[s
     if not mask.any():
         raise ConversationError("its assistant turns render to no tokens")
     return np.asarray(ids, dtype=np.int64), mask, "".join(text[a:b] for a, b in spans)
+
+
+def end_of_turn_ids(template: ChatTemplate, encode_with_offsets: Callable[[str], tuple[list[int], list]],
+                    special_ids: set[int]) -> list[int]:
+    """The token(s) that end an assistant turn under `template`: the special tokens at the end of the
+    assistant's masked span in a one-exchange conversation (e.g. <|im_end|>, <|eot_id|>); generation
+    must stop at them, so export writes them into generation_config.json."""
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+    text, spans = template.assistant_spans(messages)
+    ids, offsets = encode_with_offsets(text)
+    mask = mask_from_spans(offsets, spans)
+    found: list[int] = []
+    for token, keep in zip(reversed(ids), reversed(mask.tolist())):
+        if not keep or token not in special_ids:
+            break
+        found.insert(0, int(token))
+    return found

@@ -138,6 +138,13 @@ class HFTokenizer:
         encoding = self._tok.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
+    def special_token_ids(self) -> set[int]:
+        """Ids of the tokenizer's added special tokens (those its JSON marks special)."""
+        return {i for i, added in self._tok.get_added_tokens_decoder().items() if added.special}
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
     def decode(self, ids: list[int]) -> str:
         specials = {self.bos_id, self.eos_id, self.pad_id}
         return self._tok.decode([i for i in ids if 0 <= i < self.base_vocab_size and i not in specials])
