@@ -256,9 +256,9 @@ def test_parquet_and_json_inputs_prepare_like_jsonl(tmp_path, suffix):
 @pytest.mark.parametrize("style,end", [("qwen_chatml", "<|im_end|>"), ("llama3", "<|eot_id|>")])
 def test_export_writes_the_chat_template_and_a_generation_config_that_stops_at_the_end_of_turn(tmp_path, style,
                                                                                                end):
-    import hf_tiny
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    import hf_tiny
     from moetrain.interop.hf_io import save_hf
     from moetrain.train.build import load_hf_model
 
