@@ -283,3 +283,27 @@ def test_export_writes_the_chat_template_and_a_generation_config_that_stops_at_t
     ids = tok.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     generated = exported.generate(**ids, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_start_up_checks_sizes_and_a_damaged_file_is_refused_at_its_first_read_or_by_data_verify(tmp_path):
+    from moetrain.data.prepare import main as data_main
+
+    directory, out = prepared(tmp_path, "qwen_chatml", many_conversations(40, seed=6))
+    tokens = out / "train" / "shard_00001.tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    data[-1] ^= 0x01  # same size, one token changed: only the sha256 sees it
+    tokens.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="shard_00001.tokens.npy fails its sha256 check") as info:
+        data_main(["verify", str(out)])
+    assert "\n" not in str(info.value)
+    train = load_training_data(job(directory, out, seq_len=16)).train  # start-up: sizes and headers only
+    first = train.stream.starts[1]  # shard 1 starts here: sequences before it read shard 0 only
+    train.batch([0])
+    with pytest.raises(ConfigError, match="shard_00001.tokens.npy fails its sha256 check"):
+        train.batch([int(first) // 16 + 1])
+    mask = out / "train" / "shard_00000.mask.npy"
+    data = bytearray(mask.read_bytes())
+    data[-1] ^= 0x01
+    mask.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="shard_00000.mask.npy fails its sha256 check"):
+        load_training_data(job(directory, out, seq_len=16)).train.batch([0])

@@ -74,7 +74,7 @@ def load_training_data(cfg: JobConfig) -> TrainingData:
 
 def _packed_split(shards: TokenShards, split: str, tokenizer: Tokenizer, seq_len: int) -> PackedSequences:
     pieces = shards.shards[split]
-    stream = TokenStream([s.tokens for s in pieces], tokenizer.pad_id)
+    stream = TokenStream([s.tokens for s in pieces], tokenizer.pad_id, [s.check_tokens for s in pieces])
     bases = np.cumsum([0] + [s.tokens.size for s in pieces[:-1]], dtype=np.int64)
     starts = np.concatenate([s.offsets[:-1] + base for s, base in zip(pieces, bases)]) if pieces else None
     loss_mask = None
@@ -82,7 +82,7 @@ def _packed_split(shards: TokenShards, split: str, tokenizer: Tokenizer, seq_len
         if any(s.mask is None for s in pieces):
             raise ConfigError(f"{shards.root / 'manifest.json'} holds conversations but a {split} shard has no "
                               "loss mask; prepare the directory again")
-        loss_mask = TokenStream([s.mask for s in pieces], 0)  # type: ignore[misc]
+        loss_mask = TokenStream([s.mask for s in pieces], 0, [s.check_mask for s in pieces])  # type: ignore[misc]
         starts = starts if starts is not None else np.zeros(0, dtype=np.int64)
     return PackedSequences(stream, seq_len, tokenizer.eos_id, tokenizer.pad_id, document_starts=starts,
                            loss_mask=loss_mask)
@@ -104,7 +104,8 @@ def check_chat_template(cfg: JobConfig, shards: TokenShards) -> None:
 def _shard_training_data(cfg: JobConfig, tokenizer: Tokenizer) -> TrainingData:
     """Memory-mapped prepared shards (data.source = 'tokens'), verified before anything else happens."""
     d = cfg.data
-    shards = open_token_shards(Path(d.path or ""), d.tokenizer, tokenizer)
+    # Sizes and headers now, each token file's sha256 when it is first read (moetrain.data.shards).
+    shards = open_token_shards(Path(d.path or ""), d.tokenizer, tokenizer, hash_on_first_read=True)
     check_chat_template(cfg, shards)
     manifest_fraction = shards.manifest["heldout_fraction"]
     if d.heldout_fraction != manifest_fraction:

@@ -31,7 +31,7 @@ sharding or shuffling.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,8 +111,13 @@ class TokenStream:
     one or more pieces it crosses, so a multi-shard stream is never loaded whole.
     """
 
-    def __init__(self, pieces: Sequence[np.ndarray], pad_id: int):
-        self.pieces = [p for p in pieces if p.size]
+    def __init__(self, pieces: Sequence[np.ndarray], pad_id: int,
+                 first_read_checks: Sequence[Callable[[], None] | None] | None = None):
+        checks = list(first_read_checks) if first_read_checks is not None else [None] * len(pieces)
+        kept = [i for i, p in enumerate(pieces) if p.size]
+        self.pieces = [pieces[i] for i in kept]
+        # Per piece, run once before its first read (a shard file's deferred sha256 check), then dropped.
+        self._checks = [checks[i] for i in kept]
         self.pad_id = pad_id
         self.starts = np.cumsum([0] + [p.size for p in self.pieces], dtype=np.int64)
 
@@ -125,6 +130,10 @@ class TokenStream:
         position = start
         piece = int(np.searchsorted(self.starts, start, side="right")) - 1
         while position < min(stop, len(self)):
+            check = self._checks[piece]
+            if check is not None:
+                check()
+                self._checks[piece] = None
             local = position - int(self.starts[piece])
             take = min(stop, int(self.starts[piece + 1])) - position
             out[position - start: position - start + take] = self.pieces[piece][local: local + take]

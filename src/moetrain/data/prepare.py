@@ -59,6 +59,7 @@ from moetrain.data.shards import (
     shard_stem,
     token_dtype,
     tokenizer_identity,
+    verify_directory,
     write_manifest,
     write_shard,
 )
@@ -467,10 +468,17 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: moetrain data prepare --input PATH... --out DIR [--tokenizer byte|PATH] [--workers N]")
+        print("usage: moetrain data prepare --input PATH... --out DIR [--tokenizer byte|PATH] [--workers N] "
+              "[--format text|chat]\n       moetrain data verify DIR")
+        return 0
+    if argv[0] == "verify":  # every shard file's size, header and sha256 against the manifest, now
+        if len(argv) != 2:
+            raise ConfigError("usage: moetrain data verify DIR (a `moetrain data prepare` output)")
+        checked = verify_directory(Path(argv[1]))
+        print(f"{argv[1]}: {checked['files']} shard files ({checked['bytes'] / 1e6:.1f} MB) match the manifest")
         return 0
     if argv[0] != "prepare":
-        raise ConfigError(f"unknown data command {argv[0]!r}; valid: prepare")
+        raise ConfigError(f"unknown data command {argv[0]!r}; valid: prepare, verify")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: --workers sets the parallelism
     args = parse_typed_args(PrepareArgs, argv[1:], prog="moetrain data prepare", bool_flags=True)
     setup_logging()
