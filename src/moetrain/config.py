@@ -177,6 +177,10 @@ class DataConfig:
     documents cut into budget-size pieces), so lengths vary; train.microbatch_size then only sizes evaluation."""
     token_budget: int | None = None
     """Tokens per microbatch under batching = 'token_budget'; None = data.seq_len."""
+    framing: Literal["bos_eos", "tokenizer"] = "bos_eos"
+    """How a text document is framed: bos_eos = [BOS] text [EOS] always; tokenizer = BOS only where the
+    tokenizer directory adds one (`add_bos_token` in tokenizer_config.json, else its post-processor),
+    EOS always. Conversations are framed by their chat template alone."""
     chat_template: str | None = None
     """Conversations (shards prepared with --format chat): the Jinja chat template file they were
     prepared with when it is not the data.tokenizer directory's own (as `data prepare --chat-template`);

@@ -26,7 +26,7 @@ from moetrain.data.chat import load_chat_template
 from moetrain.data.corpus import load_corpus
 from moetrain.data.packing import PackedSequences, TokenStream, pack_documents
 from moetrain.data.shards import TokenShards, open_token_shards
-from moetrain.data.tokenizer import Tokenizer, build_tokenizer
+from moetrain.data.tokenizer import Tokenizer, build_tokenizer, frames_with_bos
 from moetrain.errors import ConfigError
 
 
@@ -64,8 +64,9 @@ def load_training_data(cfg: JobConfig) -> TrainingData:
     if cfg.data.source == "tokens":
         return _shard_training_data(cfg, tokenizer)
     corpus = load_corpus(cfg.data)
-    train = pack_documents(corpus.train, tokenizer, cfg.data.seq_len)
-    heldout = pack_documents(corpus.heldout, tokenizer, cfg.data.seq_len) if corpus.heldout else None
+    bos = frames_with_bos(cfg.data.tokenizer, tokenizer, cfg.data.framing)
+    train = pack_documents(corpus.train, tokenizer, cfg.data.seq_len, bos)
+    heldout = pack_documents(corpus.heldout, tokenizer, cfg.data.seq_len, bos) if corpus.heldout else None
     entropy = unigram_entropy_bits(byte_histogram(d.text for d in corpus.heldout)) if corpus.heldout else None
     train_entropy = unigram_entropy_bits(byte_histogram(d.text for d in corpus.train))
     return TrainingData(tokenizer, train, heldout, tokenizer.token_byte_lengths(), entropy, train_entropy,
@@ -107,6 +108,10 @@ def _shard_training_data(cfg: JobConfig, tokenizer: Tokenizer) -> TrainingData:
     # Sizes and headers now, each token file's sha256 when it is first read (moetrain.data.shards).
     shards = open_token_shards(Path(d.path or ""), d.tokenizer, tokenizer, hash_on_first_read=True)
     check_chat_template(cfg, shards)
+    framing = shards.manifest.get("framing", "bos_eos")  # (manifests from before the option: always BOS)
+    if "chat" not in shards.manifest and framing != d.framing:
+        raise ConfigError(f"data.framing = {d.framing!r} differs from {shards.root / 'manifest.json'} ({framing!r}): "
+                          f"documents are framed by `moetrain data prepare --framing`; set --data.framing {framing}")
     manifest_fraction = shards.manifest["heldout_fraction"]
     if d.heldout_fraction != manifest_fraction:
         raise ConfigError(f"data.heldout_fraction = {d.heldout_fraction} differs from {shards.root / 'manifest.json'}"

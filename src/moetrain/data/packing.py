@@ -61,9 +61,10 @@ class Batch:
                        (self.tokens, self.positions, self.document_ids, self.targets)))
 
 
-def encode_documents(documents: list[Document], tokenizer: Tokenizer) -> torch.Tensor:
-    """One int32 stream: [BOS] doc0 [EOS] [BOS] doc1 [EOS] ..."""
-    bos = torch.tensor([tokenizer.bos_id], dtype=torch.int32)
+def encode_documents(documents: list[Document], tokenizer: Tokenizer, bos: bool = True) -> torch.Tensor:
+    """One int32 stream: [BOS] doc0 [EOS] [BOS] doc1 [EOS] ... (without the BOS when not `bos`:
+    data.framing = 'tokenizer' for a tokenizer that adds none)."""
+    bos = torch.tensor([tokenizer.bos_id] if bos else [], dtype=torch.int32)
     eos = torch.tensor([tokenizer.eos_id], dtype=torch.int32)
     pieces: list[torch.Tensor] = []
     for doc in documents:
@@ -209,5 +210,5 @@ class PackedSequences:
         return Batch(**{key: torch.stack([f[key] for f in fields]) for key in fields[0]})
 
 
-def pack_documents(documents: list[Document], tokenizer: Tokenizer, seq_len: int) -> PackedSequences:
-    return PackedSequences(encode_documents(documents, tokenizer), seq_len, tokenizer.eos_id, tokenizer.pad_id)
+def pack_documents(documents: list[Document], tokenizer: Tokenizer, seq_len: int, bos: bool = True) -> PackedSequences:
+    return PackedSequences(encode_documents(documents, tokenizer, bos), seq_len, tokenizer.eos_id, tokenizer.pad_id)

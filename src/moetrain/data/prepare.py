@@ -63,7 +63,7 @@ from moetrain.data.shards import (
     write_manifest,
     write_shard,
 )
-from moetrain.data.tokenizer import Tokenizer, build_tokenizer
+from moetrain.data.tokenizer import Tokenizer, build_tokenizer, frames_with_bos
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger, setup_logging
 
@@ -96,6 +96,9 @@ class PrepareArgs:
     # 'text': documents framed [BOS] text [EOS]; 'chat': conversations rendered with the chat template, loss
     # on the assistant's tokens only.
     format: str = "text"
+    # Text documents: 'bos_eos' = [BOS] text [EOS]; 'tokenizer' = BOS only where the tokenizer adds one (as
+    # data.framing).
+    framing: str = "bos_eos"
     # --format chat: the field of a record holding its list of {"role", "content"} messages.
     messages_field: str = "messages"
     # --format chat: a Jinja chat template file used instead of the tokenizer directory's (train with the same
@@ -358,8 +361,9 @@ def _prepare_shard(job: tuple[str, str, int, list[DocRef], dict[str, Any]]) -> d
             continue  # empty documents are dropped, as the trainer drops them
         ids = _encode(tokenizer, text)
         histogram += np.bincount(np.frombuffer(text.encode("utf-8"), dtype=np.uint8), minlength=256)
-        pieces += [np.array([tokenizer.bos_id], dtype=dtype), ids.astype(dtype), np.array([tokenizer.eos_id], dtype)]
-        lengths.append(ids.size + 2)
+        bos = [tokenizer.bos_id] if options.get("bos", True) else []
+        pieces += [np.array(bos, dtype=dtype), ids.astype(dtype), np.array([tokenizer.eos_id], dtype)]
+        lengths.append(ids.size + 1 + len(bos))
         names.append(ref.name)
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
@@ -393,6 +397,9 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
     field = args.messages_field if chat else args.text_field
     refs = document_refs(args.input, args.glob, field, args.skip_bad_files)
     text_options: dict[str, Any] = {"text_field": args.text_field, "skip_bad_files": args.skip_bad_files}
+    framing = "template" if chat else args.framing
+    if not chat and not frames_with_bos(args.tokenizer, tokenizer, args.framing):
+        text_options["bos"] = False  # (only then, so the plan of a bos_eos prepare stays what it was)
     if chat:  # (only then, so the plan of a text prepare, and a rerun over its shards, stays what it was)
         text_options.update(format="chat", messages_field=args.messages_field,
                             chat_template_sha256=chat["template_sha256"], chat_template=args.chat_template)
@@ -454,7 +461,7 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
                                for split in SPLITS}
     manifest = write_manifest(out, args.tokenizer, identity, token_dtype(tokenizer.vocab_size),
                               args.heldout_fraction, list(entries.values()), text_field=args.text_field,
-                              inputs=list(args.input), **({"chat": chat} if chat else {}))
+                              inputs=list(args.input), framing=framing, **({"chat": chat} if chat else {}))
     new_tokens = sum(entries[(job[1], job[2])]["n_tokens"] for job in jobs)
     if chat:
         log.info("conversations: %d + %d assistant tokens to learn from (train + held-out); %d conversations "
