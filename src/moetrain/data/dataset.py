@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from moetrain.config import JobConfig
+from moetrain.data.batching import MixedSequences
 from moetrain.data.chat import load_chat_template
 from moetrain.data.corpus import load_corpus
 from moetrain.data.packing import PackedSequences, TokenStream, pack_documents
@@ -73,16 +74,19 @@ def load_training_data(cfg: JobConfig) -> TrainingData:
                         len(corpus.train), len(corpus.heldout))
 
 
-def _packed_split(shards: TokenShards, split: str, tokenizer: Tokenizer, seq_len: int) -> PackedSequences:
-    pieces = shards.shards[split]
+def _packed_split(shard_sets: TokenShards | list[TokenShards], split: str, tokenizer: Tokenizer,
+                  seq_len: int) -> PackedSequences:
+    """One split of one prepared directory, or of several concatenated in order (a mixture's held-out)."""
+    sets = shard_sets if isinstance(shard_sets, list) else [shard_sets]
+    pieces = [s for shards in sets for s in shards.shards[split]]
     stream = TokenStream([s.tokens for s in pieces], tokenizer.pad_id, [s.check_tokens for s in pieces])
     bases = np.cumsum([0] + [s.tokens.size for s in pieces[:-1]], dtype=np.int64)
     starts = np.concatenate([s.offsets[:-1] + base for s, base in zip(pieces, bases)]) if pieces else None
     loss_mask = None
-    if "chat" in shards.manifest:  # conversations: every shard carries its loss mask (checked when opened)
+    if any("chat" in shards.manifest for shards in sets):  # conversations: every shard carries its loss mask
         if any(s.mask is None for s in pieces):
-            raise ConfigError(f"{shards.root / 'manifest.json'} holds conversations but a {split} shard has no "
-                              "loss mask; prepare the directory again")
+            raise ConfigError(f"{', '.join(str(sh.root) for sh in sets)}: conversations and text documents (or "
+                              f"a {split} shard without its loss mask) cannot share one split; prepare them alike")
         loss_mask = TokenStream([s.mask for s in pieces], 0, [s.check_mask for s in pieces])  # type: ignore[misc]
         starts = starts if starts is not None else np.zeros(0, dtype=np.int64)
     return PackedSequences(stream, seq_len, tokenizer.eos_id, tokenizer.pad_id, document_starts=starts,
@@ -102,11 +106,11 @@ def check_chat_template(cfg: JobConfig, shards: TokenShards) -> None:
                           "with the template they were prepared with, or prepare them again")
 
 
-def _shard_training_data(cfg: JobConfig, tokenizer: Tokenizer) -> TrainingData:
-    """Memory-mapped prepared shards (data.source = 'tokens'), verified before anything else happens."""
+def _open_prepared(cfg: JobConfig, tokenizer: Tokenizer, path: str) -> TokenShards:
+    """A prepared directory checked against the job: tokenizer, chat template, framing, held-out fraction."""
     d = cfg.data
     # Sizes and headers now, each token file's sha256 when it is first read (moetrain.data.shards).
-    shards = open_token_shards(Path(d.path or ""), d.tokenizer, tokenizer, hash_on_first_read=True)
+    shards = open_token_shards(Path(path), d.tokenizer, tokenizer, hash_on_first_read=True)
     check_chat_template(cfg, shards)
     framing = shards.manifest.get("framing", "bos_eos")  # (manifests from before the option: always BOS)
     if "chat" not in shards.manifest and framing != d.framing:
@@ -117,12 +121,45 @@ def _shard_training_data(cfg: JobConfig, tokenizer: Tokenizer) -> TrainingData:
         raise ConfigError(f"data.heldout_fraction = {d.heldout_fraction} differs from {shards.root / 'manifest.json'}"
                           f" ({manifest_fraction}): the split is made by `moetrain data prepare --heldout-fraction`; "
                           f"set --data.heldout_fraction {manifest_fraction}")
+    return shards
+
+
+def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
+    """data.mixture entries 'PATH=WEIGHT' -> [(path, weight)] (ConfigError naming the entry when bad)."""
+    parsed = []
+    for entry in entries:
+        path, sep, weight = entry.rpartition("=")
+        try:
+            value = float(weight) if sep else float("nan")
+        except ValueError:
+            value = float("nan")
+        if not path or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"data.mixture entry {entry!r} is invalid: write PATH=WEIGHT with a weight > 0")
+        parsed.append((path, value))
+    return parsed
+
+
+def _shard_training_data(cfg: JobConfig, tokenizer: Tokenizer) -> TrainingData:
+    """Memory-mapped prepared shards (data.source = 'tokens'), verified before anything else happens."""
+    d = cfg.data
     if d.max_documents is not None:
         raise ConfigError("data.max_documents cannot limit data.source = 'tokens'; prepare fewer documents instead")
-    train = _packed_split(shards, "train", tokenizer, d.seq_len)
-    n_heldout = shards.n_documents("heldout")
-    heldout = _packed_split(shards, "heldout", tokenizer, d.seq_len) if n_heldout else None
-    entropy = unigram_entropy_bits(shards.byte_histogram("heldout")) if n_heldout else None
-    train_entropy = unigram_entropy_bits(shards.byte_histogram("train"))
-    return TrainingData(tokenizer, train, heldout, tokenizer.token_byte_lengths(), entropy, train_entropy,
-                        shards.n_documents("train"), n_heldout)
+    mixture = parse_mixture(d.mixture)
+    if mixture and d.path is not None:
+        raise ConfigError(f"data.path = {d.path!r} and data.mixture are both set; give the directories in "
+                          "data.mixture only")
+    sets = [_open_prepared(cfg, tokenizer, path) for path, _ in mixture] or [_open_prepared(cfg, tokenizer,
+                                                                                           d.path or "")]
+    sources = [_packed_split(shards, "train", tokenizer, d.seq_len) for shards in sets]
+    train: PackedSequences | MixedSequences = (
+        MixedSequences(sources, [w for _, w in mixture], [p for p, _ in mixture]) if mixture else sources[0])
+    n_heldout = sum(shards.n_documents("heldout") for shards in sets)
+    heldout = _packed_split(sets, "heldout", tokenizer, d.seq_len) if n_heldout else None
+    histograms = {split: Counter() for split in ("train", "heldout")}
+    for shards in sets:
+        for split in histograms:
+            histograms[split].update(shards.byte_histogram(split))
+    entropy = unigram_entropy_bits(histograms["heldout"]) if n_heldout else None
+    train_entropy = unigram_entropy_bits(histograms["train"])
+    return TrainingData(tokenizer, train, heldout, tokenizer.token_byte_lengths(), entropy, train_entropy,  # type: ignore[arg-type]
+                        sum(shards.n_documents("train") for shards in sets), n_heldout)
