@@ -178,6 +178,10 @@ class MixedSequences:
     weights: list[float]
     names: list[str]
 
+    def __len__(self) -> int:
+        """Packed sequences over all sources (what a run reports as its training sequences)."""
+        return sum(len(source) for source in self.sources)
+
 
 # Global units per mixture block: each block holds every source's quota exactly (to 1 / MIXTURE_BLOCK).
 MIXTURE_BLOCK = 10_000
