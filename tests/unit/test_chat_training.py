@@ -289,6 +289,7 @@ def test_start_up_checks_sizes_and_a_damaged_file_is_refused_at_its_first_read_o
     from moetrain.data.prepare import main as data_main
 
     directory, out = prepared(tmp_path, "qwen_chatml", many_conversations(40, seed=6))
+    assert data_main(["verify", str(out)]) == 0  # intact: every file's sha256 matches
     tokens = out / "train" / "shard_00001.tokens.npy"
     data = bytearray(tokens.read_bytes())
     data[-1] ^= 0x01  # same size, one token changed: only the sha256 sees it
