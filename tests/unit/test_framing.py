@@ -51,3 +51,22 @@ def test_tokenizer_framing_follows_add_bos_token_and_shards_equal_the_in_memory_
     assert stream[: len(want)].tolist() == want
     with pytest.raises(ConfigError, match="data.framing = 'bos_eos' differs"):
         load_training_data(_job(directory, "tokens", out, "bos_eos"))
+
+
+def test_text_rows_of_a_parquet_file_prepare_like_the_same_rows_as_a_saved_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_dict({"text": TEXTS * 3})
+    table.to_parquet(str(tmp_path / "docs.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    streams = []
+    for name in ("docs.parquet", "saved"):
+        manifest = prepare(PrepareArgs(input=[str(tmp_path / name)], out=str(tmp_path / f"out_{name}"), quiet=True,
+                                       heldout_fraction=0.0))
+        assert manifest["train_documents"] == len(TEXTS) * 3
+        cfg = JobConfig()
+        cfg.data = DataConfig(source="tokens", path=str(tmp_path / f"out_{name}"), heldout_fraction=0.0, seq_len=8)
+        train = load_training_data(cfg).train
+        streams.append(train.stream.read(0, len(train.stream)))
+    assert streams[0].tolist() == streams[1].tolist()
+    want = [t for text in TEXTS * 3 for t in [256, *text.encode(), 257]]  # byte tokenizer: [BOS] bytes [EOS]
+    assert streams[0].tolist() == want
