@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from moetrain.config import JobConfig, ModelConfig
-from moetrain.data.chat import end_of_turn_ids, load_chat_template
+from moetrain.data.chat import ConversationError, end_of_turn_ids, load_chat_template
 from moetrain.data.tokenizer import (
     BYTE_SPECIAL_TOKENS,
     HFTokenizer,
@@ -355,7 +355,10 @@ def _write_chat_files(spec: str, template_file: str | None, tokenizer: Tokenizer
     eos = [tokenizer.eos_id]
     if template is not None:
         (out / "chat_template.jinja").write_text(template.text, encoding="utf-8")
-        end_of_turn = end_of_turn_ids(template, tokenizer.encode_with_offsets, tokenizer.special_token_ids())
+        try:
+            end_of_turn = end_of_turn_ids(template, tokenizer.encode_with_offsets, tokenizer.special_token_ids())
+        except ConversationError:  # a template that cannot render a one-exchange chat: EOS alone stops generation
+            end_of_turn = []
         eos += [i for i in end_of_turn if i not in eos]
     generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos if len(eos) > 1 else eos[0],
                   "pad_token_id": tokenizer.pad_id}
