@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.observe.plot:main"),
     "export-hf": ("write a run's checkpoint as a Hugging Face model directory (Qwen3-MoE, OLMoE)",
                   "moetrain.train.export_hf:main"),
-    "data": ("`data prepare`: tokenize text into memory-mapped token shards (data.source = 'tokens')",
+    "data": ("`data prepare`: tokenize text or conversations into memory-mapped token shards; `data verify DIR`",
              "moetrain.data.prepare:main"),
     "bench": ("benchmarks: `bench moe`, `bench sync`, `bench ep`, `bench attention`, `bench data`, `bench train`",
               "moetrain.bench:main"),

@@ -216,6 +216,18 @@ class DataConfig:
     documents cut into budget-size pieces), so lengths vary; train.microbatch_size then only sizes evaluation."""
     token_budget: int | None = None
     """Tokens per microbatch under batching = 'token_budget'; None = data.seq_len."""
+    mixture: list[str] = field(default_factory=list)
+    """data.source = 'tokens' over several prepared directories, each 'PATH=WEIGHT': every step draws
+    units (sequences or token-budget bins) from them in these proportions, in an order that does
+    not depend on the number of ranks (exact resume on any world size). Replaces data.path."""
+    framing: Literal["bos_eos", "tokenizer"] = "bos_eos"
+    """How a text document is framed: bos_eos = [BOS] text [EOS] always; tokenizer = BOS only where the
+    tokenizer directory adds one (`add_bos_token` in tokenizer_config.json, else its post-processor),
+    EOS always. Conversations are framed by their chat template alone."""
+    chat_template: str | None = None
+    """Conversations (shards prepared with --format chat): the Jinja chat template file they were
+    prepared with when it is not the data.tokenizer directory's own (as `data prepare --chat-template`);
+    checked against the manifest's template hash, and written by export-hf."""
 
 
 @dataclass

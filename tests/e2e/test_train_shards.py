@@ -36,15 +36,25 @@ def test_training_from_shards_reproduces_training_from_text(job_args, corpus_dir
 
 
 def test_a_damaged_shard_stops_training_before_anything_is_written(job_args, corpus_dir, tmp_path, capsys):
+    """A truncated shard is refused at start; a same-size change, which only the sha256 sees, when the
+    shard is first read (moetrain.data.shards: start-up does not hash the corpus): before any step."""
     shards = tmp_path / "shards"
     _prepare(corpus_dir, shards)
     tokens = shards / "train" / "shard_00000.tokens.npy"
-    data = bytearray(tokens.read_bytes())
-    data[-2] ^= 0x04
-    tokens.write_bytes(bytes(data))
+    intact = tokens.read_bytes()
+    tokens.write_bytes(intact[:-3])
     capsys.readouterr()
     run_dir = tmp_path / "run"
     assert cli.main(["train", *job_args(run_dir, data__source="tokens", data__path=shards)]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and str(tokens) in lines[0] and "sha256" in lines[0], lines
+    assert len(lines) == 1 and str(tokens) in lines[0] and "truncated" in lines[0], lines
     assert not run_dir.exists()
+    data = bytearray(intact)
+    data[-2] ^= 0x04
+    tokens.write_bytes(bytes(data))
+    assert cli.main(["train", *job_args(run_dir, data__source="tokens", data__path=shards)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and str(tokens) in errors[0] and "sha256" in errors[0], errors
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in records if r["kind"] == "train"]  # no step ran on the damaged tokens
+    assert not list((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else True

@@ -7,7 +7,6 @@ built from, plain loops over them, and the world-1 loader for the multi-rank spl
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ import torch
 from moetrain.config import DataConfig, JobConfig
 from moetrain.data.batching import PackedBatching, TokenBudgetBatching, build_batching, documents_end
 from moetrain.data.loader import DataLoader
-from moetrain.data.packing import IGNORE_INDEX, PackedSequences
+from moetrain.data.packing import IGNORE_INDEX, PackedSequences, TokenStream
 from moetrain.errors import ConfigError
 
 BOS, EOS, PAD = 256, 257, 258
@@ -204,8 +203,8 @@ def test_token_budget_bins_read_a_memory_mapped_stream_like_the_in_memory_one(tm
     tokens = np.array([t for d in documents for t in d], dtype=np.uint16)
     path = tmp_path / "tokens.bin"
     tokens.tofile(path)
-    mapped = SimpleNamespace(stream=np.memmap(path, dtype=np.uint16, mode="r"), eos_id=EOS, pad_id=PAD,
-                             document_starts=in_memory.document_starts)
+    mapped = PackedSequences(TokenStream([np.memmap(path, dtype=np.uint16, mode="r")], PAD), in_memory.seq_len,
+                             eos_id=EOS, pad_id=PAD, document_starts=in_memory.document_starts)
     a, b = TokenBudgetBatching(in_memory, 20, seed=1), TokenBudgetBatching(mapped, 20, seed=1)
     assert a.n_units == b.n_units
     assert all(_equal(a.microbatch([u]), b.microbatch([u])) for u in range(a.n_units))

@@ -38,13 +38,14 @@ This module builds microbatches from units; it does no shuffling, rank slicing o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from moetrain.config import DataConfig
-from moetrain.data.packing import Batch, PackedSequences, sequence_fields
+from moetrain.data.packing import Batch, PackedSequences
 from moetrain.errors import ConfigError
 
 # Salt of the document layout's generator, so it draws a stream of its own rather than
@@ -78,14 +79,6 @@ class PackedBatching:
 
     def signature(self) -> dict[str, Any]:
         return {"batching": "packed", "n_units": self.n_units, "seq_len": self.sequences.seq_len}
-
-
-def read_tokens(stream: Any, start: int, stop: int, pad_id: int) -> np.ndarray:
-    """int64 tokens start..stop-1 of a 1-D token stream (tensor, array or memory map), PAD past its end."""
-    out = np.full(stop - start, pad_id, dtype=np.int64)
-    available = np.asarray(stream[start: min(stop, len(stream))])
-    out[: available.size] = available
-    return out
 
 
 def documents_end(stream: Any, pad_id: int, block: int = 4096) -> int:
@@ -150,10 +143,13 @@ class TokenBudgetBatching:
     units_per_microbatch = 1
 
     def __init__(self, sequences: PackedSequences, token_budget: int, seed: int):
+        self.sequences = sequences
         self.stream = sequences.stream
         self.eos_id, self.pad_id = sequences.eos_id, sequences.pad_id
         self.token_budget = token_budget
-        self.layout = BinLayout(sequences.document_starts, documents_end(self.stream, self.pad_id), token_budget, seed)
+        # Conversations (a loss mask) end where the stream ends: their last token may be the PAD id.
+        end = len(self.stream) if sequences.loss_mask is not None else documents_end(self.stream, self.pad_id)
+        self.layout = BinLayout(sequences.document_starts, end, token_budget, seed)
         self.n_units = len(self.layout)
 
     def microbatch(self, units: Sequence[int]) -> Batch:
@@ -164,8 +160,7 @@ class TokenBudgetBatching:
         for start, length in self.layout.pieces(int(units[0])):
             # One token more than the piece: the target of its last input (the next piece of
             # the same document, or the next document's BOS that EOS never predicts).
-            window = torch.from_numpy(read_tokens(self.stream, start, start + length + 1, self.pad_id))
-            piece = sequence_fields(window, self.eos_id, self.pad_id)
+            piece = self.sequences.fields(start, start + length + 1)
             piece["document_ids"] = piece["document_ids"] + documents_before
             documents_before = int(piece["document_ids"][-1]) + 1
             fields.append(piece)
@@ -175,8 +170,108 @@ class TokenBudgetBatching:
         return {"batching": "token_budget", "n_units": self.n_units, "token_budget": self.token_budget}
 
 
-def build_batching(sequences: PackedSequences, data: DataConfig, microbatch_size: int, seed: int) -> Batching:
+@dataclass
+class MixedSequences:
+    """The training sequences of several prepared directories (data.mixture) and their weights."""
+
+    sources: list[PackedSequences]
+    weights: list[float]
+    names: list[str]
+
+    def __len__(self) -> int:
+        """Packed sequences over all sources (what a run reports as its training sequences)."""
+        return sum(len(source) for source in self.sources)
+
+
+# Global units per mixture block: each block holds every source's quota exactly (to 1 / MIXTURE_BLOCK).
+MIXTURE_BLOCK = 10_000
+_MIXTURE_STREAM = 0x6D6978
+
+
+def _permutation(n: int, seed: int, stream: int, index: int) -> np.ndarray:
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + index) * 65_537 + stream)
+    return torch.randperm(n, generator=generator).numpy()
+
+
+class MixtureBatching:
+    """Units drawn from several sources' batchings in proportion to their weights, by global index alone.
+
+    The loader hands this batching global unit indices (`takes_global_indices`), not its own
+    permutation's units. Global index g lies in block b = g div B (B = MIXTURE_BLOCK); each block
+    gives source s exactly c_s slots (the weights' largest-remainder quota of B), in a seeded
+    order per block; the j-th slot of source s in block b is that source's k-th draw, k = b·c_s + j,
+    which is unit perm_{s,e}[k mod n_s] of source s, epoch e = k div n_s. So each source is read
+    in its own epoch order (every unit once per source epoch), each block's shares are exact, and
+    what step t reads is a function of (seed, t) only: the same on any number of ranks, and after a
+    resume on another.
+    """
+
+    takes_global_indices = True
+
+    def __init__(self, sources: list[Batching], weights: list[float], seed: int, block: int = MIXTURE_BLOCK):
+        if len({b.units_per_microbatch for b in sources}) != 1:
+            raise ConfigError("data.mixture sources must batch alike (the same units per microbatch)")
+        self.sources, self.seed, self.block = sources, seed, block
+        share = np.asarray(weights, dtype=np.float64) / float(sum(weights))
+        quota = np.floor(share * block).astype(np.int64)
+        remainder = share * block - quota
+        quota[np.argsort(-remainder, kind="stable")[: block - int(quota.sum())]] += 1
+        self.quota = quota
+        self.quota_starts = np.concatenate([[0], np.cumsum(quota)])
+        self.weights = [float(w) for w in weights]
+        self.n_units = block
+        self.units_per_microbatch = sources[0].units_per_microbatch
+        self._cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def _order(self, stream: int, n: int, index: int) -> np.ndarray:
+        key = (stream, index)
+        if key not in self._cache:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            self._cache[key] = _permutation(n, self.seed, _MIXTURE_STREAM + stream, index)
+        return self._cache[key]
+
+    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source of each position, its rank among that source's positions) of one block."""
+        key = (-1, block)
+        if key not in self._cache:
+            slots = self._order(0, self.block, block)
+            source = np.searchsorted(self.quota_starts, slots, side="right") - 1
+            order = np.argsort(source, kind="stable")
+            rank = np.empty(self.block, dtype=np.int64)
+            rank[order] = np.arange(self.block) - self.quota_starts[source[order]]
+            self._cache[key] = np.stack([source, rank])
+        return self._cache[key][0], self._cache[key][1]
+
+    def source_unit(self, global_index: int) -> tuple[int, int]:
+        """(source, that source's unit) at a global index."""
+        block, position = divmod(int(global_index), self.block)
+        sources, ranks = self._block(block)
+        source = int(sources[position])
+        k = block * int(self.quota[source]) + int(ranks[position])
+        n = self.sources[source].n_units
+        epoch, offset = divmod(k, n)
+        return source, int(self._order(source + 1, n, epoch)[offset])
+
+    def microbatch(self, units: Sequence[int]) -> Batch:
+        parts = [self.source_unit(g) for g in units]
+        if len({s for s, _ in parts}) == 1:
+            return self.sources[parts[0][0]].microbatch([u for _, u in parts])
+        batches = [self.sources[s].microbatch([u]) for s, u in parts]  # packed: equal seq_len, rows stack
+        return Batch(*(torch.cat(fields) for fields in zip(*((b.tokens, b.positions, b.document_ids, b.targets)
+                                                              for b in batches))))
+
+    def signature(self) -> dict[str, Any]:
+        return {"batching": "mixture", "n_units": self.n_units, "weights": self.weights,
+                "sources": [b.signature() for b in self.sources]}
+
+
+def build_batching(sequences: PackedSequences | MixedSequences, data: DataConfig, microbatch_size: int,
+                   seed: int) -> Batching:
     """The configured batching over the training sequences (ConfigError when there is nothing to batch)."""
+    if isinstance(sequences, MixedSequences):
+        parts = [build_batching(source, data, microbatch_size, seed) for source in sequences.sources]
+        return MixtureBatching(parts, sequences.weights, seed)
     batching: Batching
     if data.batching == "token_budget":
         batching = TokenBudgetBatching(sequences, data.token_budget or data.seq_len, seed)

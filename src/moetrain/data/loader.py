@@ -72,7 +72,9 @@ class DataLoader:
         """The units of rank `rank`'s microbatches in the step that starts at global index `cursor`."""
         per_microbatch = self.batching.units_per_microbatch
         first = cursor + rank * self.microbatches_per_rank * per_microbatch
-        return [[self.unit(first + m * per_microbatch + j) for j in range(per_microbatch)]
+        # A mixture (moetrain.data.batching.MixtureBatching) maps global indices to its sources' units itself.
+        unit = (lambda g: g) if getattr(self.batching, "takes_global_indices", False) else self.unit
+        return [[unit(first + m * per_microbatch + j) for j in range(per_microbatch)]
                 for m in range(self.microbatches_per_rank)]
 
     def next_microbatches(self) -> list[Batch]:

@@ -31,7 +31,7 @@ sharding or shuffling.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,9 +61,10 @@ class Batch:
                        (self.tokens, self.positions, self.document_ids, self.targets)))
 
 
-def encode_documents(documents: list[Document], tokenizer: Tokenizer) -> torch.Tensor:
-    """One int32 stream: [BOS] doc0 [EOS] [BOS] doc1 [EOS] ..."""
-    bos = torch.tensor([tokenizer.bos_id], dtype=torch.int32)
+def encode_documents(documents: list[Document], tokenizer: Tokenizer, bos: bool = True) -> torch.Tensor:
+    """One int32 stream: [BOS] doc0 [EOS] [BOS] doc1 [EOS] ... (without the BOS when not `bos`:
+    data.framing = 'tokenizer' for a tokenizer that adds none)."""
+    bos = torch.tensor([tokenizer.bos_id] if bos else [], dtype=torch.int32)
     eos = torch.tensor([tokenizer.eos_id], dtype=torch.int32)
     pieces: list[torch.Tensor] = []
     for doc in documents:
@@ -73,19 +74,33 @@ def encode_documents(documents: list[Document], tokenizer: Tokenizer) -> torch.T
     return torch.cat(pieces)
 
 
-def sequence_fields(window: torch.Tensor, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Inputs, positions, document ids and targets of one window of S + 1 tokens."""
+def sequence_fields(window: torch.Tensor, eos_id: int, pad_id: int, starts: torch.Tensor | None = None,
+                    keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Inputs, positions, document ids and targets of one window of S + 1 tokens.
+
+    Without `starts`, documents are `[BOS] tokens [EOS]` and start after each EOS. With `starts`
+    (bool[S + 1]: a document begins at that window position) and `keep` (the loss mask of the
+    window's tokens, as conversations carry it: their template text holds end-of-turn tokens
+    that may be the EOS id, so EOS cannot mark where a conversation ends), a target is kept
+    only when it belongs to the same document and its mask is 1.
+    """
     window = window.long()
     inputs, following = window[:-1], window[1:]
     length = inputs.numel()
-    starts = torch.zeros(length, dtype=torch.bool)
-    starts[0] = True
-    starts[1:] = inputs[:-1] == eos_id
-    document_ids = torch.cumsum(starts.long(), dim=0) - 1
+    if starts is None:
+        starts_in = torch.zeros(length, dtype=torch.bool)
+        starts_in[1:] = inputs[:-1] == eos_id
+        no_target = (inputs == eos_id) | (inputs == pad_id) | (following == pad_id)
+    else:
+        starts_in = starts[:-1].clone()
+        no_target = starts[1:].clone()
+    starts_in[0] = True
+    if keep is not None:
+        no_target |= keep[1:] == 0
+    document_ids = torch.cumsum(starts_in.long(), dim=0) - 1
     index = torch.arange(length)
-    start_index = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=0).values
+    start_index = torch.cummax(torch.where(starts_in, index, torch.zeros_like(index)), dim=0).values
     positions = index - start_index
-    no_target = (inputs == eos_id) | (inputs == pad_id) | (following == pad_id)
     targets = torch.where(no_target, torch.full_like(following, IGNORE_INDEX), following)
     return {"tokens": inputs, "positions": positions, "document_ids": document_ids, "targets": targets}
 
@@ -97,8 +112,13 @@ class TokenStream:
     one or more pieces it crosses, so a multi-shard stream is never loaded whole.
     """
 
-    def __init__(self, pieces: Sequence[np.ndarray], pad_id: int):
-        self.pieces = [p for p in pieces if p.size]
+    def __init__(self, pieces: Sequence[np.ndarray], pad_id: int,
+                 first_read_checks: Sequence[Callable[[], None] | None] | None = None):
+        checks = list(first_read_checks) if first_read_checks is not None else [None] * len(pieces)
+        kept = [i for i, p in enumerate(pieces) if p.size]
+        self.pieces = [pieces[i] for i in kept]
+        # Per piece, run once before its first read (a shard file's deferred sha256 check), then dropped.
+        self._checks = [checks[i] for i in kept]
         self.pad_id = pad_id
         self.starts = np.cumsum([0] + [p.size for p in self.pieces], dtype=np.int64)
 
@@ -111,6 +131,10 @@ class TokenStream:
         position = start
         piece = int(np.searchsorted(self.starts, start, side="right")) - 1
         while position < min(stop, len(self)):
+            check = self._checks[piece]
+            if check is not None:
+                check()
+                self._checks[piece] = None
             local = position - int(self.starts[piece])
             take = min(stop, int(self.starts[piece + 1])) - position
             out[position - start: position - start + take] = self.pieces[piece][local: local + take]
@@ -138,7 +162,7 @@ class PackedSequences:
     """Fixed-length sequences over a token stream; sequence(i) is cheap (a copied window)."""
 
     def __init__(self, stream: torch.Tensor | TokenStream, seq_len: int, eos_id: int, pad_id: int,
-                 document_starts: np.ndarray | None = None):
+                 document_starts: np.ndarray | None = None, loss_mask: TokenStream | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if isinstance(stream, torch.Tensor):
@@ -150,6 +174,11 @@ class PackedSequences:
         # int64[n_documents]: the stream offset of each document's BOS (sorted), for token-budget batching.
         self.document_starts = (starts_after_eos(stream, eos_id) if document_starts is None
                                 else np.asarray(document_starts, dtype=np.int64))
+        # uint8 per stream token (conversations): 1 where the token is a target to learn; past the end 0.
+        # With it, documents start at document_starts (which must be given) rather than after each EOS.
+        if loss_mask is not None and (document_starts is None or len(loss_mask) != len(stream)):
+            raise ValueError("a loss mask needs explicit document starts and one value per stream token")
+        self.loss_mask = loss_mask
 
     def __len__(self) -> int:
         return self.n_sequences
@@ -160,10 +189,26 @@ class PackedSequences:
         start = index * self.seq_len
         return torch.from_numpy(self.stream.read(start, start + self.seq_len + 1))
 
+    def fields(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """`sequence_fields` of the stream tokens start..stop-1 (stop - start - 1 inputs)."""
+        window = torch.from_numpy(self.stream.read(start, stop))
+        if self.loss_mask is None:
+            return sequence_fields(window, self.eos_id, self.pad_id)
+        starts = np.zeros(stop - start, dtype=np.bool_)
+        lo, hi = np.searchsorted(self.document_starts, [start, stop])
+        starts[self.document_starts[lo:hi] - start] = True
+        if start <= len(self.stream) < stop:
+            starts[len(self.stream) - start] = True  # the PAD tail is a document of its own
+        keep = torch.from_numpy(self.loss_mask.read(start, stop))
+        return sequence_fields(window, self.eos_id, self.pad_id, torch.from_numpy(starts), keep)
+
     def batch(self, indices: list[int]) -> Batch:
-        fields = [sequence_fields(self.window(i), self.eos_id, self.pad_id) for i in indices]
+        for i in indices:
+            if not 0 <= i < self.n_sequences:
+                raise IndexError(f"sequence {i} out of range [0, {self.n_sequences})")
+        fields = [self.fields(i * self.seq_len, i * self.seq_len + self.seq_len + 1) for i in indices]
         return Batch(**{key: torch.stack([f[key] for f in fields]) for key in fields[0]})
 
 
-def pack_documents(documents: list[Document], tokenizer: Tokenizer, seq_len: int) -> PackedSequences:
-    return PackedSequences(encode_documents(documents, tokenizer), seq_len, tokenizer.eos_id, tokenizer.pad_id)
+def pack_documents(documents: list[Document], tokenizer: Tokenizer, seq_len: int, bos: bool = True) -> PackedSequences:
+    return PackedSequences(encode_documents(documents, tokenizer, bos), seq_len, tokenizer.eos_id, tokenizer.pad_id)

@@ -5,7 +5,19 @@ Inputs (any mix, each --input one of):
 - a directory: its files matching --glob, one document per file (as data.source = 'dir'), or a
   Hugging Face dataset saved with `save_to_disk` (one document per row of --text-field);
 - a `.jsonl` file: one document per line, the --text-field key (as data.source = 'jsonl');
+- a `.parquet`, `.json` or `.arrow` file: one document per row, read with `datasets.load_dataset`
+  on the local file (nothing is downloaded; the `hf` extra);
 - any other file: one document.
+
+With --format chat every record (a .jsonl line or a row) holds a conversation, an OpenAI-style
+list of messages under --messages-field, rendered with the tokenizer directory's chat template
+and masked to the assistant's tokens (moetrain.data.chat); each shard then carries a loss mask
+beside its tokens, the conversation is framed only by its template (no BOS/EOS added), and the
+manifest records the template's sha256. A conversation that cannot be used (no assistant turn,
+an unknown role, a template that raises, no messages field) is refused in one line naming the
+file and line (or row), or skipped and counted with --skip-bad-files. A refused prepare writes
+no manifest, so nothing can train on it; the shards it finished are complete files, kept for
+the rerun.
 
 Documents are named as the matching data.source names them (a path relative to the input,
 `FILE:LINE`, a row number; with several inputs the input's index is prefixed), sorted by
@@ -39,6 +51,7 @@ import numpy as np
 import tqdm
 
 from moetrain.args import parse_typed_args
+from moetrain.data.chat import ChatTemplate, ConversationError, encode_conversation, load_chat_template
 from moetrain.data.corpus import files_under, is_heldout, stdlib_files, utf8_name
 from moetrain.data.shards import (
     SPLITS,
@@ -46,10 +59,11 @@ from moetrain.data.shards import (
     shard_stem,
     token_dtype,
     tokenizer_identity,
+    verify_directory,
     write_manifest,
     write_shard,
 )
-from moetrain.data.tokenizer import Tokenizer, build_tokenizer
+from moetrain.data.tokenizer import Tokenizer, build_tokenizer, frames_with_bos
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger, setup_logging
 
@@ -76,8 +90,20 @@ class PrepareArgs:
     text_field: str = "text"
     # Fraction of documents held out, chosen per document by a hash of its name (as data.heldout_fraction).
     heldout_fraction: float = 0.05
-    # Skip unreadable or non-UTF-8 files (with a warning) instead of stopping.
+    # Skip unreadable or non-UTF-8 files (with a warning) instead of stopping; with --format chat, also
+    # conversations that cannot be used (counted in the manifest's 'skipped_documents').
     skip_bad_files: bool = False
+    # 'text': documents framed [BOS] text [EOS]; 'chat': conversations rendered with the chat template, loss
+    # on the assistant's tokens only.
+    format: str = "text"
+    # Text documents: 'bos_eos' = [BOS] text [EOS]; 'tokenizer' = BOS only where the tokenizer adds one (as
+    # data.framing).
+    framing: str = "bos_eos"
+    # --format chat: the field of a record holding its list of {"role", "content"} messages.
+    messages_field: str = "messages"
+    # --format chat: a Jinja chat template file used instead of the tokenizer directory's (train with the same
+    # --data.chat-template).
+    chat_template: str | None = None
     # No progress bar.
     quiet: bool = False
 
@@ -107,9 +133,13 @@ def _jsonl_refs(path: Path, prefix: str) -> list[DocRef]:
     return refs
 
 
+# File suffixes read as datasets (a row per document) and the `datasets.load_dataset` builder for each.
+DATASET_FILES = {".parquet": "parquet", ".json": "json", ".arrow": "arrow"}
+
+
 def _dataset_refs(path: Path, text_field: str, prefix: str) -> list[DocRef]:
     dataset = _load_dataset(str(path), text_field)
-    data_bytes = sum(f.stat().st_size for f in path.rglob("*.arrow"))
+    data_bytes = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*.arrow"))
     per_row = max(1, data_bytes // max(1, len(dataset)))
     return [DocRef(f"{prefix}{i:012d}", "row", str(path), i, per_row) for i in range(len(dataset))]
 
@@ -124,6 +154,9 @@ def document_refs(inputs: list[str], glob: str, text_field: str, skip_bad: bool 
         else:
             path = Path(spec)
             if path.is_dir() and _is_saved_dataset(path):
+                refs += _dataset_refs(path, text_field, prefix)
+                continue
+            if path.is_file() and path.suffix in DATASET_FILES:
                 refs += _dataset_refs(path, text_field, prefix)
                 continue
             if path.is_file() and path.suffix == ".jsonl":
@@ -183,13 +216,22 @@ def _load_dataset(path: str, text_field: str) -> Any:
     except ImportError:
         raise ConfigError(f"--input {path!r} is a saved dataset, which needs the `datasets` package; install "
                           "the extra `pip install moetrain[hf]`") from None
-    dataset = datasets.load_from_disk(path)
+    suffix = Path(path).suffix
+    try:
+        if Path(path).is_file() and suffix in DATASET_FILES:
+            dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=str(path), split="train")
+        else:
+            dataset = datasets.load_from_disk(path)
+    except Exception as err:  # noqa: BLE001 - datasets raises many unrelated types for an unreadable file
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"--input {path!r} is not a readable dataset ({type(err).__name__}: {first})") from None
     if isinstance(dataset, datasets.DatasetDict):
         if "train" not in dataset:
             raise ConfigError(f"--input {path!r} is a DatasetDict without a 'train' split")
         dataset = dataset["train"]
     if text_field not in dataset.column_names:
-        raise ConfigError(f"--text-field {text_field!r} is not a column of {path!r} (columns: {dataset.column_names})")
+        raise ConfigError(f"--text-field / --messages-field {text_field!r} is not a column of {path!r} "
+                          f"(columns: {dataset.column_names})")
     return dataset
 
 
@@ -224,6 +266,77 @@ def _read_text(ref: DocRef, text_field: str, skip_bad: bool) -> str | None:
     raise ConfigError(f"{problem}; fix or remove it, or pass --skip-bad-files")
 
 
+def _where(ref: DocRef) -> str:
+    """A record's place for messages: FILE:LINE, or FILE row N."""
+    if ref.kind == "line":
+        return f"{ref.path}:{int(ref.name.rsplit(':', 1)[1])}"
+    return f"{ref.path} row {ref.start}" if ref.kind == "row" else ref.path
+
+
+def _read_messages(ref: DocRef, field: str) -> Any:
+    """The --messages-field value of one record (raises ConversationError when it has none)."""
+    if ref.kind == "row":
+        key = ("dataset", ref.path)
+        if key not in _WORKER:
+            _WORKER[key] = _load_dataset(ref.path, field)
+        return _WORKER[key][ref.start][field]
+    if ref.kind != "line":
+        raise ConversationError("--format chat reads .jsonl, .json, .parquet, .arrow files or saved datasets, "
+                                "not a whole file as one conversation")
+    with open(ref.path, "rb") as handle:
+        handle.seek(ref.start)
+        data = handle.read(ref.length)
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConversationError(f"it is not a JSON object ({type(err).__name__})") from None
+    if not isinstance(record, dict) or field not in record:
+        raise ConversationError(f"it has no --messages-field {field!r}")
+    return record[field]
+
+
+def _chat_template(options: dict[str, Any]) -> ChatTemplate:
+    key = ("chat", options["chat_template_sha256"])
+    if key not in _WORKER:
+        _WORKER[key] = load_chat_template(options["tokenizer"], options["chat_template"])
+    return _WORKER[key]
+
+
+def _prepare_chat_shard(out: str, split: str, index: int, refs: list[DocRef], options: dict[str, Any],
+                        tokenizer: Tokenizer) -> dict[str, Any]:
+    """Worker, --format chat: render, tokenize and mask each conversation of one shard; write it with its mask."""
+    template, dtype = _chat_template(options), token_dtype(tokenizer.vocab_size)
+    pieces, masks, lengths, names = [], [], [], []
+    histogram = np.zeros(256, dtype=np.int64)
+    skipped = 0
+    for ref in refs:
+        try:
+            ids, mask, assistant_text = encode_conversation(template, tokenizer.encode_with_offsets,  # type: ignore[attr-defined]
+                                                            _read_messages(ref, options["messages_field"]),
+                                                            options["messages_field"])
+        except ConversationError as err:
+            if not options["skip_bad_files"]:
+                raise ConfigError(f"{_where(ref)}: this conversation cannot be used: {err}; fix or remove it, "
+                                  "or pass --skip-bad-files to skip and count such records") from None
+            log.warning("skipping %s: %s", _where(ref), err)
+            skipped += 1
+            continue
+        if ids.size < 2:
+            skipped += 1
+            continue
+        histogram += np.bincount(np.frombuffer(assistant_text.encode("utf-8"), dtype=np.uint8), minlength=256)
+        pieces.append(ids.astype(dtype))
+        masks.append(mask)
+        lengths.append(ids.size)
+        names.append(ref.name)
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+    loss_mask = np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+    extra = {"plan": options["plan"], "byte_histogram": histogram.tolist(), "skipped_documents": skipped,
+             "first_document": names[0] if names else None, "last_document": names[-1] if names else None}
+    return write_shard(Path(out), split, index, tokens, offsets, extra, mask=loss_mask)
+
+
 def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
     if tokenizer.__class__.__name__ == "ByteTokenizer":
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)  # the byte tokenizer's ids are the bytes
@@ -237,6 +350,8 @@ def _prepare_shard(job: tuple[str, str, int, list[DocRef], dict[str, Any]]) -> d
     if key not in _WORKER:
         _WORKER[key] = build_tokenizer(options["tokenizer"])
     tokenizer = _WORKER[key]
+    if options.get("format") == "chat":
+        return _prepare_chat_shard(out, split, index, refs, options, tokenizer)
     dtype = token_dtype(tokenizer.vocab_size)
     pieces, lengths, names = [], [], []
     histogram = np.zeros(256, dtype=np.int64)
@@ -246,8 +361,9 @@ def _prepare_shard(job: tuple[str, str, int, list[DocRef], dict[str, Any]]) -> d
             continue  # empty documents are dropped, as the trainer drops them
         ids = _encode(tokenizer, text)
         histogram += np.bincount(np.frombuffer(text.encode("utf-8"), dtype=np.uint8), minlength=256)
-        pieces += [np.array([tokenizer.bos_id], dtype=dtype), ids.astype(dtype), np.array([tokenizer.eos_id], dtype)]
-        lengths.append(ids.size + 2)
+        bos = [tokenizer.bos_id] if options.get("bos", True) else []
+        pieces += [np.array(bos, dtype=dtype), ids.astype(dtype), np.array([tokenizer.eos_id], dtype)]
+        lengths.append(ids.size + 1 + len(bos))
         names.append(ref.name)
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
@@ -264,12 +380,29 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
         raise ConfigError(f"--shard-mb {args.shard_mb} is invalid: must be > 0")
     if not 0 <= args.heldout_fraction < 1:
         raise ConfigError(f"--heldout-fraction {args.heldout_fraction} is invalid: must be in [0, 1)")
+    if args.format not in ("text", "chat"):
+        raise ConfigError(f"--format {args.format!r} is invalid: 'text' or 'chat'")
     _WORKER.clear()  # tokenizers and datasets of an earlier prepare in this process may have changed on disk
     tokenizer = build_tokenizer(args.tokenizer)
     identity = tokenizer_identity(args.tokenizer, tokenizer)
     out = Path(args.out)
-    refs = document_refs(args.input, args.glob, args.text_field, args.skip_bad_files)
-    text_options = {"text_field": args.text_field, "skip_bad_files": args.skip_bad_files}
+    chat: dict[str, Any] | None = None
+    if args.format == "chat":
+        if not hasattr(tokenizer, "encode_with_offsets"):
+            raise ConfigError(f"--format chat needs a Hugging Face tokenizer directory, not --tokenizer "
+                              f"{args.tokenizer!r}")
+        template = load_chat_template(args.tokenizer, args.chat_template)
+        chat = {"template_sha256": template.sha256, "messages_field": args.messages_field,
+                "chat_template": args.chat_template, "generation_markers": template.has_generation_markers}
+    field = args.messages_field if chat else args.text_field
+    refs = document_refs(args.input, args.glob, field, args.skip_bad_files)
+    text_options: dict[str, Any] = {"text_field": args.text_field, "skip_bad_files": args.skip_bad_files}
+    framing = "template" if chat else args.framing
+    if not chat and not frames_with_bos(args.tokenizer, tokenizer, args.framing):
+        text_options["bos"] = False  # (only then, so the plan of a bos_eos prepare stays what it was)
+    if chat:  # (only then, so the plan of a text prepare, and a rerun over its shards, stays what it was)
+        text_options.update(format="chat", messages_field=args.messages_field,
+                            chat_template_sha256=chat["template_sha256"], chat_template=args.chat_template)
     jobs, entries = [], {}
     for split, split_list in split_refs(refs, args.heldout_fraction).items():
         for index, shard_refs in enumerate(cut_shards(split_list, int(args.shard_mb * 1e6))):
@@ -322,10 +455,17 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
     finally:
         bar.close()
     seconds = time.perf_counter() - started
+    if chat:
+        chat["skipped_documents"] = sum(e.get("skipped_documents", 0) for e in entries.values())
+        chat["loss_tokens"] = {split: sum(e.get("n_loss_tokens", 0) for e in entries.values() if e["split"] == split)
+                               for split in SPLITS}
     manifest = write_manifest(out, args.tokenizer, identity, token_dtype(tokenizer.vocab_size),
                               args.heldout_fraction, list(entries.values()), text_field=args.text_field,
-                              inputs=list(args.input))
+                              inputs=list(args.input), framing=framing, **({"chat": chat} if chat else {}))
     new_tokens = sum(entries[(job[1], job[2])]["n_tokens"] for job in jobs)
+    if chat:
+        log.info("conversations: %d + %d assistant tokens to learn from (train + held-out); %d conversations "
+                 "skipped", chat["loss_tokens"]["train"], chat["loss_tokens"]["heldout"], chat["skipped_documents"])
     log.info("prepared %s: %d train + %d held-out documents, %d + %d tokens (%s), %d shards (%d new, %.1fs, "
              "%.2fM tokens/s)", out, manifest["train_documents"], manifest["heldout_documents"],
              manifest["train_tokens"], manifest["heldout_tokens"], manifest["dtype"], len(entries), len(jobs),
@@ -335,10 +475,17 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: moetrain data prepare --input PATH... --out DIR [--tokenizer byte|PATH] [--workers N]")
+        print("usage: moetrain data prepare --input PATH... --out DIR [--tokenizer byte|PATH] [--workers N] "
+              "[--format text|chat]\n       moetrain data verify DIR")
+        return 0
+    if argv[0] == "verify":  # every shard file's size, header and sha256 against the manifest, now
+        if len(argv) != 2:
+            raise ConfigError("usage: moetrain data verify DIR (a `moetrain data prepare` output)")
+        checked = verify_directory(Path(argv[1]))
+        print(f"{argv[1]}: {checked['files']} shard files ({checked['bytes'] / 1e6:.1f} MB) match the manifest")
         return 0
     if argv[0] != "prepare":
-        raise ConfigError(f"unknown data command {argv[0]!r}; valid: prepare")
+        raise ConfigError(f"unknown data command {argv[0]!r}; valid: prepare, verify")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: --workers sets the parallelism
     args = parse_typed_args(PrepareArgs, argv[1:], prog="moetrain data prepare", bool_flags=True)
     setup_logging()

@@ -132,6 +132,19 @@ class HFTokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return torch.tensor(ids, dtype=torch.int32)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` (no special tokens added; special tokens written in it are parsed) and each
+        token's character span, as transformers' tokenizer(..., add_special_tokens=False) gives them."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def special_token_ids(self) -> set[int]:
+        """Ids of the tokenizer's added special tokens (those its JSON marks special)."""
+        return {i for i, added in self._tok.get_added_tokens_decoder().items() if added.special}
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
     def decode(self, ids: list[int]) -> str:
         specials = {self.bos_id, self.eos_id, self.pad_id}
         return self._tok.decode([i for i in ids if 0 <= i < self.base_vocab_size and i not in specials])
@@ -207,6 +220,34 @@ def build_tokenizer(spec: str) -> Tokenizer:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             raise ConfigError(f"data.tokenizer = {spec!r} is not a JSON tokenizer file") from None
     return HFTokenizer(path)
+
+
+FRAMINGS = ("bos_eos", "tokenizer")
+
+
+def frames_with_bos(spec: str, tokenizer: Tokenizer, framing: str) -> bool:
+    """Whether documents start with BOS under data.framing (every document ends with EOS either way).
+
+    'bos_eos': always (the byte tokenizer's and the default job's framing, unchanged). 'tokenizer':
+    as the tokenizer directory says: `add_bos_token` of tokenizer_config.json when it is set, else
+    whether the tokenizer's own post-processor puts BOS before a text (as transformers' default
+    `add_special_tokens=True` encoding does), so e.g. Qwen's tokenizers, which add none, get none.
+    """
+    if framing not in FRAMINGS:
+        raise ConfigError(f"data.framing = {framing!r} is invalid: one of {', '.join(FRAMINGS)}")
+    if framing == "bos_eos" or not isinstance(tokenizer, HFTokenizer):
+        return True
+    path = tokenizer_file(spec)
+    config_path = path.parent / "tokenizer_config.json" if path is not None else None
+    if config_path is not None and config_path.is_file():
+        try:
+            value = json.loads(config_path.read_text(encoding="utf-8")).get("add_bos_token")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            raise ConfigError(f"{config_path} is not valid JSON") from None
+        if isinstance(value, bool):
+            return value
+    ids = tokenizer._tok.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == tokenizer.bos_id
 
 
 def write_byte_level_tokenizer(path: str | Path) -> None:

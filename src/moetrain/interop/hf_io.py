@@ -29,8 +29,10 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from moetrain.config import JobConfig, ModelConfig
+from moetrain.data.chat import ConversationError, end_of_turn_ids, load_chat_template
 from moetrain.data.tokenizer import (
     BYTE_SPECIAL_TOKENS,
+    HFTokenizer,
     Tokenizer,
     build_tokenizer,
     tokenizer_file,
@@ -356,6 +358,7 @@ def save_hf(model: nn.Module, cfg: JobConfig, out_dir: str | Path, dtype: torch.
         config = hf_config(cfg.model, family_name, tokenizer, dtype)
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _write_tokenizer(cfg.data.tokenizer, tokenizer, out)
+        _write_chat_files(cfg.data.tokenizer, cfg.data.chat_template, tokenizer, out)
     barrier()
     return out
 
@@ -372,3 +375,33 @@ def _write_tokenizer(spec: str, tokenizer: Tokenizer, out: Path) -> None:
     for extra in ("tokenizer_config.json", "special_tokens_map.json"):
         if (source.parent / extra).is_file():
             shutil.copyfile(source.parent / extra, out / extra)
+
+
+def _write_chat_files(spec: str, template_file: str | None, tokenizer: Tokenizer, out: Path) -> None:
+    """The chat template (chat_template.jinja), a tokenizer_config.json when the source had none, and a
+    generation_config.json whose EOS ids include the template's end-of-turn token, so `transformers`
+    chats with the directory and stops at the end of the assistant's turn."""
+    if spec == "byte" or not isinstance(tokenizer, HFTokenizer):
+        return
+    source = Path(spec) if Path(spec).is_dir() else Path(spec).parent
+    try:
+        template = load_chat_template(str(source), template_file)
+    except ConfigError:
+        template = None  # a tokenizer without a chat template: plain text continuation, nothing to add
+    if not (out / "tokenizer_config.json").is_file():
+        names = {name: tokenizer.token_text(i) for name, i in
+                 (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))
+                 if tokenizer.token_text(i) is not None}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "model_max_length": 1 << 30}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    eos = [tokenizer.eos_id]
+    if template is not None:
+        (out / "chat_template.jinja").write_text(template.text, encoding="utf-8")
+        try:
+            end_of_turn = end_of_turn_ids(template, tokenizer.encode_with_offsets, tokenizer.special_token_ids())
+        except ConversationError:  # a template that cannot render a one-exchange chat: EOS alone stops generation
+            end_of_turn = []
+        eos += [i for i in end_of_turn if i not in eos]
+    generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos if len(eos) > 1 else eos[0],
+                  "pad_token_id": tokenizer.pad_id}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
