@@ -70,7 +70,8 @@ def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
 
 
 def _needs_rope_reorder(cfg: ModelConfig, name: str) -> bool:
-    return cfg.rope_layout == "interleaved" and name.endswith(ROPE_ROWS)
+    # Multi-head latent attention keeps the files' row order: the family maps its layout to rope_interleave.
+    return cfg.rope_layout == "interleaved" and cfg.kv_lora_rank is None and name.endswith(ROPE_ROWS)
 
 
 def expected_shapes(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor],

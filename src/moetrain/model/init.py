@@ -115,6 +115,8 @@ class Scheme:
     def rule(self, kind: str, tied: bool = False) -> Rule:
         if tied and kind == "embedding":
             kind = self.tied_weight_kind
+        if kind == "bias" and kind not in self.rules:  # projection biases start at zero in every cited scheme
+            return Rule("zeros")
         return self.rules[kind]
 
 
@@ -374,10 +376,14 @@ def classify(name: str, cfg: ModelConfig) -> list[Segment]:
         dims = Dims(cfg.dim, cfg.n_layers, layer, cfg.ffn_hidden)
         moe = cfg.moe
         if rest in (["attention_norm", "weight"], ["ffn_norm", "weight"], ["attention", "q_norm", "weight"],
-                    ["attention", "k_norm", "weight"]):
+                    ["attention", "k_norm", "weight"], ["attention", "q_a_norm", "weight"],
+                    ["attention", "kv_a_norm", "weight"]):
             return [Segment("norm", "", dims)]
+        if rest[0] == "attention" and rest[-1] == "bias" and len(rest) == 3 and rest[1] in ("wq", "wk", "wv"):
+            return [Segment("bias", "", dims)]  # q/k/v biases (GLM-4.5) start at zero
         if rest[0] == "attention" and rest[-1] == "weight" and len(rest) == 3:
-            if rest[1] in ("wq", "wk", "wv"):
+            # wq_a, wq_b, wkv_a, wkv_b: multi-head latent attention's query and key/value paths.
+            if rest[1] in ("wq", "wk", "wv", "wq_a", "wq_b", "wkv_a", "wkv_b"):
                 return [Segment("qkv", "", dims)]
             if rest[1] == "wo":
                 return [Segment("attn_out", "", dims)]

@@ -89,7 +89,8 @@ class MoE(nn.Module):
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router logits [T, E] -> (probs [T, E] rows summing to 1, topk_idx [T, k], gates [T, k]), >= float32."""
         choice_bias_E = self.expert_bias if self.cfg.load_balance == "aux_free" else None
-        return select_experts(logits, self.cfg.score_func, self.cfg.top_k, self.cfg.renormalize, choice_bias_E)
+        return select_experts(logits, self.cfg.score_func, self.cfg.top_k, self.cfg.renormalize, choice_bias_E,
+                              self.cfg.n_group, self.cfg.topk_group, self.cfg.routed_scaling_factor)
 
     @torch.no_grad()
     def set_global_balance(self, counts: Tensor, n_tokens: int) -> None:
