@@ -124,9 +124,9 @@ class ModelConfig:
     """YaRN: rotations bounding the extrapolated (unscaled) high frequencies."""
     rope_yarn_beta_slow: float = 1.0
     """YaRN: rotations bounding the interpolated low frequencies."""
-    rope_yarn_mscale: float = 1.0
+    rope_yarn_mscale: float = 0.0
     """YaRN: cos/sin are multiplied by mscale(factor, rope_yarn_mscale) / mscale(factor, rope_yarn_mscale_all_dim)
-    when both are non-zero, else by mscale(factor, 1), where mscale(s, m) = 0.1 · m · ln s + 1."""
+    when both are non-zero, else by mscale(factor, 1), where mscale(s, m) = 0.1 · m · ln s + 1 (0 = unset)."""
     rope_yarn_mscale_all_dim: float = 0.0
     """YaRN: MLA multiplies its softmax scale by mscale(factor, this)^2 when non-zero (DeepSeek-V3: 1)."""
     rope_yarn_truncate: bool = True
@@ -161,6 +161,11 @@ class ModelConfig:
     def attention_head_dim(self) -> int:
         """model.head_dim, or dim // n_heads when it is None."""
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def attention_kind(self) -> str:
+        """"mla" (multi-head latent attention, kv_lora_rank set) or "gqa"; what a Hugging Face family keys on."""
+        return "mla" if self.kv_lora_rank is not None else "gqa"
 
     def rotary_dim(self) -> int:
         """Channels of each query/key head RoPE rotates: MLA's qk_rope_head_dim, else the partial_rotary_factor
@@ -481,12 +486,14 @@ def _validate(cfg: JobConfig) -> None:
 def _validate_attention_variants(m: ModelConfig) -> None:
     """MLA, partial rotary, YaRN and group-limited routing fields."""
     moe = m.moe
-    _check(0 < m.partial_rotary_factor <= 1, "model.partial_rotary_factor", m.partial_rotary_factor, "must be in (0, 1]")
+    _check(0 < m.partial_rotary_factor <= 1, "model.partial_rotary_factor", m.partial_rotary_factor,
+           "must be in (0, 1]")
     if m.partial_rotary_factor < 1:
         _check(m.rope_layout == "half", "model.partial_rotary_factor", m.partial_rotary_factor,
                f"partial rotary is computed in the 'half' RoPE layout only (model.rope_layout = {m.rope_layout!r})")
         _check(m.rotary_dim() >= 2 and m.rotary_dim() % 2 == 0, "model.partial_rotary_factor",
-               m.partial_rotary_factor, f"must rotate an even number of channels >= 2 (head_dim = {m.attention_head_dim()})")
+               m.partial_rotary_factor,
+               f"must rotate an even number of channels >= 2 (head_dim = {m.attention_head_dim()})")
     if m.rope_scaling == "yarn":
         _check(m.rope_yarn_factor >= 1, "model.rope_yarn_factor", m.rope_yarn_factor, "must be >= 1")
         _check(m.rope_yarn_original_max_seq_len >= 1, "model.rope_yarn_original_max_seq_len",

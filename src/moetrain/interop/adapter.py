@@ -37,6 +37,8 @@ class Family:
     layout: moetrain's stacked `w1` [E, d, 2n] (gate | up) and `w2` [E, n, d] are written one tensor
     per expert (`expert_names`: gate [n, d], up [n, d], down [d, n]) and, where the family has a
     fused layout, also read fused (`fused_expert_names`: gate_up [E, 2n, d], down [E, d, n]).
+    Which family exports a model is `export_key`: model fields (or properties such as
+    `ModelConfig.attention_kind`) and the values they must have.
     """
 
     model_type: str  # config.json "model_type", the registry key
@@ -60,6 +62,9 @@ class Family:
     expert_names: Callable[[int, int], tuple[str, str, str]]
     # layer -> on-disk (gate_up, down) names of a layer's experts stored fused; None: no fused layout.
     fused_expert_names: Callable[[int], tuple[str, str]] | None = None
+    # (cfg, on-disk name) -> whether the files may hold this tensor though moetrain computes nothing with it
+    # (DeepSeek-V3's multi-token-prediction layers): import skips it instead of refusing the directory.
+    skipped_tensors: Callable[[ModelConfig, str], bool] | None = None
 
 
 def plain_top_k_refusals(cfg: ModelConfig, label: str) -> list[Refusal]:

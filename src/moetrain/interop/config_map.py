@@ -24,7 +24,13 @@ ARCH_FIELDS = (
     "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_dense_layers", "ffn_hidden",
     "rope_theta", "qk_norm", "clip_qkv", "norm_eps", "tie_embeddings", "moe.n_experts", "moe.top_k",
     "moe.expert_hidden", "moe.n_shared_experts", "moe.score_func", "moe.renormalize", "moe.activation",
+    "moe.n_group", "moe.topk_group", "moe.routed_scaling_factor", "partial_rotary_factor", "qkv_bias",
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_layout",
+    "rope_scaling", "rope_yarn_factor", "rope_yarn_original_max_seq_len", "rope_yarn_beta_fast",
+    "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "rope_yarn_truncate",
 )
+MLA_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+YARN_FIELDS = tuple(name for name in ARCH_FIELDS if name.startswith("rope_yarn_"))
 
 
 def read_hf_config(model_dir: str | Path) -> tuple[str, dict[str, Any]]:
@@ -53,6 +59,15 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
     values["head_dim"] = cfg.attention_head_dim()
     if cfg.n_dense_layers == 0:
         values["ffn_hidden"] = None  # unused without dense layers
+    if cfg.kv_lora_rank is None:
+        values.update(dict.fromkeys(MLA_FIELDS))  # unused by grouped-query attention
+        # The files of grouped-query families are in the "half" layout; import permutes q/k rows to either.
+        values["rope_layout"] = None
+    else:
+        # Multi-head latent attention keeps the files' row order, so the layout is part of the architecture.
+        values["n_kv_heads"] = values["head_dim"] = None
+    if cfg.rope_scaling == "none":
+        values.update(dict.fromkeys(YARN_FIELDS))
     return values
 
 
@@ -69,7 +84,8 @@ def check_architecture(cfg: ModelConfig, model_dir: str | Path) -> tuple[str, di
         same = (math.isclose(value, expected, rel_tol=1e-9) if isinstance(value, float) and isinstance(expected, float)
                 else value == expected)
         if not same:
-            diffs.append(f"model.{name} = {value!r} but {field_names[name]} gives {expected!r}")
+            diffs.append(f"model.{name} = {value!r} but {field_names.get(name, '(the family default)')} gives "
+                         f"{expected!r}")
     if diffs:
         raise ConfigError(f"model.init_from = 'hf:{model_dir}': the job's architecture differs from {where}: "
                           + "; ".join(diffs))

@@ -122,6 +122,8 @@ def stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 def _check_stored(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor], model_dir: Path) -> set[int]:
     """Check the files hold exactly the architecture's tensors; return the MoE layers stored fused."""
     stored = stored_shapes(model_dir)
+    if family.skipped_tensors is not None:  # tensors of parts moetrain does not compute (announced by the family)
+        stored = {name: shape for name, shape in stored.items() if not family.skipped_tensors(cfg, name)}
     fused = ({layer for layer in range(cfg.n_dense_layers, cfg.n_layers)
               if family.fused_expert_names(layer)[0] in stored} if family.fused_expert_names else set())
     want = expected_shapes(family, cfg, tensors, fused)

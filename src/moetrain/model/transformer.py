@@ -2,9 +2,10 @@
 
 The first `n_dense_layers` blocks (0: every block is MoE, as in Qwen3-MoE and OLMoE) use a dense
 SwiGLU feed-forward (`layers.FeedForward`), the rest an MoE layer (`moe.MoE`); attention and RoPE
-come from layers.py (multi-head latent attention from mla.py when `kv_lora_rank` is set), the document-masked attention methods (`model.attention`) from attention.py,
-planned once per forward. Parameter names follow torchtitan (`tok_embeddings.weight`,
-`layers.{i}.attention.wq.weight`, `layers.{i}.attention.q_norm.weight`,
+come from layers.py (multi-head latent attention from mla.py when `kv_lora_rank` is set), the
+document-masked attention methods (`model.attention`) from attention.py, planned once per forward.
+Parameter names follow torchtitan (`tok_embeddings.weight`, `layers.{i}.attention.wq.weight`,
+`layers.{i}.attention.q_norm.weight`,
 `layers.{i}.feed_forward.w1.weight`, `layers.{i}.moe.experts.w1`, `norm.weight`, `output.weight`)
 so init schemes, sharding and checkpoints can match by name (moetrain.interop maps them to Hugging
 Face names).

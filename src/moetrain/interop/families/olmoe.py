@@ -63,7 +63,8 @@ def export_refusals(cfg: ModelConfig) -> list[Refusal]:
 
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture=ARCHITECTURE, label=LABEL, field_names=FIELD_NAMES,
-    export_key={"qk_norm": "full"}, model_config=model_config, config_json=config_json,
+    export_key={"qk_norm": "full", "moe.score_func": "softmax", "attention_kind": "gqa"},
+    model_config=model_config, config_json=config_json,
     export_refusals=export_refusals, tensor_names=decoder_names, expert_names=per_expert_names,
     fused_expert_names=fused_expert_names,
 )

@@ -64,7 +64,8 @@ def export_refusals(cfg: ModelConfig) -> list[Refusal]:
 
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture=ARCHITECTURE, label=LABEL, field_names=FIELD_NAMES,
-    export_key={"qk_norm": "per_head"}, model_config=model_config, config_json=config_json,
+    export_key={"qk_norm": "per_head", "moe.score_func": "softmax", "attention_kind": "gqa"},
+    model_config=model_config, config_json=config_json,
     export_refusals=export_refusals, tensor_names=decoder_names, expert_names=per_expert_names,
     fused_expert_names=fused_expert_names,
 )
