@@ -59,7 +59,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # Output files of an export are split at about this size, like save_pretrained's shards.
 MAX_FILE_BYTES = 5 * 1024**3
 # moetrain names of the tensors whose rows are permuted between the interleaved and half RoPE layouts.
-ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight", "attention.k_norm.weight")
+ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight", "attention.k_norm.weight",
+             "attention.wq.bias", "attention.wk.bias")
 
 
 def _model_tensors(model: nn.Module) -> dict[str, Tensor]:

@@ -12,10 +12,10 @@ from typing import Any
 from moetrain.config import ModelConfig
 from moetrain.errors import ConfigError
 from moetrain.interop.adapter import Family
-from moetrain.interop.families import deepseek_v3, olmoe, qwen3_moe
+from moetrain.interop.families import deepseek_v3, glm4_moe, olmoe, qwen3_moe
 
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (qwen3_moe.FAMILY, olmoe.FAMILY,
-                                                                        deepseek_v3.FAMILY)}
+                                                                        deepseek_v3.FAMILY, glm4_moe.FAMILY)}
 SUPPORTED = ", ".join(f"{family.model_type} ({family.architecture})" for family in FAMILIES.values())
 
 
