@@ -67,6 +67,21 @@ class Family:
     skipped_tensors: Callable[[ModelConfig, str], bool] | None = None
 
 
+# The architecture fields of multi-head latent attention, partial rotary, q/k/v biases, YaRN and group-limited
+# routing, for the field names of a family that has none of them.
+SIGMOID_ERA_FIELDS = (
+    "moe.n_group", "moe.topk_group", "moe.routed_scaling_factor", "partial_rotary_factor", "qkv_bias",
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_layout",
+    "rope_scaling", "rope_yarn_factor", "rope_yarn_original_max_seq_len", "rope_yarn_beta_fast",
+    "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "rope_yarn_truncate",
+)
+
+
+def absent_field_names(label: str) -> dict[str, str]:
+    """`field_names` entries for the SIGMOID_ERA_FIELDS a family lacks (it keeps their defaults)."""
+    return {name: f"(not in {label})" for name in SIGMOID_ERA_FIELDS}
+
+
 def plain_top_k_refusals(cfg: ModelConfig, label: str) -> list[Refusal]:
     """What a family routing plain softmax top-k to SwiGLU experts, with no shared expert, refuses."""
     moe = cfg.moe

@@ -17,6 +17,7 @@ from moetrain.config import JobConfig, ModelConfig
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.errors import ConfigError
 from moetrain.interop import families
+from moetrain.interop.adapter import SIGMOID_ERA_FIELDS
 from moetrain.interop.config_json import read_config_json
 
 # The architecture fields a Hugging Face directory fixes (each family names what sets them in config.json).
@@ -24,10 +25,7 @@ ARCH_FIELDS = (
     "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_dense_layers", "ffn_hidden",
     "rope_theta", "qk_norm", "clip_qkv", "norm_eps", "tie_embeddings", "moe.n_experts", "moe.top_k",
     "moe.expert_hidden", "moe.n_shared_experts", "moe.score_func", "moe.renormalize", "moe.activation",
-    "moe.n_group", "moe.topk_group", "moe.routed_scaling_factor", "partial_rotary_factor", "qkv_bias",
-    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_layout",
-    "rope_scaling", "rope_yarn_factor", "rope_yarn_original_max_seq_len", "rope_yarn_beta_fast",
-    "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "rope_yarn_truncate",
+    *SIGMOID_ERA_FIELDS,
 )
 MLA_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 YARN_FIELDS = tuple(name for name in ARCH_FIELDS if name.startswith("rope_yarn_"))
@@ -84,8 +82,7 @@ def check_architecture(cfg: ModelConfig, model_dir: str | Path) -> tuple[str, di
         same = (math.isclose(value, expected, rel_tol=1e-9) if isinstance(value, float) and isinstance(expected, float)
                 else value == expected)
         if not same:
-            diffs.append(f"model.{name} = {value!r} but {field_names.get(name, '(the family default)')} gives "
-                         f"{expected!r}")
+            diffs.append(f"model.{name} = {value!r} but {field_names[name]} gives {expected!r}")
     if diffs:
         raise ConfigError(f"model.init_from = 'hf:{model_dir}': the job's architecture differs from {where}: "
                           + "; ".join(diffs))

@@ -15,7 +15,7 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import Family, Refusal, plain_top_k_refusals
+from moetrain.interop.adapter import Family, Refusal, absent_field_names, plain_top_k_refusals
 from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
 from moetrain.interop.layouts import decoder_names, fused_expert_names, per_expert_names
 
@@ -29,6 +29,7 @@ FIELD_NAMES = {
     "tie_embeddings": "tie_word_embeddings", "moe.n_experts": "num_experts", "moe.top_k": "num_experts_per_tok",
     "moe.expert_hidden": "moe_intermediate_size", "moe.n_shared_experts": "(no shared expert)",
     "moe.score_func": "(softmax router)", "moe.renormalize": "norm_topk_prob", "moe.activation": "hidden_act",
+    **absent_field_names(LABEL),
 }
 
 
