@@ -1,7 +1,9 @@
-"""Tiny random Qwen3-MoE, OLMoE, DeepSeek-V3 and GLM-4.5 models from transformers' own config classes (nothing downloaded).
+"""Tiny random Qwen3-MoE, OLMoE, DeepSeek-V3 and GLM-4.5 models from transformers' own config classes
+(nothing downloaded).
 
 `build(family, **overrides)` makes a float32 model in eval mode whose weights are all random
-(norm weights too, so a wrong QK-norm or RoPE permutation shows in the logits); `save(model, dir)`
+(norm weights and persistent buffers too, so a wrong QK-norm, RoPE permutation or correction bias
+shows in the logits); `save(model, dir)`
 writes it with `save_pretrained` plus a byte-level tokenizer.json. Shared by the unit,
 distributed and end-to-end tests (tests/ is on sys.path through tests/conftest.py).
 """

@@ -79,8 +79,8 @@ def test_unknown_model_type_is_refused_in_one_line():
     with pytest.raises(ConfigError) as err:
         family("llama", "some/config.json")
     assert str(err.value) == ("some/config.json: model_type = 'llama' is not a supported family; supported: "
-                              "qwen3_moe (Qwen3MoeForCausalLM), olmoe (OlmoeForCausalLM), deepseek_v3 (DeepseekV3ForCausalLM), "
-                              "glm4_moe (Glm4MoeForCausalLM)")
+                              "qwen3_moe (Qwen3MoeForCausalLM), olmoe (OlmoeForCausalLM), "
+                              "deepseek_v3 (DeepseekV3ForCausalLM), glm4_moe (Glm4MoeForCausalLM)")
     with pytest.raises(ConfigError, match="model_type = None is not a supported family"):
         family(None)
 
