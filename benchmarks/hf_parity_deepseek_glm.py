@@ -1,6 +1,8 @@
 """Measured logits differences between moetrain and transformers for DeepSeek-V3 and GLM-4.5.
 
-    .venv/bin/python benchmarks/hf_parity_deepseek_glm.py [--layers 3] [--json benchmarks/results/hf_parity_deepseek_glm.json]
+    .venv/bin/python benchmarks/hf_parity_deepseek_glm.py [--layers 3] [--json FILE]
+
+(FILE defaults to benchmarks/results/hf_parity_deepseek_glm.json.)
 
 DeepSeek-V3 at configs/deepseek_v3_debug.toml's widths (dim 256, 8 heads, q_lora_rank 96,
 kv_lora_rank 64, qk_nope 32, qk_rope 16, v 32, 32 experts top-4 in 8 groups of which 4 are chosen,
