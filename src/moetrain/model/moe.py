@@ -2,8 +2,10 @@
 
 Routing: the router is a bias-free linear layer; `routing.select_experts` turns its logits into
 scores (softmax or sigmoid, float32), chooses the top-k experts of each token on the scores (plus a
-per-expert bias under aux-loss-free balancing, which only affects the choice, never the gate values)
-and gives gate values = the chosen scores, optionally renormalised to sum to 1. The routed experts
+per-expert bias under aux-loss-free balancing, which only affects the choice, never the gate values;
+DeepSeek-V3's e_score_correction_bias is that bias), optionally group-limited (`n_group`, `topk_group`),
+and gives gate values = the chosen scores, optionally renormalised to sum to 1, times
+`routed_scaling_factor`. The routed experts
 are computed by `experts.routed_experts` (loop / grouped GEMM / memory-efficient, chosen by
 `MoEConfig.impl`) on stacked weights `experts.w1` [E, d, 2n] (gate | up, SwiGLU) or [E, d, n] (GELU)
 and `experts.w2` [E, n, d]. A shared expert, when configured, is a dense SwiGLU FFN
