@@ -420,7 +420,9 @@ def _validate(cfg: JobConfig) -> None:
     _check(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
     _validate_attention_variants(m)
     _check(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0")
-    if m.head_dim is None:
+    if m.kv_lora_rank is not None:
+        pass  # multi-head latent attention has widths of its own (checked in _validate_attention_variants)
+    elif m.head_dim is None:
         _check(m.dim % m.n_heads == 0, "model.n_heads", m.n_heads,
                f"must divide model.dim = {m.dim} (or set model.head_dim)")
         _check((m.dim // m.n_heads) % 2 == 0, "model.n_heads", m.n_heads,

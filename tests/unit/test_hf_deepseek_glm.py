@@ -265,3 +265,21 @@ def test_models_no_family_fits_are_refused_for_export():
     rounding = ModelConfig(moe=MoEConfig(score_func="sigmoid", n_shared_experts=1, token_rounding_tile=4))
     with pytest.raises(ConfigError, match="model.moe.token_rounding_tile = 4 cannot be exported"):
         export_family(rounding)
+
+
+def test_bfloat16_export_keeps_router_and_correction_bias_in_float32(hf_dirs, tmp_path):
+    # transformers keeps both in float32 (_keep_in_fp32_modules_strict); a bf16 bias would move expert choices.
+    from transformers import AutoModelForCausalLM
+
+    _, directory = hf_dirs["deepseek_v3"]
+    model, cfg = load_hf_model(directory)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None))
+    out = save_hf(model, cfg, tmp_path / "bf16", dtype=torch.bfloat16)
+    stored = load_file(str(next(out.glob("*.safetensors"))))
+    assert stored["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert torch.equal(stored["model.layers.1.mlp.gate.e_score_correction_bias"], model.layers[1].moe.expert_bias)
+    assert stored["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert stored["model.layers.1.mlp.shared_experts.gate_proj.weight"].dtype == torch.bfloat16
+    assert stored["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())

@@ -65,6 +65,9 @@ class Family:
     # (cfg, on-disk name) -> whether the files may hold this tensor though moetrain computes nothing with it
     # (DeepSeek-V3's multi-token-prediction layers): import skips it instead of refusing the directory.
     skipped_tensors: Callable[[ModelConfig, str], bool] | None = None
+    # Endings of on-disk names an export writes in float32 whatever its dtype (what transformers keeps in
+    # float32: DeepSeek-V3's router and correction bias, `_keep_in_fp32_modules_strict`).
+    float32_names: tuple[str, ...] = ()
 
 
 # The architecture fields of multi-head latent attention, partial rotary, q/k/v biases, YaRN and group-limited

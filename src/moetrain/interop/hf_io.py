@@ -258,7 +258,7 @@ def _export_tensors(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
         tensor = tensors[ours].detach()
         if _needs_rope_reorder(cfg, ours):
             tensor = rope_reorder(full(tensor), head_dim, order)
-        state[theirs] = tensor.to(dtype)
+        state[theirs] = tensor.to(torch.float32 if theirs.endswith(family.float32_names) else dtype)
     for layer in range(cfg.n_dense_layers, cfg.n_layers):
         local_w1, first = local_rows(by_rows(tensors[f"layers.{layer}.moe.experts.w1"].detach()))
         local_w2, _ = local_rows(by_rows(tensors[f"layers.{layer}.moe.experts.w2"].detach()))

@@ -46,6 +46,8 @@ FIELD_NAMES = {
     "rope_yarn_truncate": "rope_parameters.truncate",
 }
 
+# transformers keeps the router and the correction bias in float32 (`_keep_in_fp32_modules_strict`).
+FLOAT32_NAMES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _ANNOUNCED: set[str] = set()  # config.json paths whose dropped MTP layers were announced
 YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
              "beta_slow", "mscale", "mscale_all_dim", "truncate"}
@@ -225,4 +227,5 @@ FAMILY = Family(
     export_key={"attention_kind": "mla"}, model_config=model_config,
     config_json=config_json, export_refusals=export_refusals, tensor_names=tensor_names,
     expert_names=per_expert_names, fused_expert_names=fused_expert_names, skipped_tensors=skipped_tensors,
+    float32_names=FLOAT32_NAMES,
 )

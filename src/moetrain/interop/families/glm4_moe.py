@@ -24,6 +24,7 @@ from moetrain.interop.families.deepseek_v3 import (
     FIELD_NAMES as DEEPSEEK_FIELD_NAMES,
 )
 from moetrain.interop.families.deepseek_v3 import (
+    FLOAT32_NAMES,
     moe_config_json,
     moe_layer_names,
     rope_fields,
@@ -97,4 +98,5 @@ FAMILY = Family(
     export_key={"attention_kind": "gqa", "moe.score_func": "sigmoid"}, model_config=model_config,
     config_json=config_json, export_refusals=export_refusals, tensor_names=tensor_names,
     expert_names=per_expert_names, fused_expert_names=fused_expert_names, skipped_tensors=skipped_tensors,
+    float32_names=FLOAT32_NAMES,
 )
