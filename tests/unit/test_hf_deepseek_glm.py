@@ -283,3 +283,31 @@ def test_bfloat16_export_keeps_router_and_correction_bias_in_float32(hf_dirs, tm
     assert stored["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"partial_rotary_factor": 0.5}, "partial rotary is computed in the 'half' RoPE layout only"),
+    ({"partial_rotary_factor": 0.0}, "model.partial_rotary_factor = 0.0 is invalid"),
+    ({"partial_rotary_factor": 0.3, "rope_layout": "half"}, "must rotate an even number of channels"),
+    ({"rope_scaling": "yarn", "rope_yarn_factor": 0.5}, "model.rope_yarn_factor = 0.5 is invalid"),
+    ({"kv_lora_rank": 16, "qk_rope_head_dim": 3}, "model.qk_rope_head_dim = 3 is invalid"),
+    ({"kv_lora_rank": 16, "q_lora_rank": 0}, "model.q_lora_rank = 0 is invalid"),
+    ({"kv_lora_rank": 16, "qkv_bias": True}, "MLA (model.kv_lora_rank set) has no projection biases"),
+])
+def test_attention_variant_settings_are_refused_in_one_line(fields, message):
+    cfg = JobConfig()
+    cfg.model = dataclasses.replace(cfg.model, **fields)
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_mla_model_needs_no_grouped_query_head_width():
+    # dim / n_heads = 36 / 8 is not an integer: irrelevant to MLA, whose widths are its own fields.
+    cfg = JobConfig()
+    cfg.model = dataclasses.replace(cfg.model, dim=36, n_heads=8, kv_lora_rank=16, qk_nope_head_dim=8,
+                                    qk_rope_head_dim=4, v_head_dim=8)
+    cfg.validate()
+    model = Transformer(cfg.model)
+    model.init_weights()
+    assert model(tokens(shape=(1, 8))).shape == (1, 8, cfg.model.vocab_size)
