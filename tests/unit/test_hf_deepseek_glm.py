@@ -102,7 +102,7 @@ def test_imported_model_has_the_shapes_of_the_variant(hf_dirs):
 
 
 @pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v3-widev-ungrouped", "glm4_moe"])
-@pytest.mark.parametrize("method", ["dense", "segments"])
+@pytest.mark.parametrize("method", ["dense", "segments", "blocks", "flex"])
 def test_packed_documents_equal_transformers_run_per_document(hf_dirs, variant, method):
     hf_model, directory = hf_dirs[variant]
     cfg = hf_job_config(directory)
