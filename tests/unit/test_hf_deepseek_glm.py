@@ -311,3 +311,13 @@ def test_mla_model_needs_no_grouped_query_head_width():
     model = Transformer(cfg.model)
     model.init_weights()
     assert model(tokens(shape=(1, 8))).shape == (1, 8, cfg.model.vocab_size)
+
+
+def test_importing_without_aux_free_balancing_is_refused(hf_dirs):
+    # The files' correction bias chooses experts only under aux-free balancing: without it the model differs.
+    _, directory = hf_dirs["deepseek_v3"]
+    cfg = hf_job_config(directory).model
+    model = Transformer(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, load_balance="aux_loss")))
+    with pytest.raises(ConfigError) as err:
+        load_hf_weights(model, directory)
+    assert "model.moe.load_balance = 'aux_loss' is invalid" in str(err.value) and "\n" not in str(err.value)

@@ -68,6 +68,9 @@ class Family:
     # Endings of on-disk names an export writes in float32 whatever its dtype (what transformers keeps in
     # float32: DeepSeek-V3's router and correction bias, `_keep_in_fp32_modules_strict`).
     float32_names: tuple[str, ...] = ()
+    # What a job importing this family's files must set beyond the architecture fields for the files to
+    # mean the same model (DeepSeek-V3's correction bias chooses experts only under aux-free balancing).
+    import_refusals: Callable[[ModelConfig], list[Refusal]] | None = None
 
 
 # The architecture fields of multi-head latent attention, partial rotary, q/k/v biases, YaRN and group-limited

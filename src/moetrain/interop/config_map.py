@@ -86,6 +86,9 @@ def check_architecture(cfg: ModelConfig, model_dir: str | Path) -> tuple[str, di
     if diffs:
         raise ConfigError(f"model.init_from = 'hf:{model_dir}': the job's architecture differs from {where}: "
                           + "; ".join(diffs))
+    adapter = families.family(family)
+    for name, value, why in adapter.import_refusals(cfg) if adapter.import_refusals else ():
+        raise ConfigError(f"model.init_from = 'hf:{model_dir}': {name} = {value!r} is invalid: {why}")
     return family, hf
 
 

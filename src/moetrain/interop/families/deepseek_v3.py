@@ -182,6 +182,15 @@ def export_refusals(cfg: ModelConfig) -> list[Refusal]:
     return sigmoid_routing_refusals(cfg, LABEL)
 
 
+def correction_bias_refusals(cfg: ModelConfig) -> list[Refusal]:
+    """An import must apply the files' e_score_correction_bias: only aux-free balancing adds it to the choice."""
+    if cfg.moe.load_balance == "aux_free":
+        return []
+    return [Refusal("model.moe.load_balance", cfg.moe.load_balance,
+                    "the files' e_score_correction_bias chooses experts only under 'aux_free' (set "
+                    "model.moe.bias_update_rate = 0 to keep it fixed)")]
+
+
 def tensor_names(cfg: ModelConfig) -> dict[str, str]:
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
@@ -227,5 +236,5 @@ FAMILY = Family(
     export_key={"attention_kind": "mla"}, model_config=model_config,
     config_json=config_json, export_refusals=export_refusals, tensor_names=tensor_names,
     expert_names=per_expert_names, fused_expert_names=fused_expert_names, skipped_tensors=skipped_tensors,
-    float32_names=FLOAT32_NAMES,
+    float32_names=FLOAT32_NAMES, import_refusals=correction_bias_refusals,
 )

@@ -25,6 +25,7 @@ from moetrain.interop.families.deepseek_v3 import (
 )
 from moetrain.interop.families.deepseek_v3 import (
     FLOAT32_NAMES,
+    correction_bias_refusals,
     moe_config_json,
     moe_layer_names,
     rope_fields,
@@ -98,5 +99,5 @@ FAMILY = Family(
     export_key={"attention_kind": "gqa", "moe.score_func": "sigmoid"}, model_config=model_config,
     config_json=config_json, export_refusals=export_refusals, tensor_names=tensor_names,
     expert_names=per_expert_names, fused_expert_names=fused_expert_names, skipped_tensors=skipped_tensors,
-    float32_names=FLOAT32_NAMES,
+    float32_names=FLOAT32_NAMES, import_refusals=correction_bias_refusals,
 )
