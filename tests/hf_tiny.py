@@ -1,9 +1,9 @@
-"""Tiny random Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE and GPT-OSS models from transformers' own config
-classes (nothing downloaded).
+"""Tiny random Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE, GPT-OSS, DeepSeek-V3 and GLM-4.5 models from
+transformers' own config classes (nothing downloaded).
 
 `build(family, **overrides)` makes a float32 model in eval mode whose weights are all random
-(norm weights, biases and sinks too, so a wrong QK-norm, RoPE permutation or bias mapping shows
-in the logits); `save(model, dir)`
+(norm weights, biases, sinks and persistent buffers too, so a wrong QK-norm, RoPE permutation, bias
+or correction bias shows in the logits); `save(model, dir)`
 writes it with `save_pretrained` plus a byte-level tokenizer.json. Shared by the unit,
 distributed and end-to-end tests (tests/ is on sys.path through tests/conftest.py).
 """
@@ -18,11 +18,19 @@ from moetrain.data.tokenizer import write_byte_level_tokenizer
 
 VOCAB = 272  # the byte tokenizer's 259 ids fit; the rest are rows no token uses
 SPECIAL_IDS = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
-FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss")
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe")
 
 
 def config(family: str, **overrides):
-    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        GptOssConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     rope = {"rope_type": "default", "rope_theta": 1000.0}
     if family == "mixtral":
@@ -47,6 +55,27 @@ def config(family: str, **overrides):
         fields.update(overrides)
         return GptOssConfig(**fields)
 
+    if family == "deepseek_v3":
+        # Group-limited routing (4 groups of 2, 2 chosen), routed_scaling_factor != 1, a shared expert, a dense
+        # first layer, the low-rank query path and a value width unlike the query width.
+        fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=8,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                      n_routed_experts=8, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=4, v_head_dim=6,
+                      qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
+                      routed_scaling_factor=2.5, max_position_embeddings=128,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **SPECIAL_IDS)
+        fields.update(overrides)
+        return DeepseekV3Config(**fields)
+    if family == "glm4_moe":
+        fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=8,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                      n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+                      first_k_dense_replace=1, routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True,
+                      max_position_embeddings=128,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+                      **SPECIAL_IDS)
+        fields.update(overrides)
+        return Glm4MoeConfig(**fields)
     if family == "qwen3_moe":
         fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=12, moe_intermediate_size=8,
@@ -73,6 +102,11 @@ def build(family: str, seed: int = 0, **overrides):
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+        # Persistent buffers too (DeepSeek-V3's e_score_correction_bias), or a mis-mapped one stays hidden.
+        persistent = set(model.state_dict())
+        for name, buffer in model.named_buffers():
+            if name in persistent and buffer.is_floating_point():
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
     return model
 
 

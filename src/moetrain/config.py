@@ -78,6 +78,15 @@ class MoEConfig:
     """Where the balance loss's expert shares f_e and mean probabilities P_e are measured: each
     microbatch on its own, or the whole step (every microbatch on every data-parallel rank; costs a
     no-grad routing pre-pass per step, see docs/guides/models.md)."""
+    n_group: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts are split into this many equal groups
+    of consecutive experts; each token first picks `topk_group` groups by the sum of the top-2 choice
+    scores inside each, then its top_k experts inside those groups. 1 = plain top-k."""
+    topk_group: int = 1
+    """Groups each token may route into under group-limited routing (<= n_group)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' gate values after renormalisation (DeepSeek-V3: 2.5); the shared
+    experts are not scaled."""
 
     def shared_width(self) -> int:
         """Hidden width of the shared expert (0 without one)."""
@@ -121,8 +130,8 @@ class ModelConfig:
     clip_qkv: float | None = None
     """Clamp q, k and v to [-clip_qkv, clip_qkv] after the projections (and QK-norm); None = off (OLMoE option)."""
     attention_bias: Literal["none", "qkv", "all"] = "none"
-    """Biases on the attention projections: none; on q, k and v (Qwen2-MoE); or on q, k, v and the
-    output projection (GPT-OSS)."""
+    """Biases on the attention projections: none; on q, k and v (Qwen2-MoE, GLM-4.5); or on q, k, v and
+    the output projection (GPT-OSS)."""
     attention_sinks: bool = False
     """A learned logit per query head that joins every softmax's denominator and carries no value (GPT-OSS)."""
     sliding_window: int | None = None
@@ -131,6 +140,39 @@ class ModelConfig:
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     """Per layer, whether it attends within model.sliding_window or to its whole document (transformers'
     layer_types; GPT-OSS alternates them). None = every layer sliding when sliding_window is set (Mixtral)."""
+    partial_rotary_factor: float = 1.0
+    """Share of each head's channels RoPE rotates, the first int(head_dim * factor) ones (GLM-4.5:
+    0.5; the "half" rope_layout only); the rest carry no position. 1 = every channel."""
+    rope_scaling: Literal["none", "yarn"] = "none"
+    """RoPE frequency scaling: none, or YaRN (arXiv 2309.00071) as DeepSeek-V3 ships it (the rope_yarn_* fields)."""
+    rope_yarn_factor: float = 1.0
+    """YaRN: context extension factor (interpolated frequencies are divided by it)."""
+    rope_yarn_original_max_seq_len: int = 4096
+    """YaRN: the context length the model was pre-trained at (original_max_position_embeddings)."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations bounding the extrapolated (unscaled) high frequencies."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations bounding the interpolated low frequencies."""
+    rope_yarn_mscale: float = 0.0
+    """YaRN: cos/sin are multiplied by mscale(factor, rope_yarn_mscale) / mscale(factor, rope_yarn_mscale_all_dim)
+    when both are non-zero, else by mscale(factor, 1), where mscale(s, m) = 0.1 · m · ln s + 1 (0 = unset)."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN: MLA multiplies its softmax scale by mscale(factor, this)^2 when non-zero (DeepSeek-V3: 1)."""
+    rope_yarn_truncate: bool = True
+    """YaRN: round the correction range outwards to whole channels (Hugging Face's default)."""
+    kv_lora_rank: int | None = None
+    """Multi-head latent attention (MLA, DeepSeek-V2/V3) when set: keys and values come from one shared
+    latent of this width (RMSNorm-ed), and one RoPE key part is shared by every head. None = the
+    grouped-query attention above (n_kv_heads, head_dim, qk_norm, clip_qkv then do not apply)."""
+    q_lora_rank: int | None = None
+    """MLA: queries go through a low-rank path of this width with its own RMSNorm; None = one full query
+    projection (DeepSeek-V2-Lite, Moonlight)."""
+    qk_nope_head_dim: int = 128
+    """MLA: per-head query/key channels without position (from the latent)."""
+    qk_rope_head_dim: int = 64
+    """MLA: per-head query channels with RoPE, and the width of the one RoPE key part all heads share."""
+    v_head_dim: int = 128
+    """MLA: per-head value width."""
     norm_eps: float = 1e-5
     """Epsilon of every RMSNorm."""
     tie_embeddings: bool = False
@@ -156,6 +198,17 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
         return None
+    @property
+    def attention_kind(self) -> str:
+        """"mla" (multi-head latent attention, kv_lora_rank set) or "gqa"; what a Hugging Face family keys on."""
+        return "mla" if self.kv_lora_rank is not None else "gqa"
+
+    def rotary_dim(self) -> int:
+        """Channels of each query/key head RoPE rotates: MLA's qk_rope_head_dim, else the partial_rotary_factor
+        share of the head width."""
+        if self.kv_lora_rank is not None:
+            return self.qk_rope_head_dim
+        return int(self.attention_head_dim() * self.partial_rotary_factor)
 
 
 @dataclass
@@ -413,8 +466,11 @@ def _validate(cfg: JobConfig) -> None:
     for name, value in nonneg.items():
         _check(value >= 0, name, value, "must be >= 0")
     _check(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
+    _validate_attention_variants(m)
     _check(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0")
-    if m.head_dim is None:
+    if m.kv_lora_rank is not None:
+        pass  # multi-head latent attention has widths of its own (checked in _validate_attention_variants)
+    elif m.head_dim is None:
         _check(m.dim % m.n_heads == 0, "model.n_heads", m.n_heads,
                f"must divide model.dim = {m.dim} (or set model.head_dim)")
         _check((m.dim // m.n_heads) % 2 == 0, "model.n_heads", m.n_heads,
@@ -491,6 +547,48 @@ def _validate(cfg: JobConfig) -> None:
     _check(m.init_scheme in schemes, "model.init_scheme", m.init_scheme, f"valid schemes: {', '.join(schemes)}")
     _check(not m.init_scale_embedding or m.init_scheme == "olmo-megatron", "model.init_scale_embedding",
            m.init_scale_embedding, f"only the 'olmo-megatron' scheme has it (model.init_scheme = {m.init_scheme!r})")
+
+
+def _validate_attention_variants(m: ModelConfig) -> None:
+    """MLA, partial rotary, YaRN and group-limited routing fields."""
+    moe = m.moe
+    _check(0 < m.partial_rotary_factor <= 1, "model.partial_rotary_factor", m.partial_rotary_factor,
+           "must be in (0, 1]")
+    if m.partial_rotary_factor < 1:
+        _check(m.rope_layout == "half", "model.partial_rotary_factor", m.partial_rotary_factor,
+               f"partial rotary is computed in the 'half' RoPE layout only (model.rope_layout = {m.rope_layout!r})")
+        _check(m.rotary_dim() >= 2 and m.rotary_dim() % 2 == 0, "model.partial_rotary_factor",
+               m.partial_rotary_factor,
+               f"must rotate an even number of channels >= 2 (head_dim = {m.attention_head_dim()})")
+    if m.rope_scaling == "yarn":
+        _check(m.rope_yarn_factor >= 1, "model.rope_yarn_factor", m.rope_yarn_factor, "must be >= 1")
+        _check(m.rope_yarn_original_max_seq_len >= 1, "model.rope_yarn_original_max_seq_len",
+               m.rope_yarn_original_max_seq_len, "must be a positive integer")
+        _check(m.rope_yarn_beta_fast > 0 and m.rope_yarn_beta_slow > 0, "model.rope_yarn_beta_fast",
+               (m.rope_yarn_beta_fast, m.rope_yarn_beta_slow), "rope_yarn_beta_fast and _slow must be > 0")
+    if m.kv_lora_rank is not None:
+        for name, value in (("kv_lora_rank", m.kv_lora_rank), ("q_lora_rank", m.q_lora_rank),
+                            ("qk_nope_head_dim", m.qk_nope_head_dim), ("v_head_dim", m.v_head_dim)):
+            if value is not None:
+                _check(value >= 1, f"model.{name}", value, "must be a positive integer")
+        _check(m.qk_rope_head_dim >= 2 and m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
+               m.qk_rope_head_dim, "must be a positive even integer (RoPE rotates channel pairs)")
+        _check(m.attention_bias == "none", "model.attention_bias", m.attention_bias,
+               "MLA (model.kv_lora_rank set) has no projection biases")
+        _check(not m.attention_sinks and m.sliding_window is None, "model.kv_lora_rank", m.kv_lora_rank,
+               "MLA is not combined with attention sinks or sliding windows")
+        _check(m.partial_rotary_factor == 1, "model.partial_rotary_factor", m.partial_rotary_factor,
+               "MLA rotates its qk_rope_head_dim channels; leave it at 1")
+    _check(moe.n_group >= 1 and moe.n_experts % moe.n_group == 0, "model.moe.n_group", moe.n_group,
+           f"must be a positive divisor of model.moe.n_experts = {moe.n_experts}")
+    if moe.n_group > 1:
+        _check(moe.n_experts // moe.n_group >= 2, "model.moe.n_group", moe.n_group,
+               "groups are scored by their top-2 experts, so each needs >= 2 experts")
+    _check(1 <= moe.topk_group <= moe.n_group, "model.moe.topk_group", moe.topk_group,
+           f"must be in [1, model.moe.n_group = {moe.n_group}]")
+    _check(moe.top_k <= moe.topk_group * (moe.n_experts // moe.n_group), "model.moe.top_k", moe.top_k,
+           f"must be <= the experts in topk_group = {moe.topk_group} groups")
+    _check(moe.routed_scaling_factor > 0, "model.moe.routed_scaling_factor", moe.routed_scaling_factor, "must be > 0")
 
 
 def _check_tokenizer_travels(model_dir: str, tokenizer: str) -> None:

@@ -80,6 +80,40 @@ EXPECTED = {
                                   renormalize=True, activation="clamped_swiglu", router_bias=True,
                                   expert_proj_bias=True, aux_loss_coef=0.001)),
     ),
+    # As DeepSeek's own config.json writes it: the older top-level rope_theta + rope_scaling, the MTP layer count.
+    "deepseek_v3": (
+        {"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 48, "moe_intermediate_size": 12,
+         "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+         "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "norm_topk_prob": True, "kv_lora_rank": 16,
+         "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "topk_method": "noaux_tc",
+         "scoring_func": "sigmoid", "num_nextn_predict_layers": 1, "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-6, "rope_theta": 1e4, "hidden_act": "silu", "tie_word_embeddings": False,
+         "rope_scaling": {"type": "yarn", "factor": 8, "original_max_position_embeddings": 32, "beta_fast": 32,
+                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
+        ModelConfig(vocab_size=300, dim=32, n_layers=3, n_heads=4, ffn_hidden=48, n_dense_layers=1, max_seq_len=256,
+                    rope_theta=1e4, rope_layout="interleaved", norm_eps=1e-6, kv_lora_rank=16, q_lora_rank=24,
+                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, rope_scaling="yarn", rope_yarn_factor=8.0,
+                    rope_yarn_original_max_seq_len=32, rope_yarn_mscale=1.0, rope_yarn_mscale_all_dim=1.0,
+                    moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=12, n_shared_experts=1, score_func="sigmoid",
+                                  renormalize=True, load_balance="aux_free", n_group=4, topk_group=2,
+                                  routed_scaling_factor=2.5)),
+    ),
+    # As GLM-4.5-Air's config.json writes it: partial_rotary_factor at the top level.
+    "glm4_moe": (
+        {"model_type": "glm4_moe", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48,
+         "moe_intermediate_size": 12, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+         "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": False, "partial_rotary_factor": 0.5,
+         "rope_theta": 1e6, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 0,
+         "hidden_act": "silu", "tie_word_embeddings": False},
+        ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_hidden=48,
+                    n_dense_layers=1, max_seq_len=128, rope_theta=1e6, rope_layout="half", norm_eps=1e-5,
+                    attention_bias="qkv", partial_rotary_factor=0.5,
+                    moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=12, n_shared_experts=1, score_func="sigmoid",
+                                  renormalize=True, load_balance="aux_free")),
+    ),
 }
 
 
@@ -89,7 +123,8 @@ def test_unknown_model_type_is_refused_in_one_line():
     assert str(err.value) == ("some/config.json: model_type = 'llama' is not a supported family; supported: "
                               "qwen3_moe (Qwen3MoeForCausalLM), olmoe (OlmoeForCausalLM), "
                               "mixtral (MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), "
-                              "gpt_oss (GptOssForCausalLM)")
+                              "gpt_oss (GptOssForCausalLM), deepseek_v3 (DeepseekV3ForCausalLM), "
+                              "glm4_moe (Glm4MoeForCausalLM)")
     with pytest.raises(ConfigError, match="model_type = None is not a supported family"):
         family(None)
 

@@ -44,6 +44,10 @@ class Family:
       [E, d, 2n] applied as x @ W with gate = [..., 0::2] and up = [..., 1::2], its bias [E, 2n]
       interleaved alike, down [E, n, d] and its bias [E, d]. A family that sets it reads and writes
       only that layout (its `expert_names` is None).
+
+    Which family exports a model is `export_key`: model fields (or properties such as
+    `ModelConfig.attention_kind`) and the values they must have; no two families' keys can match
+    the same model.
     """
 
     model_type: str  # config.json "model_type", the registry key
@@ -69,6 +73,30 @@ class Family:
     fused_expert_names: Callable[[int], tuple[str, str]] | None = None
     # layer -> on-disk (gate_up, gate_up_bias, down, down_bias) names in the interleaved layout (see above).
     interleaved_expert_names: Callable[[int], tuple[str, str, str, str]] | None = None
+    # (cfg, on-disk name) -> whether the files may hold this tensor though moetrain computes nothing with it
+    # (DeepSeek-V3's multi-token-prediction layers): import skips it instead of refusing the directory.
+    skipped_tensors: Callable[[ModelConfig, str], bool] | None = None
+    # Endings of on-disk names an export writes in float32 whatever its dtype (what transformers keeps in
+    # float32: DeepSeek-V3's router and correction bias, `_keep_in_fp32_modules_strict`).
+    float32_names: tuple[str, ...] = ()
+    # What a job importing this family's files must set beyond the architecture fields for the files to
+    # mean the same model (DeepSeek-V3's correction bias chooses experts only under aux-free balancing).
+    import_refusals: Callable[[ModelConfig], list[Refusal]] | None = None
+
+
+# The architecture fields of multi-head latent attention, partial rotary, YaRN and group-limited
+# routing, for the field names of a family that has none of them.
+SIGMOID_ERA_FIELDS = (
+    "moe.n_group", "moe.topk_group", "moe.routed_scaling_factor", "partial_rotary_factor",
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_layout",
+    "rope_scaling", "rope_yarn_factor", "rope_yarn_original_max_seq_len", "rope_yarn_beta_fast",
+    "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "rope_yarn_truncate",
+)
+
+
+def absent_field_names(label: str) -> dict[str, str]:
+    """`field_names` entries for the SIGMOID_ERA_FIELDS a family lacks (it keeps their defaults)."""
+    return {name: f"(not in {label})" for name in SIGMOID_ERA_FIELDS}
 
 
 # What families without the newer options call them in messages (merged into their field_names).
@@ -106,5 +134,11 @@ def plain_top_k_refusals(cfg: ModelConfig, label: str, allow: tuple[str, ...] = 
          f"{label}'s experts have no biases"),
         (not moe.shared_expert_gate, "model.moe.shared_expert_gate", moe.shared_expert_gate,
          f"{label} has no shared expert gate"),
+        (moe.n_group == 1, "model.moe.n_group", moe.n_group, f"{label} routes without expert groups"),
+        (moe.routed_scaling_factor == 1, "model.moe.routed_scaling_factor", moe.routed_scaling_factor,
+         f"{label} does not scale its gate values"),
+        (cfg.partial_rotary_factor == 1, "model.partial_rotary_factor", cfg.partial_rotary_factor,
+         f"{label} rotates every channel of a head"),
+        (cfg.rope_scaling == "none", "model.rope_scaling", cfg.rope_scaling, f"{label} uses the default RoPE"),
     ]
     return [Refusal(name, value, why) for ok, name, value, why in checks if not ok and name not in allow]

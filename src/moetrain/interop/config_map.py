@@ -17,6 +17,7 @@ from moetrain.config import JobConfig, ModelConfig
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.errors import ConfigError
 from moetrain.interop import families
+from moetrain.interop.adapter import SIGMOID_ERA_FIELDS
 from moetrain.interop.config_json import read_config_json
 
 # The architecture fields a Hugging Face directory fixes (each family names what sets them in config.json).
@@ -26,7 +27,10 @@ ARCH_FIELDS = (
     "moe.expert_hidden", "moe.n_shared_experts", "moe.score_func", "moe.renormalize", "moe.activation",
     "attention_bias", "attention_sinks", "sliding_window", "layer_types", "moe.router_bias", "moe.expert_proj_bias",
     "moe.shared_expert_hidden", "moe.shared_expert_gate", "moe.swiglu_alpha", "moe.swiglu_limit",
+    *SIGMOID_ERA_FIELDS,
 )
+MLA_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+YARN_FIELDS = tuple(name for name in ARCH_FIELDS if name.startswith("rope_yarn_"))
 
 
 def read_hf_config(model_dir: str | Path) -> tuple[str, dict[str, Any]]:
@@ -63,6 +67,15 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
     values["moe.shared_expert_hidden"] = cfg.moe.shared_width() or None
     if cfg.moe.activation != "clamped_swiglu":
         values["moe.swiglu_alpha"] = values["moe.swiglu_limit"] = None
+    if cfg.kv_lora_rank is None:
+        values.update(dict.fromkeys(MLA_FIELDS))  # unused by grouped-query attention
+        # The files of grouped-query families are in the "half" layout; import permutes q/k rows to either.
+        values["rope_layout"] = None
+    else:
+        # Multi-head latent attention keeps the files' row order, so the layout is part of the architecture.
+        values["n_kv_heads"] = values["head_dim"] = None
+    if cfg.rope_scaling == "none":
+        values.update(dict.fromkeys(YARN_FIELDS))
     return values
 
 
@@ -83,6 +96,9 @@ def check_architecture(cfg: ModelConfig, model_dir: str | Path) -> tuple[str, di
     if diffs:
         raise ConfigError(f"model.init_from = 'hf:{model_dir}': the job's architecture differs from {where}: "
                           + "; ".join(diffs))
+    adapter = families.family(family)
+    for name, value, why in adapter.import_refusals(cfg) if adapter.import_refusals else ():
+        raise ConfigError(f"model.init_from = 'hf:{model_dir}': {name} = {value!r} is invalid: {why}")
     return family, hf
 
 

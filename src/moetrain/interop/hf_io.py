@@ -73,7 +73,8 @@ def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
 
 
 def _needs_rope_reorder(cfg: ModelConfig, name: str) -> bool:
-    return cfg.rope_layout == "interleaved" and name.endswith(ROPE_ROWS)
+    # Multi-head latent attention keeps the files' row order: the family maps its layout to rope_interleave.
+    return cfg.rope_layout == "interleaved" and cfg.kv_lora_rank is None and name.endswith(ROPE_ROWS)
 
 
 def expected_shapes(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor],
@@ -130,6 +131,8 @@ def stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 def _check_stored(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor], model_dir: Path) -> set[int]:
     """Check the files hold exactly the architecture's tensors; return the MoE layers stored fused."""
     stored = stored_shapes(model_dir)
+    if family.skipped_tensors is not None:  # tensors of parts moetrain does not compute (announced by the family)
+        stored = {name: shape for name, shape in stored.items() if not family.skipped_tensors(cfg, name)}
     fused = ({layer for layer in range(cfg.n_dense_layers, cfg.n_layers)
               if family.fused_expert_names(layer)[0] in stored} if family.fused_expert_names else set())
     want = expected_shapes(family, cfg, tensors, fused)
@@ -288,7 +291,7 @@ def _export_tensors(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
         tensor = tensors[ours].detach()
         if _needs_rope_reorder(cfg, ours):
             tensor = rope_reorder(full(tensor), head_dim, order)
-        state[theirs] = tensor.to(dtype)
+        state[theirs] = tensor.to(torch.float32 if theirs.endswith(family.float32_names) else dtype)
     for layer in range(cfg.n_dense_layers, cfg.n_layers):
         w1 = by_rows(tensors[f"layers.{layer}.moe.experts.w1"].detach())
         w2 = by_rows(tensors[f"layers.{layer}.moe.experts.w2"].detach())

@@ -17,15 +17,10 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Keys: total, embedding (token embedding), active (parameters one token uses, embedding row
     and norms included), active_matmul (the matmul part of `active`, what FLOPs are counted on),
     routed_experts (all routed expert weights)."""
-    d, heads, kv_heads = cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-    head_dim = cfg.attention_head_dim()
+    d = cfg.dim
     moe = cfg.moe
-    attention = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # wq, wo, wk, wv
-    qk_norm = {"none": 0, "per_head": 2 * head_dim, "full": (heads + kv_heads) * head_dim}[cfg.qk_norm]
-    # Projection biases and sinks are not matmul parameters: counted with the norms (in `active`, not FLOPs).
-    attention_bias = {"none": 0, "qkv": (heads + 2 * kv_heads) * head_dim,
-                      "all": (heads + 2 * kv_heads) * head_dim + d}[cfg.attention_bias]
-    norms_per_layer = 2 * d + qk_norm + attention_bias + (heads if cfg.attention_sinks else 0)
+    attention, attention_vectors = _attention_params(cfg)
+    norms_per_layer = 2 * d + attention_vectors  # every per-layer parameter outside a matmul
     dense_ffn = 3 * d * cfg.ffn_hidden
     w1_width = moe.expert_hidden if moe.activation == "gelu" else 2 * moe.expert_hidden
     one_expert = d * w1_width + moe.expert_hidden * d
@@ -57,10 +52,35 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
+def _attention_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(matmul parameters, other parameters: QK-norm / latent norm weights and biases) of one attention layer."""
+    d, heads = cfg.dim, cfg.n_heads
+    if cfg.kv_lora_rank is not None:  # multi-head latent attention (model/mla.py)
+        qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is None:
+            query, query_norm = d * heads * qk_head, 0
+        else:
+            query, query_norm = d * cfg.q_lora_rank + cfg.q_lora_rank * heads * qk_head, cfg.q_lora_rank
+        kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim
+                                                                                           + cfg.v_head_dim)
+        return query + kv + heads * cfg.v_head_dim * d, query_norm + cfg.kv_lora_rank
+    kv_heads, head_dim = cfg.n_kv_heads or heads, cfg.attention_head_dim()
+    matmul = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # wq, wo, wk, wv
+    qk_norm = {"none": 0, "per_head": 2 * head_dim, "full": (heads + kv_heads) * head_dim}[cfg.qk_norm]
+    # Projection biases and sinks are not matmul parameters: counted with the norms (in `active`, not FLOPs).
+    bias = {"none": 0, "qkv": (heads + 2 * kv_heads) * head_dim,
+            "all": (heads + 2 * kv_heads) * head_dim + d}[cfg.attention_bias]
+    return matmul, qk_norm + bias + (heads if cfg.attention_sinks else 0)
+
+
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token of the QKᵀ and AV products: 3 · 2 · 2 · L · H · D_h · S."""
-    head_dim = cfg.attention_head_dim()
-    return 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
+    """Training FLOPs per token of the QKᵀ and AV products: 3 · 2 · L · H · (D_qk + D_v) · S
+    (= 12 · L · H · D_h · S when queries and values are D_h wide; MLA's are qk_nope + qk_rope and v_head_dim)."""
+    if cfg.kv_lora_rank is not None:
+        widths = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    else:
+        widths = 2 * cfg.attention_head_dim()
+    return 6.0 * cfg.n_layers * cfg.n_heads * widths * seq_len
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

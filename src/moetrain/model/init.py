@@ -121,6 +121,8 @@ class Scheme:
             return Rule("zeros")
         if tied and kind == "embedding":
             kind = self.tied_weight_kind
+        if kind == "bias" and kind not in self.rules:  # projection biases start at zero in every cited scheme
+            return Rule("zeros")
         return self.rules[kind]
 
 
@@ -387,10 +389,12 @@ def classify(name: str, cfg: ModelConfig) -> list[Segment]:
         if rest == ["moe", "shared_expert_gate", "weight"]:  # a one-output router
             return [Segment("router", "", dims)]
         if rest in (["attention_norm", "weight"], ["ffn_norm", "weight"], ["attention", "q_norm", "weight"],
-                    ["attention", "k_norm", "weight"]):
+                    ["attention", "k_norm", "weight"], ["attention", "q_a_norm", "weight"],
+                    ["attention", "kv_a_norm", "weight"]):
             return [Segment("norm", "", dims)]
         if rest[0] == "attention" and rest[-1] == "weight" and len(rest) == 3:
-            if rest[1] in ("wq", "wk", "wv"):
+            # wq_a, wq_b, wkv_a, wkv_b: multi-head latent attention's query and key/value paths.
+            if rest[1] in ("wq", "wk", "wv", "wq_a", "wq_b", "wkv_a", "wkv_b"):
                 return [Segment("qkv", "", dims)]
             if rest[1] == "wo":
                 return [Segment("attn_out", "", dims)]

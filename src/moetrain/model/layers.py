@@ -13,6 +13,8 @@ parameters) and no distributed code.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -23,16 +25,58 @@ from moetrain.model.attention import AttentionPlan, attend
 ROPE_LAYOUTS = ("interleaved", "half")
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 · mscale · ln(scale) + 1 (1 when scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, cfg: ModelConfig | None = None,
+                  device: torch.device | None = None) -> tuple[Tensor, float]:
+    """(inverse frequencies [rotary_dim // 2] float32, factor cos/sin are multiplied by).
+
+    Default RoPE: frequency j is theta^(-2j / rotary_dim), written as 1 / theta^(2j / rotary_dim) like
+    Hugging Face so both compute bit-identical angles; factor 1. Under `cfg.rope_scaling = "yarn"`
+    (arXiv 2309.00071, as transformers' `_compute_yarn_parameters` computes it): frequencies
+    blend the original ones (high frequencies, extrapolated) with ones divided by the factor (low
+    frequencies, interpolated) along a linear ramp between the channels where the original context
+    makes beta_fast and beta_slow rotations; the factor is the YaRN mscale ratio.
+    """
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.int64).float() / rotary_dim)
+    inv_freq = 1.0 / pos_freqs
+    if cfg is None or cfg.rope_scaling == "none":
+        return inv_freq, 1.0
+    factor, original = cfg.rope_yarn_factor, cfg.rope_yarn_original_max_seq_len
+    mscale, mscale_all_dim = cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim
+    attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                        else yarn_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(cfg.rope_yarn_beta_fast), correction_dim(cfg.rope_yarn_beta_slow)
+    if cfg.rope_yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float,
+                 cfg: ModelConfig | None = None) -> tuple[Tensor, Tensor]:
     """cos/sin of the rotation angles, float32, shape [*positions.shape, head_dim // 2].
 
-    Frequency j rotates by angle position * theta^(-2j / head_dim); written as 1 / theta^(2j / head_dim)
-    like Hugging Face's default RoPE so both compute bit-identical angles.
+    `head_dim` is the number of rotated channels; `cfg` (optional) brings the RoPE scaling
+    (`rope_inv_freq`), whose factor multiplies cos and sin as transformers does.
     """
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq, factor = rope_inv_freq(head_dim, theta, cfg, positions.device)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    return angles.cos(), angles.sin()
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
@@ -55,6 +99,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved")
     else:
         raise ValueError(f"rope layout {layout!r} is not one of {ROPE_LAYOUTS}")
     return rotated.type_as(x)
+
+
+def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
+    """`apply_rope` on the first 2 · cos.shape[-1] channels of each head of x; the rest pass unchanged."""
+    rotary = 2 * cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return apply_rope(x, cos, sin, layout)
+    return torch.cat((apply_rope(x[..., :rotary], cos, sin, layout), x[..., rotary:]), dim=-1)
 
 
 def rope_permutation(head_dim: int) -> Tensor:
@@ -97,6 +149,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.clip_qkv = cfg.clip_qkv
         self.window = cfg.window_of(layer_id)  # None: the whole document
+        self.rope_cfg = cfg  # the RoPE scaling fields
+        self.rotary_dim = cfg.rotary_dim()  # the first channels of each head (partial rotary, GLM-4.5)
         qkv_bias, out_bias = cfg.attention_bias in ("qkv", "all"), cfg.attention_bias == "all"
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
@@ -129,8 +183,8 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None = None) -> Tensor:
         batch, seq, _ = x.shape
         q, k, v = self._project(x)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
-        q, k = apply_rope(q, cos, sin, self.rope_layout), apply_rope(k, cos, sin, self.rope_layout)
+        cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
+        q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
         return self.wo(attend(q, k, v, plan, self.sinks, self.window).reshape(batch, seq, -1))
 
 

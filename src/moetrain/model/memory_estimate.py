@@ -63,6 +63,10 @@ def activation_elements_per_token(cfg: JobConfig) -> tuple[int, int, int]:
     kv_heads = m.n_kv_heads or m.n_heads
     # Both norms' inputs and outputs, q, k, v and the attention output before wo.
     attention = 4 * m.dim + (2 * m.n_heads + 2 * kv_heads) * head_dim
+    if m.kv_lora_rank is not None:  # MLA: q and k of qk_nope + qk_rope, v and the output of v_head_dim, the latents
+        qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        latents = m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 0)
+        attention = 4 * m.dim + m.n_heads * (2 * qk_head + 2 * m.v_head_dim) + latents
     dense_ffn = 3 * m.ffn_hidden  # w1 and w3 outputs, their gated product
     w1_width = 2 * moe.expert_hidden if moe.activation == "swiglu" else moe.expert_hidden
     moe_ffn = moe.n_experts + moe.top_k * w1_width + 3 * moe.expert_hidden * moe.n_shared_experts

@@ -3,9 +3,10 @@
 Routing: the router is a linear layer (with a bias under `router_bias`, GPT-OSS);
 `routing.select_experts` turns its logits into scores (softmax or sigmoid, float32), chooses the
 top-k experts of each token on the scores (plus a per-expert bias under aux-loss-free balancing,
-which only affects the choice, never the gate values) and gives gate values = the chosen scores,
-optionally renormalised to sum to 1. The routed experts are computed by `experts.routed_experts`
-(loop / grouped GEMM / memory-efficient, chosen by
+which only affects the choice, never the gate values; DeepSeek-V3's e_score_correction_bias is that
+bias), optionally group-limited (`n_group`, `topk_group`), and gives gate values = the chosen
+scores, optionally renormalised to sum to 1, times `routed_scaling_factor`. The routed experts are
+computed by `experts.routed_experts` (loop / grouped GEMM / memory-efficient, chosen by
 `MoEConfig.impl`) on stacked weights `experts.w1` [E, d, 2n] (gate | up, SwiGLU) or [E, d, n] (GELU)
 and `experts.w2` [E, n, d], with biases `experts.b1` [E, width of w1] and `experts.b2` [E, d] under
 `expert_proj_bias` (GPT-OSS). A shared expert, when configured, is a dense SwiGLU FFN
@@ -114,7 +115,8 @@ class MoE(nn.Module):
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router logits [T, E] -> (probs [T, E] rows summing to 1, topk_idx [T, k], gates [T, k]), >= float32."""
         choice_bias_E = self.expert_bias if self.cfg.load_balance == "aux_free" else None
-        return select_experts(logits, self.cfg.score_func, self.cfg.top_k, self.cfg.renormalize, choice_bias_E)
+        return select_experts(logits, self.cfg.score_func, self.cfg.top_k, self.cfg.renormalize, choice_bias_E,
+                              self.cfg.n_group, self.cfg.topk_group, self.cfg.routed_scaling_factor)
 
     @torch.no_grad()
     def set_global_balance(self, counts: Tensor, n_tokens: int) -> None:

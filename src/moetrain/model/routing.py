@@ -45,14 +45,19 @@ class Routing:
 
 
 def select_experts(logits: Tensor, score_func: str, top_k: int, renormalize: bool,
-                   choice_bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   choice_bias: Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                   scaling: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Router logits [T, E] -> (probs [T, E] rows summing to 1, topk_idx [T, k], gates [T, k]).
 
     Scores are softmax or sigmoid of the logits in at least float32 (`score_func` "softmax" or
     "sigmoid"; sigmoid probs are the scores normalised per token). The top-k experts of each token
-    are chosen on scores + `choice_bias` [E] (aux-loss-free balancing; None: on the scores), and the
-    bias only affects the choice, never the gate values. Gates are the chosen scores, divided by
-    their sum (+ 1e-20) when `renormalize`.
+    are chosen on scores + `choice_bias` [E] (aux-loss-free balancing, DeepSeek-V3's correction
+    bias; None: on the scores), and the bias only affects the choice, never the gate values. With
+    `n_group` > 1 the choice is group-limited (DeepSeek-V3): the E experts form n_group groups of
+    consecutive experts, each scored by the sum of its two highest choice scores, and only the
+    experts of a token's `topk_group` best groups can be chosen. Gates are the chosen scores,
+    divided by their sum (+ 1e-20) when `renormalize`, then multiplied by `scaling`
+    (routed_scaling_factor).
     """
     logits_TE = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if score_func == "softmax":
@@ -62,11 +67,28 @@ def select_experts(logits: Tensor, score_func: str, top_k: int, renormalize: boo
         scores_TE = logits_TE.sigmoid()
         probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
     choice_TE = scores_TE + choice_bias if choice_bias is not None else scores_TE
+    if n_group > 1:
+        choice_TE = choice_TE.masked_fill(~group_mask(choice_TE, n_group, topk_group), float("-inf"))
     topk_idx_TK = choice_TE.topk(top_k, dim=-1).indices
     gates_TK = scores_TE.gather(-1, topk_idx_TK)
     if renormalize:
         gates_TK = gates_TK / (gates_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling != 1.0:
+        gates_TK = gates_TK * scaling
     return probs_TE, topk_idx_TK, gates_TK
+
+
+def group_mask(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
+    """Bool [T, E]: the experts inside each token's `topk_group` best groups (of `n_group` equal groups of
+    consecutive experts), a group scored by the sum of its top-2 `choice` [T, E] scores."""
+    n_tokens, n_experts = choice.shape
+    if n_experts % n_group or n_experts // n_group < 2 or not 1 <= topk_group <= n_group:
+        raise ModelError(f"group-limited routing needs n_group = {n_group} dividing {n_experts} experts into groups "
+                         f"of >= 2 and 1 <= topk_group = {topk_group} <= n_group")
+    group_scores_TG = choice.view(n_tokens, n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
+    chosen_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+    chosen_TG.scatter_(1, group_scores_TG.topk(topk_group, dim=-1).indices, True)
+    return chosen_TG.repeat_interleave(n_experts // n_group, dim=1)
 
 
 def routing_from_topk(topk_idx: Tensor, topk_scores: Tensor, n_experts: int) -> Routing:

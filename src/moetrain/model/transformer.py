@@ -2,9 +2,10 @@
 
 The first `n_dense_layers` blocks (0: every block is MoE, as in Qwen3-MoE and OLMoE) use a dense
 SwiGLU feed-forward (`layers.FeedForward`), the rest an MoE layer (`moe.MoE`); attention and RoPE
-come from layers.py, the document-masked attention methods (`model.attention`) from attention.py,
-planned once per forward. Parameter names follow torchtitan (`tok_embeddings.weight`,
-`layers.{i}.attention.wq.weight`, `layers.{i}.attention.q_norm.weight`,
+come from layers.py (multi-head latent attention from mla.py when `kv_lora_rank` is set), the
+document-masked attention methods (`model.attention`) from attention.py, planned once per forward.
+Parameter names follow torchtitan (`tok_embeddings.weight`, `layers.{i}.attention.wq.weight`,
+`layers.{i}.attention.q_norm.weight`,
 `layers.{i}.feed_forward.w1.weight`, `layers.{i}.moe.experts.w1`, `norm.weight`, `output.weight`)
 so init schemes, sharding and checkpoints can match by name (moetrain.interop maps them to Hugging
 Face names).
@@ -27,6 +28,7 @@ from moetrain.config import ModelConfig
 from moetrain.model.attention import AttentionPlan, plan_attention
 from moetrain.model.init import init_model
 from moetrain.model.layers import Attention, FeedForward, positions_from_documents
+from moetrain.model.mla import MultiHeadLatentAttention
 from moetrain.model.moe import MoE
 
 
@@ -37,7 +39,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg, layer_id)
+        # Multi-head latent attention (DeepSeek-V3) when the config has a KV latent, else grouped-query attention.
+        self.attention = MultiHeadLatentAttention(cfg) if cfg.kv_lora_rank is not None else Attention(cfg, layer_id)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.is_moe = layer_id >= cfg.n_dense_layers
         if self.is_moe:

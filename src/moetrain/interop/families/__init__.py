@@ -12,10 +12,11 @@ from typing import Any
 from moetrain.config import ModelConfig
 from moetrain.errors import ConfigError
 from moetrain.interop.adapter import Family
-from moetrain.interop.families import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+from moetrain.interop.families import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
 
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
-    qwen3_moe.FAMILY, olmoe.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY, gpt_oss.FAMILY)}
+    qwen3_moe.FAMILY, olmoe.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY, gpt_oss.FAMILY, deepseek_v3.FAMILY,
+    glm4_moe.FAMILY)}
 SUPPORTED = ", ".join(f"{family.model_type} ({family.architecture})" for family in FAMILIES.values())
 
 

@@ -20,7 +20,7 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, plain_top_k_refusals
+from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, absent_field_names, plain_top_k_refusals
 from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
 from moetrain.interop.layouts import decoder_names, interleaved_expert_names
 
@@ -36,7 +36,8 @@ FIELD_NAMES = {
     "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "intermediate_size",
     "moe.n_shared_experts": "(no shared expert)", "moe.score_func": "(softmax over the top-k logits)",
     "moe.renormalize": "(softmax over the top-k logits)", "moe.activation": "(clamped SwiGLU)",
-    **PLAIN_FIELD_NAMES, "attention_bias": "attention_bias", "attention_sinks": "(attention sinks)",
+    **PLAIN_FIELD_NAMES, **absent_field_names(LABEL),
+    "attention_bias": "attention_bias", "attention_sinks": "(attention sinks)",
     "sliding_window": "sliding_window", "layer_types": "layer_types", "moe.router_bias": "(router bias)",
     "moe.expert_proj_bias": "(expert biases)", "moe.swiglu_alpha": "swiglu_alpha", "moe.swiglu_limit": "swiglu_limit",
 }
@@ -100,7 +101,8 @@ def tensor_names(cfg: ModelConfig) -> dict[str, str]:
 
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture=ARCHITECTURE, label=LABEL, field_names=FIELD_NAMES,
-    export_key={"qk_norm": "none", "attention_sinks": True}, model_config=model_config, config_json=config_json,
+    export_key={"attention_kind": "gqa", "moe.score_func": "softmax", "qk_norm": "none",
+                "attention_sinks": True}, model_config=model_config, config_json=config_json,
     export_refusals=export_refusals, tensor_names=tensor_names, expert_names=None,
     interleaved_expert_names=interleaved_expert_names,
 )

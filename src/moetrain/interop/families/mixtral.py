@@ -17,7 +17,7 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, plain_top_k_refusals
+from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, absent_field_names, plain_top_k_refusals
 from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
 from moetrain.interop.layouts import decoder_names
 
@@ -32,7 +32,8 @@ FIELD_NAMES = {
     "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "intermediate_size",
     "moe.n_shared_experts": "(no shared expert)", "moe.score_func": "(softmax router)",
     "moe.renormalize": "(top-k renormalised)", "moe.activation": "hidden_act",
-    **PLAIN_FIELD_NAMES, "sliding_window": "sliding_window", "layer_types": "sliding_window (every layer)",
+    **PLAIN_FIELD_NAMES, **absent_field_names(LABEL),
+    "sliding_window": "sliding_window", "layer_types": "sliding_window (every layer)",
 }
 
 
@@ -81,6 +82,7 @@ def expert_names(layer: int, expert: int) -> tuple[str, str, str]:
 
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture=ARCHITECTURE, label=LABEL, field_names=FIELD_NAMES,
-    export_key={"qk_norm": "none", "attention_bias": "none", "attention_sinks": False}, model_config=model_config,
+    export_key={"attention_kind": "gqa", "moe.score_func": "softmax", "qk_norm": "none",
+                "attention_bias": "none", "attention_sinks": False}, model_config=model_config,
     config_json=config_json, export_refusals=export_refusals, tensor_names=tensor_names, expert_names=expert_names,
 )

@@ -14,7 +14,7 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, plain_top_k_refusals
+from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, absent_field_names, plain_top_k_refusals
 from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
 from moetrain.interop.layouts import decoder_names, fused_expert_names, per_expert_names
 
@@ -29,7 +29,7 @@ FIELD_NAMES = {
     "moe.n_experts": "num_experts", "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "intermediate_size",
     "moe.n_shared_experts": "(no shared expert)", "moe.score_func": "(softmax router)",
     "moe.renormalize": "norm_topk_prob", "moe.activation": "hidden_act",
-    **PLAIN_FIELD_NAMES,
+    **PLAIN_FIELD_NAMES, **absent_field_names(LABEL),
 }
 
 
@@ -64,7 +64,8 @@ def export_refusals(cfg: ModelConfig) -> list[Refusal]:
 
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture=ARCHITECTURE, label=LABEL, field_names=FIELD_NAMES,
-    export_key={"qk_norm": "full"}, model_config=model_config, config_json=config_json,
+    export_key={"qk_norm": "full", "moe.score_func": "softmax", "attention_kind": "gqa"},
+    model_config=model_config, config_json=config_json,
     export_refusals=export_refusals, tensor_names=decoder_names, expert_names=per_expert_names,
     fused_expert_names=fused_expert_names,
 )

@@ -17,7 +17,7 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, plain_top_k_refusals
+from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, absent_field_names, plain_top_k_refusals
 from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
 from moetrain.interop.layouts import decoder_names, fused_expert_names, per_expert_names
 
@@ -32,7 +32,8 @@ FIELD_NAMES = {
     "moe.n_experts": "num_experts", "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "moe_intermediate_size",
     "moe.n_shared_experts": "(one shared expert)", "moe.score_func": "(softmax router)",
     "moe.renormalize": "norm_topk_prob", "moe.activation": "hidden_act",
-    **PLAIN_FIELD_NAMES, "attention_bias": "qkv_bias", "moe.shared_expert_hidden": "shared_expert_intermediate_size",
+    **PLAIN_FIELD_NAMES, **absent_field_names(LABEL),
+    "attention_bias": "qkv_bias", "moe.shared_expert_hidden": "shared_expert_intermediate_size",
     "moe.shared_expert_gate": "(shared_expert_gate)",
 }
 
@@ -85,7 +86,8 @@ def export_refusals(cfg: ModelConfig) -> list[Refusal]:
 
 FAMILY = Family(
     model_type=MODEL_TYPE, architecture=ARCHITECTURE, label=LABEL, field_names=FIELD_NAMES,
-    export_key={"qk_norm": "none", "attention_bias": "qkv", "attention_sinks": False}, model_config=model_config,
+    export_key={"attention_kind": "gqa", "moe.score_func": "softmax", "qk_norm": "none",
+                "attention_bias": "qkv", "attention_sinks": False}, model_config=model_config,
     config_json=config_json, export_refusals=export_refusals, tensor_names=decoder_names,
     expert_names=per_expert_names, fused_expert_names=fused_expert_names,
 )
