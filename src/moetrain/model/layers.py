@@ -5,9 +5,10 @@ for its shared expert) use; parameter names inside each layer (`wq`, `wk`, `wv`,
 `k_norm`, `w1`, `w2`, `w3`) follow torchtitan so init schemes, sharding and checkpoints can match
 by name. Attention supports a free head width, QK-norm (per head or over the full projected
 width), both RoPE channel layouts and q/k/v clipping, which the Hugging Face families need.
-The attention computation itself (document masking and its methods) lives in attention.py; this
-module imports no other model module but that one, holds no initialisation (init.py fills the
-parameters) and no distributed code.
+The attention computation itself (document masking and its methods) lives in attention.py, and
+generation's cached attention in kv_cache.py (`Attention.forward(..., cache=)`); this module imports
+no other model module but those two, holds no initialisation (init.py fills the parameters) and no
+distributed code.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from moetrain.config import ModelConfig
 from moetrain.model.attention import AttentionPlan, attend
+from moetrain.model.kv_cache import LayerCache
 
 ROPE_LAYOUTS = ("interleaved", "half")
 
@@ -121,12 +123,15 @@ class Attention(nn.Module):
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         return q, k, v
 
-    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None = None,
+                cache: LayerCache | None = None) -> Tensor:
+        """`cache` (generation): store this forward's k/v and attend over every cached token instead of `plan`."""
         batch, seq, _ = x.shape
         q, k, v = self._project(x)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin, self.rope_layout), apply_rope(k, cos, sin, self.rope_layout)
-        return self.wo(attend(q, k, v, plan).reshape(batch, seq, -1))
+        out = attend(q, k, v, plan) if cache is None else cache.attend(q, k, v)
+        return self.wo(out.reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
