@@ -95,11 +95,13 @@ def generate_tokens(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_
                     eos_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     seed: int = 0, device: torch.device | str = "cpu", max_context: int | None = None,
                     stop: Sequence[Callable[[list[int]], bool] | None] | None = None,
-                    use_cache: bool = True) -> list[list[int]]:
+                    use_cache: bool = True, sync_ranks: bool | None = None) -> list[list[int]]:
     """The new tokens of each prompt (EOS not included), generated together.
 
     `stop[b]`, when given, is asked after each new token of row b whether the row is done.
     Sampling draws one generator in row order at every step, so both paths sample alike.
+    `sync_ranks` (default: whether several ranks run) broadcasts rank 0's tokens, for a sharded
+    model all ranks generate alike; False when each rank runs its own prompts on a whole model.
     """
     prompts = [list(p) for p in prompts]
     if not prompts:
@@ -112,7 +114,7 @@ def generate_tokens(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(seed)
-    broadcast = rank_and_world()[1] > 1
+    broadcast = rank_and_world()[1] > 1 if sync_ranks is None else sync_ranks
     new_tokens: list[list[int]] = [[] for _ in range(batch)]
     active = list(range(batch))  # rows still generating, in order
     longest = max(len(p) for p in prompts)
