@@ -1,0 +1,123 @@
+"""`moetrain eval` against lm-evaluation-harness's own `hf` backend on the same exported directory, offline.
+
+A tiny random Qwen3-MoE (transformers' own model, every weight redrawn) is imported into moetrain
+and written back with moetrain's exporter (`save_hf`, byte tokenizer with its tokenizer_config).
+moetrain's adapter and lm-evaluation-harness's `hf` backend then score the same local tasks:
+every request's log-likelihood (multiple choice: BOS first on both sides, `add_bos_token=True`;
+rolling perplexity: no BOS scored, `add_bos_token=False`, BOS as the prefix token on both),
+the aggregated acc / acc_norm / perplexities, and greedy `generate_until` text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import hf_tiny
+from moetrain import cli
+from moetrain.evaluate.command import EvalOptions, evaluate, summary
+from moetrain.evaluate.harness import task_config
+from moetrain.interop import save_hf
+from moetrain.train.build import load_hf_model
+from moetrain.train.task_eval import read_task
+
+pytest.importorskip("lm_eval")
+TASKS = Path(__file__).resolve().parents[1] / "data" / "tasks"
+CHOICE, TEXT = TASKS / "tiny_choice.jsonl", TASKS / "tiny_text.jsonl"
+MAX_LENGTH = 40  # shorter than the longest text: the rolling windows are exercised
+
+
+def generation_task() -> dict:
+    return {"task": "tiny_gen", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(CHOICE)}},
+            "test_split": "test", "output_type": "generate_until", "doc_to_text": "{{query}}",
+            "doc_to_target": "{{choices[gold]}}", "metadata": {"version": 1.0},
+            "generation_kwargs": {"until": ["\n", "."], "max_gen_toks": 12, "do_sample": False},
+            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("HF_DATASETS_OFFLINE", "1")
+        root = tmp_path_factory.mktemp("lm_eval")
+        hf_tiny.save(hf_tiny.build("qwen3_moe", seed=4), root / "source")
+        model, cfg = load_hf_model(root / "source")
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer="byte"),
+                                  model=dataclasses.replace(cfg.model, init_from=None))
+        yield save_hf(model, cfg, root / "export")
+
+
+def per_request(results: dict, task: str) -> list:
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [s["filtered_resps"] for s in samples]
+
+
+def hf_backend(directory: Path, tasks: list, add_bos: bool) -> dict:
+    import lm_eval
+
+    return lm_eval.simple_evaluate(model="hf", tasks=tasks, batch_size=4, bootstrap_iters=0, log_samples=True,
+                                   model_args=f"pretrained={directory},add_bos_token={add_bos},"
+                                              f"max_length={MAX_LENGTH},dtype=float32,device=cpu")
+
+
+def test_adapter_matches_lm_eval_hf_backend(exported, monkeypatch):
+    import lm_eval
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from moetrain.evaluate.harness import harness_model
+    from moetrain.data.tokenizer import build_tokenizer
+
+    model, cfg = load_hf_model(exported)
+    lm = harness_model(model, build_tokenizer(cfg.data.tokenizer), batch_size=3, max_length=MAX_LENGTH)
+    tasks = [task_config(read_task(CHOICE)), task_config(read_task(TEXT)), generation_task()]
+    ours = lm_eval.simple_evaluate(model=lm, tasks=tasks, bootstrap_iters=0, log_samples=True)
+    with_bos = hf_backend(exported, [tasks[0], tasks[2]], add_bos=True)
+    without_bos = hf_backend(exported, [tasks[1]], add_bos=False)
+
+    for task, reference in (("tiny_choice", with_bos), ("tiny_text", without_bos)):
+        got, want = per_request(ours, task), per_request(reference, task)
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want, strict=True):
+            g_ll = [r[0] if isinstance(r, list | tuple) else r for r in g]
+            w_ll = [r[0] if isinstance(r, list | tuple) else r for r in w]
+            assert max(abs(a - b) for a, b in zip(g_ll, w_ll, strict=True)) <= 1e-4, (task, g, w)
+    assert per_request(ours, "tiny_gen") == per_request(with_bos, "tiny_gen")
+    assert any(text[0] for text in per_request(ours, "tiny_gen"))  # something was generated
+
+    got, want = summary(ours), {**summary(with_bos), **summary(without_bos)}
+    for metric in ("tiny_choice/acc", "tiny_choice/acc_norm", "tiny_text/bits_per_byte",
+                   "tiny_text/byte_perplexity", "tiny_gen/exact_match"):
+        assert abs(got[f"task/{metric}"] - want[f"task/{metric}"]) <= 1e-4, metric
+    # word perplexity of an untrained model is ~1e20: compare its logarithm (nats per word)
+    assert abs(math.log(got["task/tiny_text/word_perplexity"]) - math.log(want["task/tiny_text/word_perplexity"])) \
+        <= 1e-4
+    print("measured |ours - hf|:", {m: abs(got[f"task/{m}"] - want[f"task/{m}"])
+                                    for m in ("tiny_choice/acc", "tiny_choice/acc_norm", "tiny_text/bits_per_byte")})
+
+
+def test_eval_command_on_hf_dir_writes_results_and_refuses_bad_input(exported, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "results.json"
+    assert cli.main(["eval", "--hf", str(exported), "--tasks", str(CHOICE), "--limit", "4", "--max_length",
+                     str(MAX_LENGTH), "--out", str(out)]) == 0
+    stored = json.loads(out.read_text())
+    assert stored["results"]["tiny_choice"]["acc,none"] in {0.0, 0.25, 0.5, 0.75, 1.0}
+    assert "task/tiny_choice/acc_norm" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"query": "q", "choices": ["a", "b"], "gold": 2}\n')
+    cases = {"gold = 2 is invalid": ["--hf", str(exported), "--tasks", str(bad)],
+             "exactly one of --run RUN and --hf DIR": ["--tasks", str(CHOICE)],
+             "not a Hugging Face model directory": ["--hf", str(tmp_path), "--tasks", str(CHOICE)],
+             "does not exist": ["--hf", str(exported), "--tasks", str(tmp_path / "missing.jsonl")]}
+    for message, argv in cases.items():
+        capsys.readouterr()
+        assert cli.main(["eval", *argv]) == 2, message
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and message in err[0], (message, err)
