@@ -19,7 +19,7 @@ import pytest
 
 import hf_tiny
 from moetrain import cli
-from moetrain.evaluate.command import EvalOptions, evaluate, summary
+from moetrain.evaluate.command import summary
 from moetrain.evaluate.harness import task_config
 from moetrain.interop import save_hf
 from moetrain.train.build import load_hf_model
@@ -70,8 +70,8 @@ def test_adapter_matches_lm_eval_hf_backend(exported, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    from moetrain.evaluate.harness import harness_model
     from moetrain.data.tokenizer import build_tokenizer
+    from moetrain.evaluate.harness import harness_model
 
     model, cfg = load_hf_model(exported)
     lm = harness_model(model, build_tokenizer(cfg.data.tokenizer), batch_size=3, max_length=MAX_LENGTH)

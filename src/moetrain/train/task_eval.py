@@ -71,6 +71,20 @@ def read_task(path: str | Path, field: str = "train.eval_tasks") -> LocalTask:
     return LocalTask(name=path.stem, path=path.resolve(), kind=kinds.pop(), docs=docs)
 
 
+def read_choice_tasks(paths: Sequence[str], field: str = "train.eval_tasks") -> list[LocalTask]:
+    """The multiple-choice task files of the in-loop evaluation, checked (kind, distinct names)."""
+    tasks = [read_task(path, field) for path in paths]
+    for task in tasks:
+        if task.kind != "multiple_choice":
+            raise ConfigError(f"{field}: {task.path} is a {task.kind} task; in-loop tasks are multiple choice "
+                              "(score perplexity with moetrain eval)")
+    names = [task.name for task in tasks]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{field} = {list(paths)!r} is invalid: two files share a name (file stem), which "
+                          "names their metrics")
+    return tasks
+
+
 def _checked(doc: object, path: Path, number: int, field: str) -> dict:
     where = f"{field}: {path}:{number}"
     if isinstance(doc, dict) and set(doc) == {"text"} and isinstance(doc["text"], str) and doc["text"]:
