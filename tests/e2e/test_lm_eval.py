@@ -19,7 +19,7 @@ import pytest
 
 import hf_tiny
 from moetrain import cli
-from moetrain.evaluate.command import summary
+from moetrain.evaluate.command import EvalOptions, evaluate, summary
 from moetrain.evaluate.harness import task_config
 from moetrain.interop import save_hf
 from moetrain.train.build import load_hf_model
@@ -121,3 +121,34 @@ def test_eval_command_on_hf_dir_writes_results_and_refuses_bad_input(exported, t
         assert cli.main(["eval", *argv]) == 2, message
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and message in err[0], (message, err)
+
+
+def test_in_loop_tasks_equal_moetrain_eval_on_the_same_checkpoint(job_args, tmp_path, monkeypatch, capsys):
+    from PIL import Image
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    run_dir = tmp_path / "run"
+    argv = job_args(run_dir, train__steps=4, train__eval_every=2, checkpoint__every=2, train__eval_tasks=str(CHOICE))
+    assert cli.main(["train", *argv]) == 0
+    in_loop = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+               if r["kind"] == "tasks"}
+    assert sorted(in_loop) == [2, 4]
+    assert "tasks | tiny_choice/acc" in capsys.readouterr().err
+    for step in (2, 4):
+        results = evaluate(EvalOptions(run=str(run_dir), step=step, tasks=str(CHOICE), batch_size=5))
+        scores = summary(results)
+        for metric in ("acc", "acc_norm"):
+            assert scores[f"task/tiny_choice/{metric}"] == in_loop[step][f"task/tiny_choice/{metric}"]
+        assert json.loads((run_dir / "eval" / f"step_{step:08d}.json").read_text())["results"]["tiny_choice"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "lm_eval"] == [2, 4]
+    final = next(r for r in records if r["kind"] == "final")
+    assert final["task/tiny_choice/acc"] == in_loop[4]["task/tiny_choice/acc"]
+    out = tmp_path / "curve.png"
+    assert cli.main(["plot", str(run_dir), "--out", str(out)]) == 0
+    assert Image.open(out).size[0] == 20 * 110  # the fourth (task) panel widens the figure
+    bad = tmp_path / "text_only.jsonl"
+    bad.write_text('{"text": "hello"}\n')
+    assert cli.main(["train", *job_args(tmp_path / "run2", train__eval_tasks=str(bad))]) == 2
+    assert "is a perplexity task; in-loop tasks are multiple choice" in capsys.readouterr().err
