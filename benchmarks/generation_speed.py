@@ -70,7 +70,8 @@ def main() -> None:
         "new_tokens": args.tokens, "batch": args.batch, "rounds": args.rounds, "threads": args.threads,
         "device": args.device, "order": "A B B A ... (A = recompute, B = KV cache)",
         "seconds": times, "median_s": medians, "speedup": medians["A"] / medians["B"],
-        "tokens_identical": identical, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "tokens_identical": identical, "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
         "note": "shared machine (other jobs running); timings are indicative",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
