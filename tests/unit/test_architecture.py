@@ -199,6 +199,7 @@ def test_checker_allows_optional_extras_in_functions_and_relative_imports_resolv
 @pytest.mark.parametrize("module, layer", [("moetrain.errors", 0), ("moetrain.config", 2), ("moetrain.model.moe", 3),
                                            ("moetrain.parallel.mesh", 4), ("moetrain.interop.hf_io", 5),
                                            ("moetrain.runtime.run_dir", 5), ("moetrain.observe.metrics", 6),
-                                           ("moetrain.train.run", 7), ("moetrain.cli", 8)])
+                                           ("moetrain.train.run", 7), ("moetrain.evaluate.command", 8),
+                                           ("moetrain.cli", 9)])
 def test_layers_are_ordered_as_documented(module, layer):
     assert layer_of(module) == layer
