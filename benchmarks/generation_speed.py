@@ -7,6 +7,12 @@ this one process: A = `use_cache=False` (each new token reruns the whole context
 sample` did before the cache), B = the KV cache. Both must produce the same tokens; the JSON holds
 every timing, the medians and the speed-up (median A / median B).
 
+On a loaded machine the wall times above mix in other jobs' load, so `--min-of N` (batch 1) also
+times single forwards, the minimum of N tries each: the full forward of a context of L tokens (what
+path A runs per new token) and one cached one-token step after L - 1 cached tokens (path B), at
+five context lengths across the generation; the ratio of their means estimates the speed-up on an
+idle core.
+
     flock /tmp/moetrain-heavy.lock /work/main/.venv/bin/python benchmarks/generation_speed.py \
         --out benchmarks/results/generation_speed.json
 
@@ -26,10 +32,43 @@ import torch
 
 from moetrain.config import load
 from moetrain.data.tokenizer import build_tokenizer
+from moetrain.model.kv_cache import KVCache
 from moetrain.train.build import build_model
 from moetrain.train.sample import generate_tokens
 
 HERE = Path(__file__).resolve().parents[1]
+
+
+def _minimum(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.no_grad()
+def per_forward_minimum(model, prompt: list[int], new_tokens: int, repeats: int, device: str) -> dict:
+    """Minimum seconds of one path-A forward and one path-B step at context lengths across the generation."""
+    model.eval()
+    rows = []
+    for step in (0, new_tokens // 4, new_tokens // 2, 3 * new_tokens // 4, new_tokens - 1):
+        context = torch.tensor([(prompt * new_tokens)[:len(prompt) + step]], device=device)
+        full = _minimum(lambda context=context: model(context), repeats)
+        cache = KVCache(len(model.layers), 1, context.shape[1])
+        model(context[:, :-1], cache=cache)
+        filled = cache.length
+
+        def cached_step(cache=cache, filled=filled, last=context[:, -1:]):
+            cache.length = filled  # rewind: the same step again
+            model(last, cache=cache)
+
+        rows.append({"context": context.shape[1], "full_forward_s": full,
+                     "cached_step_s": _minimum(cached_step, repeats)})
+    mean_full = statistics.mean(r["full_forward_s"] for r in rows)
+    mean_cached = statistics.mean(r["cached_step_s"] for r in rows)
+    return {"rows": rows, "estimated_speedup": mean_full / mean_cached}
 
 
 def main() -> None:
@@ -40,6 +79,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="prompts generated together")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--min-of", type=int, default=0, help="also time single forwards, min of N (batch 1)")
     parser.add_argument("--out", default=str(HERE / "benchmarks" / "results" / "generation_speed.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -74,10 +114,15 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "note": "shared machine (other jobs running); timings are indicative",
     }
+    if args.min_of:
+        result["per_forward_minimum"] = per_forward_minimum(model, prompt, args.tokens, args.min_of, args.device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"speed-up {result['speedup']:.1f}x (median recompute {medians['A']:.2f} s / cache {medians['B']:.2f} s), "
           f"tokens identical: {identical}")
+    if args.min_of:
+        print(f"min-of-{args.min_of} single forwards: estimated speed-up "
+              f"{result['per_forward_minimum']['estimated_speedup']:.1f}x")
 
 
 if __name__ == "__main__":

@@ -152,3 +152,34 @@ def test_in_loop_tasks_equal_moetrain_eval_on_the_same_checkpoint(job_args, tmp_
     bad.write_text('{"text": "hello"}\n')
     assert cli.main(["train", *job_args(tmp_path / "run2", train__eval_tasks=str(bad))]) == 2
     assert "is a perplexity task; in-loop tasks are multiple choice" in capsys.readouterr().err
+
+
+def test_two_ranks_under_torchrun_give_the_one_rank_results(exported, tmp_path, monkeypatch):
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH next to this interpreter")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = f"{CHOICE},{TEXT}"
+    one = summary(evaluate(EvalOptions(hf=str(exported), tasks=tasks, max_length=MAX_LENGTH, batch_size=2)))
+    out = tmp_path / "two.json"
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "moetrain", "eval", "--hf", str(exported),
+               "--tasks", tasks, "--max_length", str(MAX_LENGTH), "--batch_size", "2", "--out", str(out)]
+    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("torchrun moetrain eval did not finish within 600 s")
+    assert proc.returncode == 0, stderr[-3000:]
+    two = summary(json.loads(out.read_text()))
+    assert two.keys() == one.keys()
+    for key, value in one.items():
+        assert two[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
