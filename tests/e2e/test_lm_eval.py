@@ -65,6 +65,7 @@ def hf_backend(directory: Path, tasks: list, add_bos: bool) -> dict:
                                               f"max_length={MAX_LENGTH},dtype=float32,device=cpu")
 
 
+@pytest.mark.timeout(900)  # three lm-evaluation-harness runs on a shared CPU
 def test_adapter_matches_lm_eval_hf_backend(exported, monkeypatch):
     import lm_eval
 
@@ -123,6 +124,7 @@ def test_eval_command_on_hf_dir_writes_results_and_refuses_bad_input(exported, t
         assert len(err) == 1 and message in err[0], (message, err)
 
 
+@pytest.mark.timeout(900)
 def test_in_loop_tasks_equal_moetrain_eval_on_the_same_checkpoint(job_args, tmp_path, monkeypatch, capsys):
     from PIL import Image
 
@@ -154,6 +156,7 @@ def test_in_loop_tasks_equal_moetrain_eval_on_the_same_checkpoint(job_args, tmp_
     assert "is a perplexity task; in-loop tasks are multiple choice" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(900)
 def test_two_ranks_under_torchrun_give_the_one_rank_results(exported, tmp_path, monkeypatch):
     import os
     import shutil

@@ -141,3 +141,25 @@ def test_bad_cache_use_is_refused():
         model(torch.tensor([[1, 2]]), document_ids=torch.zeros(1, 2, dtype=torch.long), cache=cache)
     with pytest.raises(ModelError, match="pad shape"):
         KVCache(2, 3, 8, pad=torch.zeros(2, dtype=torch.long))
+
+
+def test_an_attention_module_without_a_cache_argument_falls_back_to_rerunning():
+    """The seam for modules that cannot use the cache (e.g. a new attention kind): generation still works."""
+    from moetrain.model.kv_cache import accepts_cache
+
+    model = model_of("moe")
+    expected = generate_tokens(model, PROMPTS, 8, use_cache=False)
+
+    class NoCache(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, positions, plan=None):
+            return self.inner(x, positions, plan)
+
+    assert accepts_cache(model.layers[0].attention)
+    for layer in model.layers:
+        layer.attention = NoCache(layer.attention)
+    assert not accepts_cache(model.layers[0].attention)
+    assert generate_tokens(model, PROMPTS, 8) == expected

@@ -17,11 +17,18 @@ row extends by the same number of slots per forward, so one slot range is writte
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from moetrain.errors import ModelError
+
+
+def accepts_cache(attention: torch.nn.Module) -> bool:
+    """Whether an attention module's forward takes a `cache` (a `LayerCache`); generation reruns the context if not."""
+    return "cache" in inspect.signature(attention.forward).parameters
 
 
 class KVCache:

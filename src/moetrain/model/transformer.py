@@ -48,8 +48,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None,
                 cache: KVCache | None = None) -> Tensor:
-        layer_cache = None if cache is None else cache.layer(self.layer_id)
-        h = x + self.attention(self.attention_norm(x), positions, plan, layer_cache)
+        normed = self.attention_norm(x)
+        if cache is None:
+            h = x + self.attention(normed, positions, plan)
+        else:  # only attention modules that accept a cache get one (kv_cache.accepts_cache)
+            h = x + self.attention(normed, positions, plan, cache=cache.layer(self.layer_id))
         ffn = self.moe if self.is_moe else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 

@@ -30,7 +30,7 @@ from moetrain.args import parse_typed_args
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
-from moetrain.model.kv_cache import KVCache
+from moetrain.model.kv_cache import KVCache, accepts_cache
 from moetrain.parallel.collectives import rank_and_world
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
@@ -121,6 +121,9 @@ def generate_tokens(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_
     cache = None
     logits_BV = None
     try:
+        if use_cache and not all(accepts_cache(layer.attention) for layer in model.layers):
+            log.info("an attention module takes no KV cache: generation reruns the context for every token")
+            use_cache = False
         if use_cache and longest <= max_context and max_new_tokens > 0:
             tokens_BS, pad_B = _left_padded(prompts, device)
             cache = KVCache(len(model.layers), batch, longest + max_new_tokens, pad=pad_B, device=device)
