@@ -111,6 +111,20 @@ def test_eval_command_on_hf_dir_writes_results_and_refuses_bad_input(exported, t
     stored = json.loads(out.read_text())
     assert stored["results"]["tiny_choice"]["acc,none"] in {0.0, 0.25, 0.5, 0.75, 1.0}
     assert "task/tiny_choice/acc_norm" in capsys.readouterr().out
+    # the same task as a custom lm-evaluation-harness YAML over the local JSONL, found through --include
+    include = tmp_path / "my_tasks"
+    include.mkdir()
+    (include / "yaml_choice.yaml").write_text(
+        f"task: yaml_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {CHOICE}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{query}}\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{gold}}\"\nmetric_list:\n  - metric: acc\n"
+        "  - metric: acc_norm\n")
+    from_yaml = tmp_path / "yaml.json"
+    assert cli.main(["eval", "--hf", str(exported), "--tasks", "yaml_choice", "--include", str(include), "--limit",
+                     "4", "--max_length", str(MAX_LENGTH), "--out", str(from_yaml)]) == 0
+    yaml_results = json.loads(from_yaml.read_text())["results"]["yaml_choice"]
+    for metric in ("acc,none", "acc_norm,none"):
+        assert yaml_results[metric] == stored["results"]["tiny_choice"][metric]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "q", "choices": ["a", "b"], "gold": 2}\n')
     cases = {"gold = 2 is invalid": ["--hf", str(exported), "--tasks", str(bad)],
