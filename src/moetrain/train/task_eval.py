@@ -148,7 +148,8 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[list[int], li
         batch = torch.zeros(len(chunk), width, dtype=torch.long)
         for row, tokens in enumerate(inputs):
             batch[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logprobs = F.log_softmax(model(batch.to(device)).float(), dim=-1).cpu()
+        logits = model(batch.to(device))
+        logprobs = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).cpu()
         for row, i in enumerate(chunk):
             continuation = requests[i][1]
             n = len(continuation)
