@@ -31,6 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("benchmarks: `bench moe`, `bench sync`, `bench ep`, `bench attention`, `bench data`, `bench train`",
               "moetrain.bench:main"),
     "simulate": ("predict step time of the sync policies at cluster scale", "moetrain.bench.simulate:main"),
+    "eval": ("evaluate a run's checkpoint or a Hugging Face directory with lm-evaluation-harness (extra `eval`)",
+             "moetrain.evaluate.command:main"),
     "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.train.init_report:main"),
 }
 

@@ -328,6 +328,12 @@ class TrainConfig:
     """Steps between held-out evaluations; 0 = only the final one."""
     eval_batches: int = 8
     """Held-out batches per evaluation."""
+    eval_tasks: list[str] = field(default_factory=list)
+    """Multiple-choice task files scored at every evaluation (and the final one), split over the ranks: JSONL
+    lines {"query": str, "choices": [str, ...], "gold": int}, lm-evaluation-harness's acc and acc_norm
+    (moetrain.train.task_eval); [] = none."""
+    eval_tasks_limit: int = 0
+    """Documents per train.eval_tasks file at most (the first N); 0 = all."""
     peak_flops: float = 0.0
     """MFU's peak FLOP/s per rank; 0 = measured at start (moetrain.observe.peak_flops)."""
     sample_tokens: int = 200
@@ -461,7 +467,7 @@ def _validate(cfg: JobConfig) -> None:
         "model.moe.z_loss_coef": moe.z_loss_coef,
         "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
         "train.grad_clip": t.grad_clip, "train.eval_every": t.eval_every, "train.sample_tokens": t.sample_tokens,
-        "train.num_threads": t.num_threads,
+        "train.num_threads": t.num_threads, "train.eval_tasks_limit": t.eval_tasks_limit,
     }
     for name, value in nonneg.items():
         _check(value >= 0, name, value, "must be >= 0")

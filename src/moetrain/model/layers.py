@@ -6,9 +6,10 @@ for its shared expert) use; parameter names inside each layer (`wq`, `wk`, `wv`,
 by name. Attention supports a free head width, QK-norm (per head or over the full projected
 width), both RoPE channel layouts, q/k/v clipping, projection biases, learned attention sinks
 (`sinks` [n_heads]) and a per-layer sliding window, which the Hugging Face families need.
-The attention computation itself (document masking and its methods) lives in attention.py; this
-module imports no other model module but that one, holds no initialisation (init.py fills the
-parameters) and no distributed code.
+The attention computation itself (document masking and its methods) lives in attention.py, and
+generation's cached attention in kv_cache.py (`Attention.forward(..., cache=)`); this module imports
+no other model module but those two, holds no initialisation (init.py fills the parameters) and no
+distributed code.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 from moetrain.config import ModelConfig
 from moetrain.model.attention import AttentionPlan, attend
+from moetrain.model.kv_cache import LayerCache
 
 ROPE_LAYOUTS = ("interleaved", "half")
 
@@ -180,12 +182,18 @@ class Attention(nn.Module):
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         return q, k, v
 
-    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None = None,
+                cache: LayerCache | None = None) -> Tensor:
+        """`cache` (generation): store this forward's k/v and attend over every cached token instead of `plan`."""
         batch, seq, _ = x.shape
         q, k, v = self._project(x)
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
         q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
-        return self.wo(attend(q, k, v, plan, self.sinks, self.window).reshape(batch, seq, -1))
+        if cache is None:
+            out = attend(q, k, v, plan, self.sinks, self.window)
+        else:
+            out = cache.attend(q, k, v, window=self.window, sinks=self.sinks)
+        return self.wo(out.reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):

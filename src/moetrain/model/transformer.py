@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from moetrain.config import ModelConfig
 from moetrain.model.attention import AttentionPlan, plan_attention
 from moetrain.model.init import init_model
+from moetrain.model.kv_cache import KVCache
 from moetrain.model.layers import Attention, FeedForward, positions_from_documents
 from moetrain.model.mla import MultiHeadLatentAttention
 from moetrain.model.moe import MoE
@@ -48,8 +49,13 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), positions, plan)
+    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None,
+                cache: KVCache | None = None) -> Tensor:
+        normed = self.attention_norm(x)
+        if cache is None:
+            h = x + self.attention(normed, positions, plan)
+        else:  # only attention modules that accept a cache get one (kv_cache.accepts_cache)
+            h = x + self.attention(normed, positions, plan, cache=cache.layer(self.layer_id))
         ffn = self.moe if self.is_moe else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -76,7 +82,8 @@ class Transformer(nn.Module):
         return out
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
-                document_ids: Tensor | None = None, until_last_moe: bool = False) -> Tensor | None:
+                document_ids: Tensor | None = None, until_last_moe: bool = False,
+                cache: KVCache | None = None) -> Tensor | None:
         """tokens [B, S] -> logits [B, S, V].
 
         `document_ids` [B, S] (contiguous runs of equal ids) restricts attention to earlier tokens of
@@ -84,8 +91,19 @@ class Transformer(nn.Module):
         position inside each document if `document_ids` is given, else 0..S-1. `until_last_moe`
         stops after the last MoE block and returns None: a routing-only pass that leaves every
         MoE layer's `tokens_per_expert` set without paying for the later blocks and the LM head.
+        `cache` (generation, `model.kv_cache.KVCache`): the tokens extend the cached rows; their
+        positions come from the cache and every layer attends over the cached tokens too.
         """
         batch, seq = tokens.shape
+        if cache is not None:
+            if document_ids is not None or positions is not None:
+                raise ValueError("a forward with a KV cache takes its positions from the cache: "
+                                 "pass neither document_ids nor positions")
+            positions = cache.advance(seq)
+            h = self.tok_embeddings(tokens)
+            for layer in self.layers:
+                h = layer(h, positions, None, cache)
+            return self.output(self.norm(h))
         if document_ids is not None and document_ids.shape != tokens.shape:
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != tokens shape "
                              f"{tuple(tokens.shape)}")

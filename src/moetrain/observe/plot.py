@@ -1,7 +1,8 @@
 """`moetrain plot RUN_DIR [--out PNG]`: a run's loss, held-out bits per byte and throughput, drawn from its metrics.
 
 Reads `RUN_DIR/metrics.jsonl` (the last record wins for a repeated (kind, step): the
-one that led to the final model) and draws three panels to a PNG. A run with MoE layers
+one that led to the final model) and draws three panels to a PNG, four when the run scored
+downstream tasks (`train.eval_tasks`: acc and acc_norm per task against step). A run with MoE layers
 also gets a second figure of expert load per MoE layer against step (max/mean, coefficient
 of variation, experts without a token, and the aux-loss-free bias range when present),
 written next to the first as `<stem>_experts.png`. This module only reads and draws; it
@@ -90,6 +91,22 @@ def expert_load_figure(records: list[dict[str, Any]], title: str) -> Figure | No
     return fig
 
 
+def draw_task_panel(ax, records: list[dict[str, Any]], task_keys: list[str]) -> None:
+    """acc (solid) and acc_norm (dashed) of each in-loop task against step, one colour per task."""
+    tasks = sorted({key.split("/")[1] for key in task_keys})
+    for index, task in enumerate(tasks):
+        colour = f"C{index % 10}"
+        for metric, style in (("acc", "o-"), ("acc_norm", "s--")):
+            steps, values = series(records, "tasks", f"task/{task}/{metric}")
+            if steps:
+                ax.plot(steps, values, style, color=colour, label=f"{task} {metric}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy")
+    ax.set_title("downstream tasks")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="lower right", fontsize="small")
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Draw loss (train, held-out), held-out bits per byte and throughput against step to a PNG.
 
@@ -112,8 +129,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     _, train_avg = series(records, "train", "loss_avg")
     entropy = final.get("unigram_entropy_bits")
     # A bare Figure (no pyplot): no global state, no GUI backend, works on machines without a display.
-    fig = Figure(figsize=(15, 4.2))
-    ax_loss, ax_bpb, ax_tput = fig.subplots(1, 3)
+    task_keys = sorted({k for r in records if r.get("kind") == "tasks" for k in r if k.startswith("task/")})
+    fig = Figure(figsize=(20 if task_keys else 15, 4.2))
+    ax_loss, ax_bpb, ax_tput, *ax_tasks = fig.subplots(1, 4 if task_keys else 3)
+    if task_keys:
+        draw_task_panel(ax_tasks[0], records, task_keys)
     ax_loss.plot(train_steps, train_loss, color="tab:blue", alpha=0.35, linewidth=0.8, label="train loss (log step)")
     if len(train_avg) == len(train_steps):
         ax_loss.plot(train_steps, train_avg, color="tab:blue", label="train loss (mean since last log)")

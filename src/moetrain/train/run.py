@@ -198,6 +198,9 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                     metrics.write({"kind": "eval", "step": trainer.step, **ev})
                     log.info("step %d | held-out loss %.4f | %.4f bits/byte", trainer.step, ev["heldout_loss"],
                              ev["heldout_bpb"])
+                if trainer.eval_tasks and evaluation.due(trainer.step):
+                    phase.where = f"the task evaluation after step {trainer.step}"
+                    _evaluate_tasks(trainer, metrics)
                 phase.where = f"the checkpoint of step {trainer.step}"
                 with no_space_left(run_dir.checkpoints, "checkpoint"):
                     saved = checkpointer.maybe_save(trainer.step, trainer)
@@ -272,6 +275,15 @@ def _handle_nonfinite(trainer: Trainer, result: StepResult, metrics: MetricsWrit
     log.warning("%s; update skipped (train.nan_policy = 'skip', %d skipped so far)", what, trainer.skipped_steps)
 
 
+def _evaluate_tasks(trainer: Trainer, metrics: MetricsWriter) -> dict[str, float]:
+    """train.eval_tasks after this step: a "tasks" record and one console line."""
+    scores = trainer.evaluate_tasks()
+    metrics.write({"kind": "tasks", "step": trainer.step, **scores})
+    log.info("step %d | tasks | %s", trainer.step, " | ".join(f"{key.removeprefix('task/')} {value:.4f}"
+                                                             for key, value in scores.items()))
+    return scores
+
+
 def _finish(trainer: Trainer, metrics: MetricsWriter, wall_s: float, steps_this_run: int) -> dict[str, Any]:
     cfg, data = trainer.cfg, trainer.data
     final: dict[str, Any] = {"kind": "final", "step": trainer.step, "wall_s": wall_s, "steps_this_run": steps_this_run,
@@ -287,6 +299,8 @@ def _finish(trainer: Trainer, metrics: MetricsWriter, wall_s: float, steps_this_
                  data.unigram_entropy_bits, data.unigram_entropy_bits * LN2, data.train_unigram_entropy_bits)
     else:
         log.info("no held-out documents (data.heldout_fraction = 0): no held-out loss")
+    if trainer.eval_tasks:
+        final.update(_evaluate_tasks(trainer, metrics))
     if cfg.train.sample_tokens > 0:
         text = generate(trainer.model, data.tokenizer, cfg.train.sample_prompt, cfg.train.sample_tokens,
                         cfg.train.sample_temperature, cfg.train.sample_top_p, seed=cfg.train.seed,

@@ -1,17 +1,24 @@
-"""Text generation from a trained model: greedy or temperature + nucleus (top-p) sampling.
+"""Text generation from a trained model: greedy or temperature + top-k + nucleus (top-p) sampling, batched.
 
-`generate` works on a plain or an FSDP-sharded model; with several ranks every rank
-must call it (each forward gathers parameters) and rank 0's choice of each token is
-broadcast so all ranks extend the same text. `main` is `moetrain sample`: it loads the
-newest intact checkpoint's model weights (verified against its manifest, skipping a damaged
-newer one with a warning) in one process, built from the config saved with that checkpoint,
-and prints a continuation of the prompt.
-There is no KV cache: each new token reruns the (short) context, which is fine for
-the small models this is meant for. Nothing here changes the model or checkpoint.
+`generate_tokens` continues a batch of token prompts of any lengths. By default it keeps a KV cache
+(`model.kv_cache`): the prompts run once, left-padded into one batch, then each step feeds one token
+per unfinished row. `use_cache=False` is the re-running path (every token reruns its row's whole
+context, one row at a time), kept as the reference the cache is tested against token for token and
+for the speed benchmark; once a row's context outgrows `max_context` both paths rerun the last
+`max_context` tokens, so they agree there too. A row stops at EOS, when its `stop` callback says so
+(stop strings), or after `max_new_tokens`.
+
+Generation works on a plain or an FSDP-sharded model; with several ranks every rank must call it
+(each forward gathers parameters) and rank 0's choice of each token is broadcast so all ranks extend
+the same text and finish the same rows. `main` is `moetrain sample`: it loads the newest intact
+checkpoint's model weights (verified against its manifest, skipping a damaged newer one with a
+warning) in one process, built from the config saved with that checkpoint, and prints a
+continuation of the prompt. Nothing here changes the model or checkpoint.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +30,7 @@ from moetrain.args import parse_typed_args
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
+from moetrain.model.kv_cache import KVCache, accepts_cache
 from moetrain.parallel.collectives import rank_and_world
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
@@ -47,41 +55,120 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum()
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Choose a token from last-position logits [V]: argmax when temperature == 0."""
+def top_k_filter(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Zero all but the top_k most likely tokens of probs [V] and renormalise (top_k <= 0: keep all)."""
+    if top_k <= 0 or top_k >= probs.numel():
+        return probs
+    kept = torch.zeros_like(probs)
+    best = probs.topk(top_k).indices
+    kept[best] = probs[best]
+    return kept / kept.sum()
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+               top_k: int = 0) -> int:
+    """Choose a token from last-position logits [V]: argmax when temperature == 0, else top-k then top-p."""
     if temperature == 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.double() / temperature, dim=-1)
-    probs = top_p_filter(probs, top_p)
+    probs = top_p_filter(top_k_filter(probs, top_k), top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def stop_at_strings(decode: Callable[[list[int]], str], strings: Sequence[str]) -> Callable[[list[int]], bool]:
+    """A `stop` callback for `generate_tokens`: True once the decoded new tokens contain one of `strings`."""
+    strings = [s for s in strings if s]
+    return lambda new_tokens: bool(strings) and any(s in decode(new_tokens) for s in strings)
+
+
+def _left_padded(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one [B, max_len] batch, each row right-aligned; returns (tokens, pad lengths [B])."""
+    longest = max(len(p) for p in prompts)
+    pad_B = torch.tensor([longest - len(p) for p in prompts], dtype=torch.long)
+    # Padding slots repeat the row's first token: any id is exact (no real query attends to them).
+    rows = [[p[0]] * (longest - len(p)) + list(p) for p in prompts]
+    return torch.tensor(rows, dtype=torch.long, device=device), pad_B.to(device)
+
+
 @torch.no_grad()
-def generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, device: torch.device | str = "cpu", max_context: int = 512) -> str:
-    """Continue `prompt` (as a fresh document: BOS first) until EOS or max_new_tokens."""
+def generate_tokens(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                    eos_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    seed: int = 0, device: torch.device | str = "cpu", max_context: int | None = None,
+                    stop: Sequence[Callable[[list[int]], bool] | None] | None = None,
+                    use_cache: bool = True, sync_ranks: bool | None = None) -> list[list[int]]:
+    """The new tokens of each prompt (EOS not included), generated together.
+
+    `stop[b]`, when given, is asked after each new token of row b whether the row is done.
+    Sampling draws one generator in row order at every step, so both paths sample alike.
+    `sync_ranks` (default: whether several ranks run) broadcasts rank 0's tokens, for a sharded
+    model all ranks generate alike; False when each rank runs its own prompts on a whole model.
+    """
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        return []
+    if any(not p for p in prompts):
+        raise ConfigError("generation needs a non-empty prompt for every row (start each with BOS)")
+    batch = len(prompts)
+    max_context = max_context or max(len(p) for p in prompts) + max_new_tokens
+    stop = list(stop) if stop is not None else [None] * batch
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(seed)
-    context = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
-    new_tokens: list[int] = []
-    broadcast = rank_and_world()[1] > 1
+    broadcast = rank_and_world()[1] > 1 if sync_ranks is None else sync_ranks
+    new_tokens: list[list[int]] = [[] for _ in range(batch)]
+    active = list(range(batch))  # rows still generating, in order
+    longest = max(len(p) for p in prompts)
+    cache = None
+    logits_BV = None
     try:
-        for _ in range(max_new_tokens):
-            window = torch.tensor([context[-max_context:]], dtype=torch.long, device=device)
-            logits = model(window)[0, -1].float().cpu()
-            token = next_token(logits, temperature, top_p, generator)
+        if use_cache and not all(accepts_cache(layer.attention) for layer in model.layers):
+            log.info("an attention module takes no KV cache: generation reruns the context for every token")
+            use_cache = False
+        if use_cache and longest <= max_context and max_new_tokens > 0:
+            tokens_BS, pad_B = _left_padded(prompts, device)
+            cache = KVCache(len(model.layers), batch, longest + max_new_tokens, pad=pad_B, device=device)
+            logits_BV = model(tokens_BS, cache=cache)[:, -1].float()
+        for step in range(max_new_tokens):
+            if cache is None or longest + step > max_context:  # re-run each row's (windowed) context
+                cache = None
+                logits_BV = torch.cat([model(torch.tensor([(prompts[b] + new_tokens[b])[-max_context:]],
+                                                          dtype=torch.long, device=device))[:, -1].float()
+                                       for b in active])
+            chosen = [next_token(row, temperature, top_p, generator, top_k) for row in logits_BV.cpu()]
             if broadcast:
-                chosen = torch.tensor([token], dtype=torch.long, device=device)
-                dist.broadcast(chosen, src=0)
-                token = int(chosen.item())
-            if token == tokenizer.eos_id:
+                chosen_B = torch.tensor(chosen, dtype=torch.long, device=device)
+                dist.broadcast(chosen_B, src=0)
+                chosen = chosen_B.tolist()
+            still = []
+            for i, (b, token) in enumerate(zip(active, chosen, strict=True)):
+                if token == eos_id:
+                    continue
+                new_tokens[b].append(token)
+                if stop[b] is not None and stop[b](new_tokens[b]):
+                    continue
+                still.append(i)
+            active = [active[i] for i in still]
+            if not active or step + 1 == max_new_tokens:
                 break
-            context.append(token)
-            new_tokens.append(token)
+            if cache is not None and longest + step + 1 <= max_context:
+                if len(still) < len(chosen):  # finished rows leave the batch
+                    cache.keep_rows(torch.tensor(still, dtype=torch.long, device=device))
+                next_B1 = torch.tensor([[chosen[i]] for i in still], dtype=torch.long, device=device)
+                logits_BV = model(next_B1, cache=cache)[:, -1].float()
     finally:
         model.train(was_training)
-    return tokenizer.decode(new_tokens)
+    return new_tokens
+
+
+def generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, device: torch.device | str = "cpu", max_context: int = 512,
+             top_k: int = 0, use_cache: bool = True) -> str:
+    """Continue `prompt` (as a fresh document: BOS first) until EOS or max_new_tokens."""
+    context = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
+    new = generate_tokens(model, [context], max_new_tokens, eos_id=tokenizer.eos_id, temperature=temperature,
+                          top_p=top_p, top_k=top_k, seed=seed, device=device, max_context=max_context,
+                          use_cache=use_cache)
+    return tokenizer.decode(new[0])
 
 
 @dataclass
@@ -93,6 +180,7 @@ class SampleOptions:
     max_tokens: int = 200  # tokens to generate at most
     temperature: float = 0.0  # 0 = greedy, else sampling
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]
+    top_k: int = 0  # sample among the k most likely tokens only (0 = all)
     seed: int = 0  # sampling seed
 
 
@@ -104,6 +192,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--temperature = {args.temperature} is invalid: must be >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p = {args.top_p} is invalid: must be in (0, 1]")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k = {args.top_k} is invalid: must be >= 0 (0 = no top-k cut)")
     run_dir = RunDir(Path(args.run))
     run_cfg = run_dir.load_config()  # also says when --run is not a training run's directory
     ref, skipped = newest_intact(run_dir.checkpoints)
@@ -117,7 +207,7 @@ def main(argv: list[str]) -> int:
     model = build_model(cfg.model, weights="none")  # the weights: the checkpoint's
     load_model_weights(ref, model)
     text = generate(model, tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
-                    max_context=cfg.data.seq_len)
+                    max_context=cfg.data.seq_len, top_k=args.top_k)
     how = "greedy" if args.temperature == 0 else f"T={args.temperature} top-p={args.top_p}"
     print(f"# {args.run} step {ref.step}, {how}")
     print(args.prompt + text)

@@ -51,6 +51,7 @@ from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
+from moetrain.train.task_eval import evaluate_choice_tasks, read_choice_tasks
 
 log = get_logger("train")
 
@@ -123,6 +124,7 @@ class Trainer:
         self.mesh = mesh
         self.device = device
         self.rank, self.world = rank_and_world()
+        self.eval_tasks = read_choice_tasks(cfg.train.eval_tasks)  # checked before anything is built
         self.policy = resolve_sync_policy(cfg.parallel, mesh, cfg.train.grad_accum)
         torch.manual_seed(cfg.train.seed)
         self.model = build_for_job(cfg, mesh, device)
@@ -313,3 +315,10 @@ class Trainer:
         loss_sum, n_tokens, n_bytes = totals.tolist()
         return {"heldout_loss": loss_sum / max(n_tokens, 1), "heldout_bpb": bits_per_byte(loss_sum, int(n_bytes)),
                 "heldout_tokens": int(n_tokens)}
+
+    def evaluate_tasks(self) -> dict[str, float]:
+        """train.eval_tasks' acc and acc_norm ("task/<name>/acc", ...), documents split over all ranks."""
+        with self._compute_dtype():
+            return evaluate_choice_tasks(self.model, self.data.tokenizer, self.eval_tasks,
+                                         self.cfg.train.microbatch_size, self.device, self.cfg.data.seq_len,
+                                         self.rank, self.world, limit=self.cfg.train.eval_tasks_limit or None)

@@ -1,0 +1,129 @@
+"""Generation speed: the KV cache against re-running the context for every token, side by side on one model.
+
+Builds the default job's model (configs/tiny_moe.toml, freshly initialised: speed does not depend on
+the weights) and generates `--tokens` new tokens greedily after the prompt "def " (no EOS stop, so
+every run makes exactly that many), alternating the two paths A B B A ... for `--rounds` rounds in
+this one process: A = `use_cache=False` (each new token reruns the whole context: what `moetrain
+sample` did before the cache), B = the KV cache. Both must produce the same tokens; the JSON holds
+every timing, the medians and the speed-up (median A / median B).
+
+On a loaded machine the wall times above mix in other jobs' load, so `--min-of N` (batch 1) also
+times single forwards, the minimum of N tries each: the full forward of a context of L tokens (what
+path A runs per new token) and one cached one-token step after L - 1 cached tokens (path B), at
+five context lengths across the generation; the ratio of their means estimates the speed-up on an
+idle core.
+
+    flock /tmp/moetrain-heavy.lock /work/main/.venv/bin/python benchmarks/generation_speed.py \
+        --out benchmarks/results/generation_speed.json
+
+Benchmark only: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moetrain.config import load
+from moetrain.data.tokenizer import build_tokenizer
+from moetrain.model.kv_cache import KVCache
+from moetrain.train.build import build_model
+from moetrain.train.sample import generate_tokens
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def _minimum(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.no_grad()
+def per_forward_minimum(model, prompt: list[int], new_tokens: int, repeats: int, device: str) -> dict:
+    """Minimum seconds of one path-A forward and one path-B step at context lengths across the generation."""
+    model.eval()
+    rows = []
+    for step in (0, new_tokens // 4, new_tokens // 2, 3 * new_tokens // 4, new_tokens - 1):
+        context = torch.tensor([(prompt * new_tokens)[:len(prompt) + step]], device=device)
+        full = _minimum(lambda context=context: model(context), repeats)
+        cache = KVCache(len(model.layers), 1, context.shape[1])
+        model(context[:, :-1], cache=cache)
+        filled = cache.length
+
+        def cached_step(cache=cache, filled=filled, last=context[:, -1:]):
+            cache.length = filled  # rewind: the same step again
+            model(last, cache=cache)
+
+        rows.append({"context": context.shape[1], "full_forward_s": full,
+                     "cached_step_s": _minimum(cached_step, repeats)})
+    mean_full = statistics.mean(r["full_forward_s"] for r in rows)
+    mean_cached = statistics.mean(r["cached_step_s"] for r in rows)
+    return {"rows": rows, "estimated_speedup": mean_full / mean_cached}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default=str(HERE / "configs" / "tiny_moe.toml"))
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="prompts generated together")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--min-of", type=int, default=0, help="also time single forwards, min of N (batch 1)")
+    parser.add_argument("--out", default=str(HERE / "benchmarks" / "results" / "generation_speed.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = load(args.config)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg.model, device=args.device, seed=0).eval()
+    prompt = [tokenizer.bos_id, *tokenizer.encode("def ").tolist()]
+    prompts = [prompt + [tokenizer.encode(str(i)).tolist()[0]] * i for i in range(args.batch)]  # unequal lengths
+    paths = {"A": dict(use_cache=False), "B": dict(use_cache=True)}
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    outputs: dict[str, list] = {}
+    for round_ in range(args.rounds):
+        for label in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = generate_tokens(model, prompts, args.tokens, eos_id=None, device=args.device,
+                                  max_context=cfg.data.seq_len, **paths[label])
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times[label].append(time.perf_counter() - start)
+            outputs.setdefault(label, out)
+            print(f"{label} ({'cache' if label == 'B' else 'recompute'}) {times[label][-1]:.2f} s", flush=True)
+    identical = outputs["A"] == outputs["B"]
+    medians = {label: statistics.median(values) for label, values in times.items()}
+    result = {
+        "config": str(Path(args.config).relative_to(HERE)) if Path(args.config).is_relative_to(HERE) else args.config,
+        "new_tokens": args.tokens, "batch": args.batch, "rounds": args.rounds, "threads": args.threads,
+        "device": args.device, "order": "A B B A ... (A = recompute, B = KV cache)",
+        "seconds": times, "median_s": medians, "speedup": medians["A"] / medians["B"],
+        "tokens_identical": identical, "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "note": "shared machine (other jobs running); timings are indicative",
+    }
+    if args.min_of:
+        result["per_forward_minimum"] = per_forward_minimum(model, prompt, args.tokens, args.min_of, args.device)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"speed-up {result['speedup']:.1f}x (median recompute {medians['A']:.2f} s / cache {medians['B']:.2f} s), "
+          f"tokens identical: {identical}")
+    if args.min_of:
+        print(f"min-of-{args.min_of} single forwards: estimated speed-up "
+              f"{result['per_forward_minimum']['estimated_speedup']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Key/value cache for incremental decoding: each attention layer's keys and values, kept between forwards.
+
+Generation runs the prompt once (prefill) and then one token per forward (decode); the cache holds
+what every layer computed for the earlier tokens so a decode step costs one token's projections
+instead of the whole context's. It is the one seam between generation and attention: an attention
+module given a `LayerCache` hands it its new q, k, v (after RoPE, before attention) and gets the
+attention output back (`LayerCache.attend`). The cache stores whatever k and v the module gives it,
+per layer, so a module whose keys and values differ in width (MLA's decompressed heads) uses it
+unchanged; a module that attends through a window passes `window` (keys within that many
+positions). Nothing here knows about the model's parameters, documents or distribution.
+
+Rows of different prompt lengths share one cache by left padding: row b's prompt starts at slot
+`pad[b]`, the slots before it are never attended to, and a real token's RoPE position is its slot
+minus `pad[b]` (so positions are 0.. inside each prompt, exactly as when the row runs alone). Every
+row extends by the same number of slots per forward, so one slot range is written per step.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moetrain.errors import ModelError
+
+
+def accepts_cache(attention: torch.nn.Module) -> bool:
+    """Whether an attention module's forward takes a `cache` (a `LayerCache`); generation reruns the context if not."""
+    return "cache" in inspect.signature(attention.forward).parameters
+
+
+class KVCache:
+    """Keys and values of `n_layers` attention layers for `batch` rows of up to `capacity` slots.
+
+    Use: `cache = KVCache(n_layers, batch, capacity, pad=pad_B)`, then `model(tokens, cache=cache)`
+    with the left-padded prompts [B, S], then `model(next_tokens [B, 1], cache=cache)` per step.
+    The buffers are allocated by the first write of each layer (shape, dtype and device from its k/v).
+    """
+
+    def __init__(self, n_layers: int, batch: int, capacity: int, pad: Tensor | None = None,
+                 device: torch.device | str | None = None):
+        if capacity < 1:
+            raise ModelError(f"KV cache capacity {capacity} is invalid: must be >= 1")
+        self.n_layers, self.batch, self.capacity = n_layers, batch, capacity
+        self.pad_B = (torch.zeros(batch, dtype=torch.long, device=device) if pad is None
+                      else pad.to(device=device, dtype=torch.long))
+        if self.pad_B.shape != (batch,):
+            raise ModelError(f"KV cache pad shape {tuple(self.pad_B.shape)} != (batch,) = ({batch},)")
+        self.keys: list[Tensor | None] = [None] * n_layers
+        self.values: list[Tensor | None] = [None] * n_layers
+        self.length = 0  # slots written by every layer so far
+        self.start = 0  # the slot range [start, length) the current forward writes
+        self.mask: Tensor | None = None  # [B, 1, S_new, length] bool for the current forward
+
+    def advance(self, new_tokens: int) -> Tensor:
+        """Reserve `new_tokens` slots for the forward about to run; returns their RoPE positions [B, S_new].
+
+        Called once per forward by the transformer, before its layers attend.
+        """
+        if self.length + new_tokens > self.capacity:
+            raise ModelError(f"KV cache holds {self.capacity} slots; {self.length} are used and the forward "
+                             f"adds {new_tokens}")
+        device = self.pad_B.device
+        self.start, self.length = self.length, self.length + new_tokens
+        query_slot = torch.arange(self.start, self.length, device=device)
+        key_slot = torch.arange(self.length, device=device)
+        causal = key_slot <= query_slot.unsqueeze(1)  # [S_new, L]
+        real_key = key_slot >= self.pad_B.unsqueeze(1)  # [B, L]
+        # A padding query sees only itself (a row with no key at all would give NaN in SDPA); its
+        # output is never read, and no real query sees a padding key.
+        itself = key_slot == query_slot.unsqueeze(1)
+        self.mask = ((causal & real_key.unsqueeze(1)) | itself).unsqueeze(1)
+        return (query_slot - self.pad_B.unsqueeze(1)).clamp(min=0)
+
+    def layer(self, layer_id: int) -> LayerCache:
+        return LayerCache(self, layer_id)
+
+    def _write(self, layer_id: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.keys[layer_id] is None:
+            self.keys[layer_id] = k.new_zeros(self.batch, self.capacity, *k.shape[2:])
+            self.values[layer_id] = v.new_zeros(self.batch, self.capacity, *v.shape[2:])
+        keys, values = self.keys[layer_id], self.values[layer_id]
+        if k.shape[1] != self.length - self.start:
+            raise ModelError(f"layer {layer_id} wrote {k.shape[1]} tokens into a forward of "
+                             f"{self.length - self.start} (call KVCache.advance once per forward)")
+        keys[:, self.start:self.length] = k
+        values[:, self.start:self.length] = v
+        return keys[:, :self.length], values[:, :self.length]
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Drop every row not in `rows` (indices), e.g. the finished ones, so later steps skip them."""
+        self.pad_B = self.pad_B[rows]
+        self.batch = int(rows.numel())
+        self.keys = [None if k is None else k[rows] for k in self.keys]
+        self.values = [None if v is None else v[rows] for v in self.values]
+
+
+class LayerCache:
+    """One layer's view of a `KVCache`: what an attention module calls instead of its own attention."""
+
+    def __init__(self, cache: KVCache, layer_id: int):
+        self.cache, self.layer_id = cache, layer_id
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
+               sinks: Tensor | None = None) -> Tensor:
+        """Store this forward's k, v [B, S_new, H_kv, D(v)] and attend q [B, S_new, H, D] over every cached key.
+
+        Returns [B, S_new, H, D_v]. `window`, when given, keeps only keys fewer than `window`
+        positions before each query (sliding-window attention); `sinks` [H], when given, adds one
+        logit per head to every softmax's denominator that carries no value (attention sinks).
+        """
+        keys, values = self.cache._write(self.layer_id, k, v)
+        mask = self.cache.mask
+        if window is not None:
+            query_slot = torch.arange(self.cache.start, self.cache.length, device=q.device)
+            near = torch.arange(self.cache.length, device=q.device) > query_slot.unsqueeze(1) - window
+            mask = mask & near  # a query is always near itself
+        repeats = q.shape[2] // keys.shape[2]
+        if repeats > 1:  # each kv head serves `repeats` consecutive query heads, as attention.attend lays them out
+            keys, values = keys.repeat_interleave(repeats, dim=2), values.repeat_interleave(repeats, dim=2)
+        if sinks is None:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=mask)
+            return out.transpose(1, 2)
+        scores_BHQK = torch.einsum("bqhd,bkhd->bhqk", q, keys) * q.shape[-1] ** -0.5
+        scores_BHQK = scores_BHQK.masked_fill(~mask, float("-inf"))
+        sink_BHQ1 = sinks.to(scores_BHQK.dtype).view(1, -1, 1, 1).expand(*scores_BHQK.shape[:3], 1)
+        probs_BHQK = torch.softmax(torch.cat([scores_BHQK, sink_BHQ1], dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("bhqk,bkhd->bqhd", probs_BHQK.to(values.dtype), values)
