@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -40,6 +41,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from moetrain.config import JobConfig, parse_job_args, parse_step_range
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, TrainingDiverged
+from moetrain.interop import hf_dir, hf_job_config
 from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.observe.profiler import ProfilerWindow
@@ -300,9 +302,21 @@ def _finish(trainer: Trainer, metrics: MetricsWriter, wall_s: float, steps_this_
     return final
 
 
+DESCRIPTION = ("Train a model: a TOML job (--config) and --section.field overrides. With --model.init_from hf:DIR "
+               "and no model fields, the architecture and tokenizer come from DIR (a Hugging Face directory).")
+
+
+def job_defaults(init_from: str) -> JobConfig:
+    """The defaults of a job that starts from `model.init_from = "hf:DIR"`: DIR's architecture and tokenizer."""
+    return hf_job_config(hf_dir(init_from))
+
+
 def main(argv: list[str]) -> int:
-    cfg = parse_job_args(argv, prog="moetrain train")
+    cfg = parse_job_args(argv, prog="moetrain train", init_from_defaults=job_defaults, description=DESCRIPTION)
     setup_logging()
+    if int(os.environ.get("RANK", "0")) == 0:  # at once: data, process group and model take a while
+        print(f"moetrain train: starting {cfg.logging.run_dir} ({cfg.train.steps} steps; reading data, then "
+              "building the model)", flush=True)
     try:
         final = run(cfg)
     except TrainingDiverged as err:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
+import tyro
 from torch import nn
 
 from moetrain.args import parse_typed_args
@@ -88,7 +90,9 @@ def generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens
 class SampleOptions:
     """Generate text from a run's newest complete checkpoint."""
 
-    run: str  # run directory of a training job (its logging.run_dir)
+    run_dir: Annotated[str, tyro.conf.arg(aliases=("--run",))]
+    """Run directory of a training job (its logging.run_dir). Spelled --run-dir under torchrun, whose own
+    --run-path an abbreviated --run would match."""
     prompt: str = "def "  # text to continue
     max_tokens: int = 200  # tokens to generate at most
     temperature: float = 0.0  # 0 = greedy, else sampling
@@ -104,12 +108,13 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--temperature = {args.temperature} is invalid: must be >= 0 (0 = greedy)")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p = {args.top_p} is invalid: must be in (0, 1]")
-    run_dir = RunDir(Path(args.run))
-    run_cfg = run_dir.load_config()  # also says when --run is not a training run's directory
+    run_dir = RunDir(Path(args.run_dir))
+    run_cfg = run_dir.load_config()  # also says when --run-dir is not a training run's directory
     ref, skipped = newest_intact(run_dir.checkpoints)
     if ref is None:
         why = f": {skipped[0]}" if skipped else ""
-        raise ConfigError(f"--run {args.run!r} has no intact checkpoint under {args.run}/checkpoints{why}")
+        raise ConfigError(f"--run-dir {args.run_dir!r} has no intact checkpoint under "
+                          f"{args.run_dir}/checkpoints{why}")
     for problem in skipped:
         log.warning("skipping a damaged checkpoint: %s; sampling from %s", problem, ref.path.name)
     cfg = stored_config(ref) or run_cfg  # the config the weights were trained with
@@ -119,6 +124,6 @@ def main(argv: list[str]) -> int:
     text = generate(model, tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
                     max_context=cfg.data.seq_len)
     how = "greedy" if args.temperature == 0 else f"T={args.temperature} top-p={args.top_p}"
-    print(f"# {args.run} step {ref.step}, {how}")
+    print(f"# {args.run_dir} step {ref.step}, {how}")
     print(args.prompt + text)
     return 0
