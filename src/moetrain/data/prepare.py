@@ -335,8 +335,7 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: moetrain data prepare --input PATH... --out DIR [--tokenizer byte|PATH] [--workers N]")
-        return 0
+        argv = ["prepare", "--help"]  # the one data command: its full help
     if argv[0] != "prepare":
         raise ConfigError(f"unknown data command {argv[0]!r}; valid: prepare")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: --workers sets the parallelism

@@ -36,8 +36,8 @@ class ExportOptions:
     """Write a training run's checkpoint as a Hugging Face model directory (Qwen3-MoE or OLMoE family)."""
 
     run_dir: Annotated[str, tyro.conf.arg(aliases=("--run",))]
-    """Run directory of a training job (its logging.run_dir). Spelled --run-dir under torchrun, whose own
-    --run-path an abbreviated --run would match."""
+    """Run directory of a training job (its logging.run_dir). Under torchrun spell it --run-dir: torchrun
+    takes --run for an abbreviation of its own --run-path."""
     out: str  # new directory to write (must not exist or be empty)
     step: int | None = None  # checkpoint step; None = the newest complete checkpoint
     dtype: Literal["float32", "bfloat16"] | None = None  # dtype of the written tensors; None = the parameters'

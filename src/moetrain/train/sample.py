@@ -91,8 +91,8 @@ class SampleOptions:
     """Generate text from a run's newest complete checkpoint."""
 
     run_dir: Annotated[str, tyro.conf.arg(aliases=("--run",))]
-    """Run directory of a training job (its logging.run_dir). Spelled --run-dir under torchrun, whose own
-    --run-path an abbreviated --run would match."""
+    """Run directory of a training job (its logging.run_dir). Under torchrun spell it --run-dir: torchrun
+    takes --run for an abbreviation of its own --run-path."""
     prompt: str = "def "  # text to continue
     max_tokens: int = 200  # tokens to generate at most
     temperature: float = 0.0  # 0 = greedy, else sampling
