@@ -30,6 +30,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
              "moetrain.data.prepare:main"),
     "bench": ("benchmarks: `bench moe`, `bench sync`, `bench ep`, `bench attention`, `bench data`, `bench train`",
               "moetrain.bench:main"),
+    "estimate": ("memory per rank (weights, gradients, optimizer, activations, peak) for a job and a mesh",
+                 "moetrain.train.estimate:main"),
+    "config": ("`config --from-hf DIR`: a complete, commented TOML job for a Hugging Face directory",
+               "moetrain.train.config_from_hf:main"),
     "simulate": ("predict step time of the sync policies at cluster scale", "moetrain.bench.simulate:main"),
     "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.train.init_report:main"),
 }

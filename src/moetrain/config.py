@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
 import math
 import tomllib
 import typing
@@ -552,6 +553,36 @@ def apply_overrides(cfg: JobConfig, args: list[str], prog: str = "moetrain train
     if not args:
         return cfg.validate()
     return parse_typed_args(JobConfig, args, prog, default=cfg).validate()
+
+
+def to_toml(cfg: JobConfig, comments: dict[str, str] | None = None) -> str:
+    """`cfg` as a TOML job file (`None` fields left out, as a comment); `comments`: "section.field" -> text
+    written above that field."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a TOML basic string
+        return repr(v)
+
+    def section(obj: Any, name: str) -> list[str]:
+        rows, nested = [f"[{name}]"], []
+        for f in dataclasses.fields(obj):
+            v, path = getattr(obj, f.name), f"{name}.{f.name}"
+            if dataclasses.is_dataclass(v):
+                nested.append((v, path))
+                continue
+            for line in (comments or {}).get(path, "").splitlines():
+                rows.append(f"# {line}".rstrip())
+            rows.append(f"# {f.name} = (none)" if v is None else f"{f.name} = {value(v)}")
+        for v, path in nested:
+            rows += ["", *section(v, path)]
+        return rows
+
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        out += [*section(getattr(cfg, f.name), f.name), ""]
+    return "\n".join(out)
 
 
 @dataclass(frozen=True)

@@ -110,3 +110,21 @@ def test_explicit_model_field_that_disagrees_with_the_directory_is_one_line(corp
     assert failed.returncode == 2 and len(lines) == 1, failed.stderr[-2000:]
     assert "model.dim = 64" in lines[0] and "hidden_size gives 32" in lines[0], lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_validates_prints_the_job_and_estimate_and_writes_nothing(job_args, tmp_path, capsys):
+    import tomllib
+
+    from moetrain import cli
+    from moetrain.config import from_dict, parse_job_args
+
+    run_dir = tmp_path / "run"
+    argv = job_args(run_dir)
+    assert cli.main(["train", *argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert from_dict(tomllib.loads(out)).validate() == parse_job_args(argv)  # the resolved job, as TOML
+    assert "# data: " in out and "#     peak " in out and "with activation checkpointing" in out
+    assert not run_dir.exists()
+    # It checks what a start checks: bad data is still the one-line error, before anything is written.
+    assert cli.main(["train", *job_args(run_dir, data__path=tmp_path / "nowhere"), "--dry-run"]) == 2
+    assert not run_dir.exists()

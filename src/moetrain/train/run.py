@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from moetrain.config import JobConfig, parse_job_args, parse_step_range
+from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args, parse_step_range, to_toml
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, TrainingDiverged
-from moetrain.interop import hf_dir, hf_job_config
+from moetrain.interop import check_architecture
 from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.observe.profiler import ProfilerWindow
@@ -56,6 +56,8 @@ from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
 from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.estimate import job_defaults
+from moetrain.train.estimate import report as estimate_report
 from moetrain.train.sample import generate
 from moetrain.train.trainer import EvalSchedule, Trainer
 
@@ -306,13 +308,33 @@ DESCRIPTION = ("Train a model: a TOML job (--config) and --section.field overrid
                "and no model fields, the architecture and tokenizer come from DIR (a Hugging Face directory).")
 
 
-def job_defaults(init_from: str) -> JobConfig:
-    """The defaults of a job that starts from `model.init_from = "hf:DIR"`: DIR's architecture and tokenizer."""
-    return hf_job_config(hf_dir(init_from))
+DRY_RUN = CommandOption("dry_run", bool, False, "validate the job (config, HF directory, data, mesh for WORLD_SIZE), "
+                        "print the resolved config as TOML and the memory estimate, write nothing")
+
+
+def dry_run(cfg: JobConfig) -> int:
+    """Everything a start checks before it writes, then the resolved config and the estimate; writes nothing."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(cfg.parallel, world)
+    if cfg.model.init_from is not None:
+        check_architecture(cfg.model, cfg.model.init_from[3:])
+    data = load_training_data(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(to_toml(cfg), end="")
+        print(f"# data: {data.n_train_documents} train documents -> {len(data.train)} sequences of "
+              f"{cfg.data.seq_len} tokens, {data.n_heldout_documents} held-out documents")
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        print("\n".join(f"# {line}" for line in estimate_report(cfg, world, per_node, "cpu").splitlines()))
+    return 0
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse_job_args(argv, prog="moetrain train", init_from_defaults=job_defaults, description=DESCRIPTION)
+    dry = any(a in ("--dry-run", "--dry_run") for a in argv)
+    argv = [a for a in argv if a not in ("--dry-run", "--dry_run")]
+    cfg = parse_job_args(argv, prog="moetrain train", init_from_defaults=job_defaults, description=DESCRIPTION,
+                         options=(DRY_RUN,))
+    if dry:
+        return dry_run(cfg)
     setup_logging()
     if int(os.environ.get("RANK", "0")) == 0:  # at once: data, process group and model take a while
         print(f"moetrain train: starting {cfg.logging.run_dir} ({cfg.train.steps} steps; reading data, then "
