@@ -128,3 +128,23 @@ def test_dry_run_validates_prints_the_job_and_estimate_and_writes_nothing(job_ar
     # It checks what a start checks: bad data is still the one-line error, before anything is written.
     assert cli.main(["train", *job_args(run_dir, data__path=tmp_path / "nowhere"), "--dry-run"]) == 2
     assert not run_dir.exists()
+
+
+def test_a_refused_start_leaves_the_directory_as_it_was(job_args, tmp_path, capsys):
+    import importlib.util
+
+    from moetrain import cli
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("needs an environment without tensorboard (the refusal this test provokes)")
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", *job_args(run_dir, train__steps=2, checkpoint__every=2, train__warmup_steps=1),
+                     "--logging.tensorboard", "True"]) == 2
+    assert "tensorboard" in capsys.readouterr().err
+    assert not run_dir.exists()  # no config.json, no run.lock: the corrected command is not "another run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    assert cli.main(["train", *job_args(run_dir, train__steps=2, checkpoint__every=2, train__warmup_steps=1),
+                     "--logging.tensorboard", "True"]) == 2
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
+    assert cli.main(["train", *job_args(run_dir, train__steps=2, checkpoint__every=2, train__warmup_steps=1)]) == 0

@@ -40,7 +40,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args, parse_step_range, to_toml
 from moetrain.data.dataset import load_training_data
-from moetrain.errors import CollectiveFailed, TrainingDiverged
+from moetrain.errors import CollectiveFailed, ConfigError, TrainingDiverged
 from moetrain.interop import check_architecture
 from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
@@ -78,6 +78,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     owns_process_group = not distributed()
     completed = False
     lock: WriterLock | None = None
+    phase = _Phase()
     try:
         rank, world, device = init_distributed(cfg.parallel)
         reuse_freed_host_memory(world)  # one process: large CPU tensors without fresh pages every step
@@ -92,7 +93,6 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         threads = set_intra_op_threads(cfg.train.num_threads, interrupted=interrupted_threads)
         refuse_foreign_outputs(run_dir, cfg)
         trainer = Trainer(cfg, data, mesh, device)
-        phase = _Phase()
         try:
             with StopSignals(rank, grace_s=cfg.parallel.collective_timeout_s) as stop:
                 result = _run(trainer, run_dir, checkpointer, resume_from, stop, phase, threads)
@@ -103,6 +103,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                 from None
         completed = True
         return result
+    except ConfigError:
+        if lock is not None and phase.where == _Phase.where:  # refused before its first step
+            lock.undo_start()
+        raise
     finally:
         if lock is not None:
             lock.release()
