@@ -257,6 +257,9 @@ class CheckpointConfig:
     resume: bool | Literal["auto"] = False
     """Resume from the newest intact checkpoint: True (one must exist), False (start fresh; refuse to
     overwrite), or "auto" (resume when a checkpoint exists, else start fresh)."""
+    allow_schedule_change: bool = False
+    """On resume, accept a learning-rate schedule (train.steps, warmup_steps, schedule, decay_fraction,
+    min_lr_ratio, lr) other than the checkpoint's; it then bends from the resumed step on."""
     signal_save_after_s: float = 0.0
     """On SIGTERM/SIGINT the run stops at the next step boundary and saves there when a
     save is due or the last save (or the run's start) is older than this many seconds."""

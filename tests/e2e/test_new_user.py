@@ -148,3 +148,31 @@ def test_a_refused_start_leaves_the_directory_as_it_was(job_args, tmp_path, caps
                      "--logging.tensorboard", "True"]) == 2
     assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
     assert cli.main(["train", *job_args(run_dir, train__steps=2, checkpoint__every=2, train__warmup_steps=1)]) == 0
+
+
+def test_a_resume_that_would_change_the_schedule_is_one_line_unless_allowed(job_args, read_train_records, tmp_path,
+                                                                            capsys):
+    from moetrain import cli
+
+    run_dir = tmp_path / "run"
+    short = {"train__eval_every": 0, "checkpoint__every": 2, "train__warmup_steps": 1}
+    assert cli.main(["train", *job_args(run_dir, train__steps=2, **short)]) == 0
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert cli.main(["train", *job_args(run_dir, train__steps=4, checkpoint__resume=True, **short)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines[-1].startswith("moetrain: error: train.steps = 4 differs from 2 in checkpoint") and \
+        "--checkpoint.allow_schedule_change True" in lines[-1], lines
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+    assert cli.main(["train", *job_args(run_dir, train__steps=4, checkpoint__resume=True,
+                                        checkpoint__allow_schedule_change=True, **short)]) == 0
+    assert sorted(read_train_records(run_dir)) == [1, 2, 3, 4]
+
+
+def test_warmup_that_does_not_end_before_the_run_is_one_line(job_args, tmp_path, capsys):
+    from moetrain import cli
+
+    assert cli.main(["train", *job_args(tmp_path / "run", train__steps=3, train__warmup_steps=3)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["moetrain: error: train.warmup_steps = 3 is invalid: must be < train.steps = 3 (the schedule "
+                     "would never leave warm-up)"], lines

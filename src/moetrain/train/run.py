@@ -89,6 +89,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
                                     cfg.logging.run_dir)
         resume_from = checkpointer.resume_point(cfg)
+        if resume_from is not None:
+            _refuse_schedule_change(resume_from, cfg)
         interrupted_threads = None if resume_from is None else ckpt.saved_intra_op_threads(resume_from)
         threads = set_intra_op_threads(cfg.train.num_threads, interrupted=interrupted_threads)
         refuse_foreign_outputs(run_dir, cfg)
@@ -117,6 +119,24 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                 # last collective: otherwise a rank can abort at interpreter exit (SIGABRT).
                 leave_together()
             dist.destroy_process_group()
+
+
+SCHEDULE_FIELDS = ("steps", "warmup_steps", "schedule", "decay_fraction", "min_lr_ratio", "lr")
+
+
+def _refuse_schedule_change(ref: ckpt.CheckpointRef, cfg: JobConfig) -> None:
+    # A larger train.steps silently stretches a cosine or WSD schedule mid-run: say so unless asked for.
+    if cfg.checkpoint.allow_schedule_change or ref.step >= cfg.train.steps:  # nothing left to train: no effect
+        return
+    saved = ckpt.stored_config(ref)
+    if saved is None:
+        return
+    for name in SCHEDULE_FIELDS:
+        old, new = getattr(saved.train, name), getattr(cfg.train, name)
+        if old != new:
+            raise ConfigError(f"train.{name} = {new!r} differs from {old!r} in checkpoint {ref.path}: the "
+                              "learning-rate schedule would change mid-run; use the checkpoint's value or pass "
+                              "--checkpoint.allow_schedule_change True")
 
 
 def _is_collective_failure(err: RuntimeError) -> bool:
