@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from moetrain.config import ModelConfig
 from moetrain.model.attention import AttentionPlan, attend
@@ -126,7 +127,8 @@ class Attention(nn.Module):
         q, k, v = self._project(x)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin, self.rope_layout), apply_rope(k, cos, sin, self.rope_layout)
-        return self.wo(attend(q, k, v, plan).reshape(batch, seq, -1))
+        with record_function("attention"):  # a label in profiler traces
+            return self.wo(attend(q, k, v, plan).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
