@@ -113,8 +113,9 @@ class ModelConfig:
     init_scale_embedding: bool = False
     """olmo-megatron only: embedding std init_std·sqrt(dim) instead of init_std (OLMo's `scale_emb_init`)."""
     init_from: str | None = None
-    """Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors, and every
-    architecture field above must agree with its config.json (moetrain.interop.config_map). None = init_scheme."""
+    """Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors; the architecture
+    fields the TOML and options leave unset come from its config.json (and data.tokenizer from its
+    tokenizer.json), those set must agree with it (moetrain.interop.config_map). None = init_scheme."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The MoE layers."""
 
@@ -611,7 +612,7 @@ def print_job_help(prog: str, description: str, options: Sequence[CommandOption]
                    field(default_factory=JobConfig)))
     command_line = dataclasses.make_dataclass("JobCommandLine", fields)
     command_line.__doc__ = description
-    print_help(command_line, prog)
+    print_help(command_line, prog, bool_flags=True)  # the command's booleans are flags; the job's take values
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -353,8 +353,9 @@ def dry_run(cfg: JobConfig) -> int:
 
 
 def main(argv: list[str]) -> int:
-    dry = any(a in ("--dry-run", "--dry_run") for a in argv)
-    argv = [a for a in argv if a not in ("--dry-run", "--dry_run")]
+    flags = {"--dry-run": True, "--dry_run": True, "--no-dry-run": False, "--no_dry_run": False}
+    dry = [flags[a] for a in argv if a in flags][-1:] == [True]  # the last one given wins
+    argv = [a for a in argv if a not in flags]
     cfg = parse_job_args(argv, prog="moetrain train", init_from_defaults=job_defaults, description=DESCRIPTION,
                          options=(DRY_RUN,))
     if dry:
