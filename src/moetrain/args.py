@@ -11,8 +11,10 @@ the one line of tyro's error box. This module knows nothing about what is parsed
 from __future__ import annotations
 
 import contextlib
+import difflib
 import io
-from typing import Any, TypeVar
+import warnings
+from typing import Any, NoReturn, TypeVar
 
 import tyro
 
@@ -28,18 +30,53 @@ def parse_typed_args(cls: type[T], args: list[str], prog: str, default: T | None
     `default` supplies the values of fields not given; `bool_flags` turns booleans into
     `--name` / `--no-name` flags instead of `--name True|False`.
     """
-    markers = () if bool_flags else (tyro.conf.FlagConversionOff,)
-    kwargs: dict[str, Any] = dict(args=args, prog=prog, use_underscores=True, config=markers)
-    if default is not None:
-        kwargs["default"] = default
+    kwargs = _tyro_kwargs(prog, default, bool_flags)
     if any(a in ("-h", "--help") for a in args):
-        return tyro.cli(cls, **kwargs)
+        return tyro.cli(cls, args=args, **kwargs)
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            return tyro.cli(cls, **kwargs)
+            return tyro.cli(cls, args=args, **kwargs)
     except SystemExit:
-        raise ConfigError(f"{first_message_line(captured.getvalue())} (run `{prog} --help` for options)") from None
+        message = first_message_line(captured.getvalue())
+        if message.startswith("Unrecognized options"):
+            message = _did_you_mean(cls, args, bool_flags) or message
+        raise ConfigError(f"{message} (run `{prog} --help` for options)") from None
+
+
+def _did_you_mean(cls: type, args: list[str], bool_flags: bool) -> str:
+    """'unknown option --x (did you mean --y?)' for each option of `args` that `cls` lacks; '' if none."""
+    known = option_help(cls, bool_flags)
+    unknown = [a.split("=")[0] for a in args if a.startswith("--") and a.split("=")[0] not in known]
+    if not unknown:
+        return ""
+    described = []
+    for arg in unknown:
+        close = difflib.get_close_matches(arg, list(known), n=1, cutoff=0.8)
+        described.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+    return f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(described)}"
+
+
+def _tyro_kwargs(prog: str, default: Any, bool_flags: bool) -> dict[str, Any]:
+    markers = () if bool_flags else (tyro.conf.FlagConversionOff,)
+    kwargs: dict[str, Any] = dict(prog=prog, use_underscores=True, config=markers)
+    if default is not None:
+        kwargs["default"] = default
+    return kwargs
+
+
+def print_help(cls: type, prog: str, bool_flags: bool = False) -> NoReturn:
+    """Print `cls`'s --help as `prog` and exit 0 (tyro's help, as parse_typed_args would print it)."""
+    tyro.cli(cls, args=["--help"], **_tyro_kwargs(prog, None, bool_flags))
+    raise SystemExit(0)  # pragma: no cover - tyro exits on --help
+
+
+def option_help(cls: type, bool_flags: bool = False) -> dict[str, str]:
+    """Every option tyro makes of `cls` (each name and alias) -> its help text as `--help` shows it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # get_parser: tyro's parser, the one --help prints
+        parser = tyro.extras.get_parser(cls, **_tyro_kwargs("moetrain", None, bool_flags))
+    return {name: action.help or "" for action in parser._actions for name in action.option_strings}
 
 
 def first_message_line(text: str) -> str:

@@ -11,17 +11,21 @@ by `check_world_size` once the world is known.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
+import json
 import math
 import tomllib
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import dacite
+import tyro
 
-from moetrain.args import parse_typed_args, take_option
+from moetrain.args import parse_typed_args, print_help, take_option
 from moetrain.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -182,8 +186,9 @@ class ModelConfig:
     init_scale_embedding: bool = False
     """olmo-megatron only: embedding std init_std·sqrt(dim) instead of init_std (OLMo's `scale_emb_init`)."""
     init_from: str | None = None
-    """Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors, and every
-    architecture field above must agree with its config.json (moetrain.interop.config_map). None = init_scheme."""
+    """Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors; the architecture
+    fields the TOML and options leave unset come from its config.json (and data.tokenizer from its
+    tokenizer.json), those set must agree with it (moetrain.interop.config_map). None = init_scheme."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The MoE layers."""
 
@@ -363,6 +368,9 @@ class CheckpointConfig:
     resume: bool | Literal["auto"] = False
     """Resume from the newest intact checkpoint: True (one must exist), False (start fresh; refuse to
     overwrite), or "auto" (resume when a checkpoint exists, else start fresh)."""
+    allow_schedule_change: bool = False
+    """On resume, accept a learning-rate schedule (train.steps, warmup_steps, schedule, decay_fraction,
+    min_lr_ratio, lr) other than the checkpoint's; it then bends from the resumed step on."""
     signal_save_after_s: float = 0.0
     """On SIGTERM/SIGINT the run stops at the next step boundary and saves there when a
     save is due or the last save (or the run's start) is older than this many seconds."""
@@ -525,6 +533,8 @@ def _validate(cfg: JobConfig) -> None:
         _check(moe.n_experts % p.ep == 0, "parallel.ep", p.ep,
                f"must divide model.moe.n_experts = {moe.n_experts} (each rank owns whole experts)")
     _check(t.lr > 0, "train.lr", t.lr, "must be > 0")
+    _check(t.warmup_steps < t.steps, "train.warmup_steps", t.warmup_steps,
+           f"must be < train.steps = {t.steps} (the schedule would never leave warm-up)")
     _check(0 < p.collective_timeout_s < float("inf"), "parallel.collective_timeout_s", p.collective_timeout_s,
            "must be a finite number of seconds > 0")
     _check(0 <= c.signal_save_after_s < float("inf"), "checkpoint.signal_save_after_s", c.signal_save_after_s,
@@ -631,8 +641,26 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> tuple[int, in
     return replicate, shard
 
 
-def from_dict(data: dict[str, Any]) -> JobConfig:
+def _check_known_keys(data: Any, cls: type, where: str, prefix: str = "") -> None:
+    # One line naming the section and the closest valid key (dacite names neither).
+    if not isinstance(data, dict):
+        return
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if key in hints:
+            if dataclasses.is_dataclass(hints[key]):
+                _check_known_keys(value, hints[key], where, f"{prefix}{key}.")
+            continue
+        section = f"[{prefix[:-1]}]" if prefix else "the top level"
+        close = difflib.get_close_matches(str(key), list(hints), n=1)
+        hint = f"did you mean {prefix}{close[0]}? " if close else ""
+        raise ConfigError(f"{where}: unknown key {prefix}{key} in {section}; {hint}valid keys there: "
+                          f"{', '.join(hints)}")
+
+
+def from_dict(data: dict[str, Any], where: str = "config") -> JobConfig:
     """Build a JobConfig from nested dicts, rejecting unknown keys and wrong types."""
+    _check_known_keys(data, JobConfig, where)
     try:
         return dacite.from_dict(JobConfig, _ints_to_floats(data, JobConfig), config=dacite.Config(strict=True))
     except dacite.UnexpectedDataError as err:
@@ -672,6 +700,11 @@ def _type_name(tp: Any) -> str:
 
 def load(path: str | Path) -> JobConfig:
     """Load and validate a TOML config file."""
+    return from_dict(read_toml(path), str(path)).validate()
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML config file's contents as nested dicts, or one ConfigError line saying why not."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {str(path)!r} is a directory; pass a TOML file")
@@ -687,7 +720,7 @@ def load(path: str | Path) -> JobConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
-    return from_dict(data).validate()
+    return data
 
 
 def apply_overrides(cfg: JobConfig, args: list[str], prog: str = "moetrain train") -> JobConfig:
@@ -697,8 +730,87 @@ def apply_overrides(cfg: JobConfig, args: list[str], prog: str = "moetrain train
     return parse_typed_args(JobConfig, args, prog, default=cfg).validate()
 
 
-def parse_job_args(argv: list[str], prog: str = "moetrain train") -> JobConfig:
-    """`--config PATH [--section.field value ...]` -> validated JobConfig."""
+def to_toml(cfg: JobConfig, comments: dict[str, str] | None = None) -> str:
+    """`cfg` as a TOML job file (`None` fields left out, as a comment); `comments`: "section.field" -> text
+    written above that field."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a TOML basic string
+        return repr(v)
+
+    def section(obj: Any, name: str) -> list[str]:
+        rows, nested = [f"[{name}]"], []
+        for f in dataclasses.fields(obj):
+            v, path = getattr(obj, f.name), f"{name}.{f.name}"
+            if dataclasses.is_dataclass(v):
+                nested.append((v, path))
+                continue
+            for line in (comments or {}).get(path, "").splitlines():
+                rows.append(f"# {line}".rstrip())
+            rows.append(f"# {f.name} = (none)" if v is None else f"{f.name} = {value(v)}")
+        for v, path in nested:
+            rows += ["", *section(v, path)]
+        return rows
+
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        out += [*section(getattr(cfg, f.name), f.name), ""]
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class CommandOption:
+    """An option a job command (train, bench train, estimate) reads beside the job's fields, for its --help."""
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+
+
+CONFIG_OPTION_HELP = ("TOML job file; its values are the defaults the --section.field options override "
+                      "(none = the built-in defaults)")
+
+
+def print_job_help(prog: str, description: str, options: Sequence[CommandOption] = ()) -> None:
+    """`prog --help`: --config, the command's own options, then every job field (each with its docstring)."""
+    fields: list[Any] = [("config", Annotated[str | None, tyro.conf.arg(help=CONFIG_OPTION_HELP, metavar="FILE")],
+                          None)]
+    fields += [(o.name, Annotated[o.type, tyro.conf.arg(help=o.help)], o.default) for o in options]
+    fields.append(("job", Annotated[JobConfig, tyro.conf.arg(name=""), tyro.conf.FlagConversionOff],
+                   field(default_factory=JobConfig)))
+    command_line = dataclasses.make_dataclass("JobCommandLine", fields)
+    command_line.__doc__ = description
+    print_help(command_line, prog, bool_flags=True)  # the command's booleans are flags; the job's take values
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def parse_job_args(argv: list[str], prog: str = "moetrain train",
+                   init_from_defaults: Callable[[str], JobConfig] | None = None,
+                   description: str = "", options: Sequence[CommandOption] = ()) -> JobConfig:
+    """`--config PATH [--section.field value ...]` -> validated JobConfig (`--help`: print_job_help).
+
+    With `init_from_defaults` and a `model.init_from` (TOML or command line), the job's defaults are
+    `init_from_defaults(value)` (a Hugging Face directory's architecture and tokenizer) instead of the
+    built-in ones: what the TOML and the options set explicitly still wins, and is checked against the
+    directory when the model is built.
+    """
+    if any(a in ("-h", "--help") for a in argv):
+        print_job_help(prog, description, options)
     config_path, rest = take_option(argv, "config")
-    cfg = load(config_path) if config_path else JobConfig().validate()
-    return apply_overrides(cfg, rest, prog=prog)
+    data = read_toml(config_path) if config_path else {}
+    init_from, _ = take_option(rest, "model.init_from")
+    if init_from is None and isinstance(data.get("model"), dict):
+        init_from = data["model"].get("init_from")
+    if init_from_defaults is not None and isinstance(init_from, str) and init_from.startswith("hf:"):
+        base = init_from_defaults(init_from).to_dict()
+        data = _merge({"model": base["model"], "data": {k: base["data"][k] for k in ("tokenizer", "seq_len")}}, data)
+    return apply_overrides(from_dict(data, config_path or "config"), rest, prog=prog)

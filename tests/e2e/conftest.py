@@ -36,6 +36,8 @@ def tiny_job_args(corpus: Path, run_dir: Path, **overrides: object) -> list[str]
         "logging.run_dir": str(run_dir), "logging.log_every": 1, "logging.progress_bar": False,
     }
     fields.update({k.replace("__", "."): v for k, v in overrides.items()})
+    if "train__warmup_steps" not in overrides:  # warm-up must end before the run does
+        fields["train.warmup_steps"] = min(2, int(fields["train.steps"]) - 1)  # type: ignore[call-overload]
     args = ["--config", str(Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.toml")]
     for key, value in fields.items():
         args += [f"--{key}", str(value)]

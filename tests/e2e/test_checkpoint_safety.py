@@ -88,7 +88,7 @@ def test_a_crafted_pickle_does_not_run_through_train_or_sample(job_args, tmp_pat
     assert sample_main(["--run", str(run_dir), "--max-tokens", "4"]) == 0
     assert "step 2, greedy" in capsys.readouterr().out
     assert cli.main(["train", *job_args(run_dir, train__steps=3, checkpoint__every=2, train__eval_every=0,
-                                        checkpoint__resume=True)]) == 0
+                                        checkpoint__resume=True, checkpoint__allow_schedule_change=True)]) == 0
     assert not marker.exists()
     capsys.readouterr()
     # Outside the manifest, the same file makes a checkpoint damaged: with both damaged, sample
@@ -110,7 +110,10 @@ def test_resume_modes_and_config_mismatches_are_one_line(job_args, read_train_re
     assert "has no checkpoint" in _lines(capsys.readouterr().err)[0]
     assert not run_dir.exists()
     assert cli.main(["train", *job_args(run_dir, train__steps=2, checkpoint__resume="auto", **short)]) == 0
-    assert cli.main(["train", *job_args(run_dir, train__steps=4, checkpoint__resume="auto", **short)]) == 0
+    assert cli.main(["train", *job_args(run_dir, train__steps=4, checkpoint__resume="auto", **short)]) == 2
+    assert "train.steps = 4 differs from 2" in _lines(capsys.readouterr().err)[-1]  # the schedule would stretch
+    assert cli.main(["train", *job_args(run_dir, train__steps=4, checkpoint__resume="auto",
+                                        checkpoint__allow_schedule_change=True, **short)]) == 0
     events = [json.loads(line).get("event") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e for e in events if e] == ["start", "resume"] and sorted(read_train_records(run_dir)) == [1, 2, 3, 4]
     capsys.readouterr()

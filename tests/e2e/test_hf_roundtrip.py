@@ -70,7 +70,9 @@ def test_mismatched_or_unsupported_directories_fail_in_one_line_and_write_nothin
     cases = {
         "model.dim = 48 but hidden_size gives 32": [*base, "--model.dim", "48", "--model.init_from", f"hf:{directory}",
                                                     "--data.tokenizer", str(directory)],
-        "carries its tokenizer: use --data.tokenizer": [*base, "--model.init_from", f"hf:{directory}"],
+        # The directory's tokenizer is the default now; naming another one is refused.
+        "carries its tokenizer: use --data.tokenizer": [*base, "--model.init_from", f"hf:{directory}",
+                                                        "--data.tokenizer", "byte"],
         "does not exist": [*base, "--model.init_from", f"hf:{tmp_path / 'missing'}"],
     }
     llama = tmp_path / "llama"

@@ -29,6 +29,7 @@ def test_records_carry_memory_and_expert_health_and_the_profiler_writes_a_trace(
     events = json.loads(trace_path.read_text())["traceEvents"]
     labels = {event.get("name") for event in events}
     assert {"step 2", "step 3"} <= labels and "step 1" not in labels and "step 4" not in labels
+    assert {"attention", "router", "experts", "optimizer"} <= labels  # moetrain's own ranges
     assert any(event.get("name", "").startswith("aten::") for event in events)  # the ops themselves
     assert sorted(p.name for p in (run_dir / "profile").iterdir()) == ["rank0_steps2-3.json"]
 

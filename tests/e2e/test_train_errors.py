@@ -30,7 +30,7 @@ def test_bad_config_and_bad_data_leave_the_run_untouched(job_args, tmp_path, cap
     resume = {"checkpoint__resume": True}
     cases = {
         "train.lr = -1.0 is invalid": job_args(run_dir, train__lr=-1, **resume),
-        "Unrecognized options: --train.bogus": job_args(run_dir, **resume) + ["--train.bogus", "1"],
+        "unknown option --train.bogus": job_args(run_dir, **resume) + ["--train.bogus", "1"],
         "'latin1.py' is not UTF-8 text": job_args(run_dir, data__path=bad_utf8, **resume),
         "has no files matching": job_args(run_dir, data__path=empty, **resume),
         "already has checkpoints": job_args(run_dir),

@@ -31,7 +31,7 @@ BAD_OVERRIDES = [
     (["--train.lr", "-0.1"], "train.lr"),
     (["--train.steps", "0"], "train.steps"),
     (["--train.steps", "ten"], "--train.steps"),
-    (["--train.nonexistent", "1"], "Unrecognized"),
+    (["--train.nonexistent", "1"], "unknown option --train.nonexistent"),
     (["--model.moe.top_k", "17"], "model.moe.top_k"),
     (["--model.moe.score_func", "relu"], "score_func"),
     (["--model.n_heads", "3"], "model.n_heads"),

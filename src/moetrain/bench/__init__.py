@@ -10,8 +10,19 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 from moetrain.errors import ConfigError
+
+
+def results_dir() -> Path:
+    """Where a benchmark writes when no path is given: the source checkout's benchmarks/results (next to
+    src/moetrain), whatever the current directory; for an installed package, ./benchmarks/results."""
+    checkout = Path(__file__).resolve().parents[3]
+    if (checkout / "benchmarks").is_dir() and (checkout / "src" / "moetrain").is_dir():
+        return checkout / "benchmarks" / "results"
+    return Path("benchmarks/results")
+
 
 BENCHMARKS = {
     "moe": ("expert implementations side by side: saved bytes and fwd+bwd time", "moetrain.bench.moe:main"),

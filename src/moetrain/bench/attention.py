@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from moetrain.args import parse_typed_args
+from moetrain.bench import results_dir
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.model.attention import (
@@ -62,7 +63,7 @@ class AttentionBenchOptions:
     tiles: tuple[int, ...] = (1, 32, 64)  # extra segment tiles timed beside the default SEGMENT_TILE
     blocks: tuple[int, ...] = (32, 128)  # extra query blocks of "blocks" timed beside the default BLOCK_SIZE
     seed: int = 0
-    out_dir: Path = Path("benchmarks/results")
+    out_dir: Path = results_dir()
     name: str = "bench_attention"  # file stem of the JSON, table and PNG
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from moetrain.args import parse_typed_args
+from moetrain.bench import results_dir
 from moetrain.config import load
 from moetrain.data.batching import build_batching
 from moetrain.data.corpus import stdlib_files
@@ -53,7 +54,7 @@ from moetrain.data.shards import (
 from moetrain.data.tokenizer import ByteTokenizer
 from moetrain.errors import ConfigError
 
-RESULTS = Path("benchmarks/results")
+RESULTS = results_dir()
 SYNTHETIC_HELDOUT = 0.01
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.args import parse_typed_args
+from moetrain.bench import results_dir
 from moetrain.bench.simulate import CommModel, Experts, Link, Workload, collective_times, simulate_step_times
 from moetrain.bench.sync_calibration import calibrate_comm
 from moetrain.bench.sync_report import bootstrap_ratio_ci
@@ -53,7 +54,7 @@ from moetrain.train.build import build_for_job
 from moetrain.train.loss import microbatch_loss, token_loss_sum
 from moetrain.train.optim import build_optimizer
 
-RESULTS = Path("benchmarks/results")
+RESULTS = results_dir()
 
 
 @dataclass

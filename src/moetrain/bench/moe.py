@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from moetrain.args import parse_typed_args, take_option
+from moetrain.bench import results_dir
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.model.experts import IMPLS, routed_experts
@@ -41,7 +42,7 @@ matplotlib.use("Agg")  # the sweep plot goes to a file only; never needs a displ
 
 PROG = "moetrain bench moe"
 
-RESULTS_DIR = Path("benchmarks/results")
+RESULTS_DIR = results_dir()
 # (n_experts, top_k, intermediate) at constant top_k * intermediate = 1024.
 GRANULARITY_SWEEP: tuple[tuple[int, int, int], ...] = ((8, 1, 1024), (16, 2, 512), (32, 4, 256), (64, 8, 128),
                                                        (128, 16, 64))

@@ -18,6 +18,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 
+from moetrain.bench import results_dir
 from moetrain.bench.simulate import MODES, CommModel, Link, Workload, simulate_step_times
 from moetrain.bench.sync_calibration import costs_in_seconds, fit_per_call_overhead
 from moetrain.bench.sync_model import items_per_microbatch
@@ -26,7 +27,7 @@ from moetrain.errors import ConfigError
 
 matplotlib.use("Agg")  # charts go to files only; never needs a display
 
-RESULTS_DIR = Path("benchmarks/results")
+RESULTS_DIR = results_dir()
 
 
 def bootstrap_ratio_ci(step_s: dict[str, np.ndarray], reference: str, resamples: int, seed: int,

@@ -11,7 +11,7 @@ high-water mark on CPU; max allocated and reserved on CUDA) and MFU against the 
 count on CPU, the device's dense peak on CUDA) unless `train.peak_flops` sets one.
 
 It prints a table on rank 0 and writes the numbers as JSON (default
-benchmarks/results/bench_train_<config>_<dtype>_w<world>.json). This is a benchmark: it
+<logging.run_dir>/bench_train_<dtype>_w<world>.json, or --json PATH). This is a benchmark: it
 asserts nothing about time, and it must not change how training runs.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.args import take_option
-from moetrain.config import JobConfig, parse_job_args
+from moetrain.config import CommandOption, JobConfig, parse_job_args
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
 from moetrain.logging import setup_logging
@@ -41,7 +41,6 @@ from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train.trainer import Trainer
 
 PROG = "moetrain bench train"
-RESULTS = Path("benchmarks/results")
 
 
 def _count(value: str | None, name: str, default: int, minimum: int) -> int:
@@ -126,16 +125,21 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+OPTIONS = (
+    CommandOption("steps", int, 5, "timed steps (after the warm-up)"),
+    CommandOption("warmup", int, 2, "untimed steps first (compilation, allocator warm-up)"),
+    CommandOption("json", str | None, None, "where the JSON result goes; None = bench_train_<dtype>_w<world>.json "
+                  "in the job's logging.run_dir"),
+)
+
+
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.split("\n\n")[0])
-        return 0
     steps_arg, argv = take_option(argv, "steps")
     warmup_arg, argv = take_option(argv, "warmup")
     json_arg, argv = take_option(argv, "json")
     steps = _count(steps_arg, "steps", 5, 1)
     warmup = _count(warmup_arg, "warmup", 2, 0)
-    cfg = parse_job_args(argv, prog=PROG)
+    cfg = parse_job_args(argv, prog=PROG, description=" ".join(__doc__.split("\n\n")[1].split()), options=OPTIONS)
     setup_logging()
     owns_process_group = not distributed()
     try:
@@ -148,8 +152,8 @@ def main(argv: list[str]) -> int:
     if result["rank"] != 0:
         return 0
     print(table(result), flush=True)
-    name = f"bench_train_{Path(result['config']['logging']['run_dir']).name}_{cfg.parallel.param_dtype}"
-    path = Path(json_arg) if json_arg else RESULTS / f"{name}_w{result['world_size']}.json"
+    name = f"bench_train_{cfg.parallel.param_dtype}_w{result['world_size']}.json"
+    path = Path(json_arg) if json_arg else Path(cfg.logging.run_dir) / name  # under the run, not the cwd
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**result, "time": time.time(), "argv": sys.argv}, indent=2) + "\n")
     print(f"json: {path}")

@@ -475,9 +475,9 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: moetrain data prepare --input PATH... --out DIR [--tokenizer byte|PATH] [--workers N] "
-              "[--format text|chat]\n       moetrain data verify DIR")
-        return 0
+        print("moetrain data prepare --help: tokenize text or conversations into token shards\n"
+              "moetrain data verify DIR: check every shard file's size, header and sha256 against the manifest\n")
+        argv = ["prepare", "--help"]  # the full help of prepare, the command with options
     if argv[0] == "verify":  # every shard file's size, header and sha256 against the manifest, now
         if len(argv) != 2:
             raise ConfigError("usage: moetrain data verify DIR (a `moetrain data prepare` output)")

@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from moetrain.config import ModelConfig
 from moetrain.model.attention import AttentionPlan, attend
@@ -189,11 +190,12 @@ class Attention(nn.Module):
         q, k, v = self._project(x)
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
         q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
-        if cache is None:
-            out = attend(q, k, v, plan, self.sinks, self.window)
-        else:
-            out = cache.attend(q, k, v, window=self.window, sinks=self.sinks)
-        return self.wo(out.reshape(batch, seq, -1))
+        with record_function("attention"):  # a label in profiler traces
+            if cache is None:
+                out = attend(q, k, v, plan, self.sinks, self.window)
+            else:
+                out = cache.attend(q, k, v, window=self.window, sinks=self.sinks)
+            return self.wo(out.reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):

@@ -21,7 +21,7 @@ This module reads the config; it never builds a model, allocates tensors or look
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moetrain.config import JobConfig
 from moetrain.model.flops import count_params
@@ -93,3 +93,30 @@ def estimate_training_memory(cfg: JobConfig, dp_shard: int = 1) -> MemoryEstimat
     activations = tokens * (per_token * act_bytes + 2 * m.vocab_size * LOGITS_BYTES)
     attention_mask = rows * row_len ** 2  # torch.bool: one byte per element
     return MemoryEstimate(parameters, activations, attention_mask)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """The parts of a rank's training memory, in bytes, as `moetrain estimate` reports them."""
+
+    weights: int  # float32 master weights (this rank's shard)
+    gradients: int  # float32 gradients (this rank's shard)
+    optimizer: int  # AdamW's exp_avg and exp_avg_sq (this rank's shard)
+    activations: int  # saved for backward by one microbatch, without activation checkpointing
+    activations_checkpointed: int  # the same with train.activation_checkpointing = True
+    attention_mask: int  # one microbatch's boolean document mask
+
+    def peak(self, activation_checkpointing: bool) -> int:
+        saved = self.activations_checkpointed if activation_checkpointing else self.activations
+        return self.weights + self.gradients + self.optimizer + saved + self.attention_mask
+
+
+def training_memory_breakdown(cfg: JobConfig, dp_shard: int = 1) -> MemoryBreakdown:
+    """estimate_training_memory's parts: weights, gradients and optimizer state apart, activations both ways."""
+    shard = count_params(cfg.model)["total"] // max(dp_shard, 1)
+    with_ac = replace(cfg, train=replace(cfg.train, activation_checkpointing=True))
+    without_ac = replace(cfg, train=replace(cfg.train, activation_checkpointing=False))
+    full, checkpointed = estimate_training_memory(without_ac, dp_shard), estimate_training_memory(with_ac, dp_shard)
+    return MemoryBreakdown(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
+                           activations=full.activations, activations_checkpointed=checkpointed.activations,
+                           attention_mask=full.attention_mask)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from moetrain.config import MoEConfig
 from moetrain.model.experts import routed_experts
@@ -134,13 +135,15 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x_TD = x.reshape(-1, self.dim)
-        logits_TE = self.router(x_TD)
-        probs_TE, topk_idx_TK, gates_TK = self.route(logits_TE)
-        routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
-        if self.cfg.token_rounding_tile > 1:
-            routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
-        out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.activation,
-                                     self.cfg.impl, **self.experts.biases())
+        with record_function("router"):  # labels in profiler traces
+            logits_TE = self.router(x_TD)
+            probs_TE, topk_idx_TK, gates_TK = self.route(logits_TE)
+            routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
+            if self.cfg.token_rounding_tile > 1:
+                routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
+        with record_function("experts"):
+            out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.activation,
+                                         self.cfg.impl, **self.experts.biases())
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:

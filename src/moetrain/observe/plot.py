@@ -1,8 +1,10 @@
-"""`moetrain plot RUN_DIR [--out PNG]`: a run's loss, held-out bits per byte and throughput, drawn from its metrics.
+"""`moetrain plot RUN_DIR [--out PNG]`: a run's loss, held-out bits per byte, throughput, learning rate and
+gradient norm (resumes marked), drawn from its metrics.
 
 Reads `RUN_DIR/metrics.jsonl` (the last record wins for a repeated (kind, step): the
-one that led to the final model) and draws three panels to a PNG, four when the run scored
-downstream tasks (`train.eval_tasks`: acc and acc_norm per task against step). A run with MoE layers
+one that led to the final model) and draws five panels to a PNG (loss, bits per byte, throughput,
+learning rate, gradient norm), six when the run scored downstream tasks (`train.eval_tasks`: acc and
+acc_norm per task against step), with a dashed line at each resume. A run with MoE layers
 also gets a second figure of expert load per MoE layer against step (max/mean, coefficient
 of variation, experts without a token, and the aux-loss-free bias range when present),
 written next to the first as `<stem>_experts.png`. This module only reads and draws; it
@@ -118,20 +120,42 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
         raise ConfigError(f"run directory {str(run_dir)!r} has no {METRICS_FILE}; pass the logging.run_dir "
                           "of a training run")
     records = read_records(path)
-    train_steps, train_loss = series(records, "train", "loss")
-    if not train_steps:
+    if not series(records, "train", "loss")[0]:
         raise ConfigError(f"{path} has no training records yet")
+    final = next((r for r in reversed(records) if r.get("kind") == "final"), {})
+
+    fig = curve_figure(records, final, f"moetrain run {run_dir.name}")
+    out_path = Path(out) if out is not None else RunDir(run_dir).curve
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    written = [out_path]
+    experts = expert_load_figure(records, f"moetrain run {run_dir.name}: expert load per MoE layer")
+    if experts is not None:
+        written.append(out_path.with_name(f"{out_path.stem}_experts{out_path.suffix}"))
+        experts.savefig(written[-1], dpi=110)
+    return written
+
+
+def resume_steps(records: list[dict[str, Any]]) -> list[int]:
+    """The steps a run resumed at (its "resume" events)."""
+    return [r["step"] for r in records if r.get("kind") == "event" and r.get("event") == "resume"]
+
+
+def curve_figure(records: list[dict[str, Any]], final: dict[str, Any], title: str) -> Figure:
+    """Loss, held-out bits per byte, throughput, learning rate and gradient norm against step; every
+    panel marks the steps the run resumed at."""
+    train_steps, train_loss = series(records, "train", "loss")
     eval_steps, eval_loss = series(records, "eval", "heldout_loss")
     _, eval_bpb = series(records, "eval", "heldout_bpb")
     tput_steps, tput = series(records, "train", "tokens_per_s")
-    final = next((r for r in reversed(records) if r.get("kind") == "final"), {})
-
     _, train_avg = series(records, "train", "loss_avg")
+    lr_steps, lr = series(records, "train", "lr")
+    norm_steps, grad_norm = series(records, "train", "grad_norm")
     entropy = final.get("unigram_entropy_bits")
     # A bare Figure (no pyplot): no global state, no GUI backend, works on machines without a display.
     task_keys = sorted({k for r in records if r.get("kind") == "tasks" for k in r if k.startswith("task/")})
-    fig = Figure(figsize=(20 if task_keys else 15, 4.2))
-    ax_loss, ax_bpb, ax_tput, *ax_tasks = fig.subplots(1, 4 if task_keys else 3)
+    fig = Figure(figsize=(30 if task_keys else 25, 4.2))
+    ax_loss, ax_bpb, ax_tput, ax_lr, ax_norm, *ax_tasks = fig.subplots(1, 6 if task_keys else 5)
     if task_keys:
         draw_task_panel(ax_tasks[0], records, task_keys)
     ax_loss.plot(train_steps, train_loss, color="tab:blue", alpha=0.35, linewidth=0.8, label="train loss (log step)")
@@ -158,17 +182,22 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     ax_tput.set_ylabel("tokens / s (global)")
     ax_tput.set_title("throughput")
     ax_tput.set_ylim(bottom=0)
-    fig.suptitle(f"moetrain run {run_dir.name}")
+    ax_lr.plot(lr_steps, lr, color="tab:red")
+    ax_lr.set_xlabel("step")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_title("learning rate")
+    ax_norm.plot(norm_steps, grad_norm, color="tab:brown")
+    ax_norm.set_xlabel("step")
+    ax_norm.set_ylabel("global gradient norm (before clipping)")
+    ax_norm.set_title("gradient norm")
+    for ax in (ax_loss, ax_bpb, ax_tput, ax_lr, ax_norm):
+        for index, step in enumerate(resume_steps(records)):
+            ax.axvline(step, color="black", linestyle="--", linewidth=0.8, label="resumed" if index == 0 else None)
+    if resume_steps(records):
+        ax_lr.legend(loc="upper right")
+    fig.suptitle(title)
     fig.tight_layout()
-    out_path = Path(out) if out is not None else RunDir(run_dir).curve
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110)
-    written = [out_path]
-    experts = expert_load_figure(records, f"moetrain run {run_dir.name}: expert load per MoE layer")
-    if experts is not None:
-        written.append(out_path.with_name(f"{out_path.stem}_experts{out_path.suffix}"))
-        experts.savefig(written[-1], dpi=110)
-    return written
+    return fig
 
 
 @dataclass

@@ -39,6 +39,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.profiler import record_function
 
 from moetrain.model.experts import routed_experts
 from moetrain.model.moe import MoE
@@ -70,6 +71,12 @@ class AllToAllStats:
 def _timed_all_to_all(x: Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
                       group: dist.ProcessGroup, stats: AllToAllStats) -> Tensor:
     """all_to_all_single of `x` over `group`, waited for and timed into `stats` (no autograd)."""
+    with record_function("all_to_all"):  # a label in profiler traces
+        return _timed_all_to_all_unlabelled(x, output_splits, input_splits, group, stats)
+
+
+def _timed_all_to_all_unlabelled(x: Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
+                                 group: dist.ProcessGroup, stats: AllToAllStats) -> Tensor:
     if x.is_cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -152,19 +159,21 @@ class ExpertParallelCompute:
         stats.rows_sent += sum(send_splits) - send_splits[self.rank]
         stats.rows_received += sum(recv_splits) - recv_splits[self.rank]
         # 2. dispatch rows and gate scores (routing is grouped by expert, so by destination rank).
-        rows_AD = x_TD.index_select(0, routing.token_index)
-        recv_RD = _AllToAll.apply(rows_AD, recv_splits, send_splits, self.group, stats)
-        recv_scores_R = _AllToAll.apply(routing.scores, recv_splits, send_splits, self.group, stats)
+        with record_function("dispatch"):
+            rows_AD = x_TD.index_select(0, routing.token_index)
+            recv_RD = _AllToAll.apply(rows_AD, recv_splits, send_splits, self.group, stats)
+            recv_scores_R = _AllToAll.apply(routing.scores, recv_splits, send_splits, self.group, stats)
         # 3. local experts on contiguous expert-major segments of the received rows.
         order_R = expert_major_order(recv_counts_SJ)
         local = Routing(token_index=order_R, scores=recv_scores_R.index_select(0, order_R),
                         counts=recv_counts_SJ.sum(0))
         out_RD = routed_experts(recv_RD, local, w1_JDN, w2_JFD, activation, impl)
         # 4. combine: back to the senders, summed per token in float32 (expert order, as without EP).
-        back_AD = _AllToAll.apply(out_RD, send_splits, recv_splits, self.group, stats)
-        acc = torch.float32 if x_TD.dtype in (torch.bfloat16, torch.float16) else x_TD.dtype
-        out_TD = torch.zeros(x_TD.shape, dtype=acc, device=x_TD.device)
-        return out_TD.index_add(0, routing.token_index, back_AD.to(acc)).to(x_TD.dtype)
+        with record_function("combine"):
+            back_AD = _AllToAll.apply(out_RD, send_splits, recv_splits, self.group, stats)
+            acc = torch.float32 if x_TD.dtype in (torch.bfloat16, torch.float16) else x_TD.dtype
+            out_TD = torch.zeros(x_TD.shape, dtype=acc, device=x_TD.device)
+            return out_TD.index_add(0, routing.token_index, back_AD.to(acc)).to(x_TD.dtype)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,9 @@ class WriterLock:
         self.run_dir = run_dir
         self._fd: int | None = None
         self._created_dir = False
+        self._entries_before: set[str] = set()
+        self._config_before: bytes | None = None
+        self._undone = False
 
     def acquire(self) -> None:
         refusal = ""
@@ -112,6 +116,7 @@ class WriterLock:
         root = self.run_dir.root
         self._created_dir = not root.exists()
         root.mkdir(parents=True, exist_ok=True)
+        self._entries_before = {p.name for p in root.iterdir()}  # before the lock: a new lock file goes too
         while True:
             fd = os.open(self.run_dir.lock, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -130,14 +135,34 @@ class WriterLock:
                 break
             os.close(fd)
         self._fd = fd
+        self._config_before = self.run_dir.config.read_bytes() if self.run_dir.config.is_file() else None
         return ""
+
+    def undo_start(self) -> None:
+        """Put the directory back as `acquire` found it, after a start refused before its first step (rank 0):
+        what appeared since (config.json, metrics.jsonl, logs/, ...) is removed, an earlier config.json restored."""
+        if self._fd is None:
+            return
+        root = self.run_dir.root
+        for path in root.iterdir():
+            if path.name in self._entries_before or path.name == LOCK_FILE:
+                continue  # the lock file goes in release, while still held
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        if self._config_before is not None and self.run_dir.config.read_bytes() != self._config_before:
+            self.run_dir.config.write_bytes(self._config_before)
+        self._undone = True
 
     def release(self) -> None:
         """Let go of the lock (rank 0; a no-op elsewhere and when never taken)."""
         if self._fd is None:
             return
         root = self.run_dir.root
-        if self._created_dir and [p.name for p in root.iterdir()] == [LOCK_FILE]:
+        if self._undone and LOCK_FILE not in self._entries_before and self._created_dir is False:
+            self.run_dir.lock.unlink()  # still held: no other writer can be using it (see _try_lock's check)
+        elif self._created_dir and [p.name for p in root.iterdir()] == [LOCK_FILE]:
             # Still holding the lock, so no other writer can be using the file or directory.
             self.run_dir.lock.unlink()
             root.rmdir()

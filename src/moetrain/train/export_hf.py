@@ -1,4 +1,4 @@
-"""`moetrain export-hf --run RUN [--step N] --out DIR`: a training run's checkpoint as a Hugging Face directory.
+"""`moetrain export-hf --run-dir RUN [--step N] --out DIR`: a training run's checkpoint as a Hugging Face directory.
 
 Reads the config the run stored, builds the model sharded over this invocation's ranks (the run's
 mesh and expert parallelism when they fit the world size, else plain FSDP over all ranks; one
@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch.distributed as dist
+import tyro
 
 from moetrain.args import parse_typed_args
 from moetrain.dtypes import DTYPES
@@ -34,7 +35,9 @@ from moetrain.train.checkpoint import CheckpointRef, latest_complete, list_compl
 class ExportOptions:
     """Write a training run's checkpoint as a Hugging Face model directory (Qwen3-MoE or OLMoE family)."""
 
-    run: str  # run directory of a training job (its logging.run_dir)
+    run_dir: Annotated[str, tyro.conf.arg(aliases=("--run",))]
+    """Run directory of a training job (its logging.run_dir). Under torchrun spell it --run-dir: torchrun
+    takes --run for an abbreviation of its own --run-path."""
     out: str  # new directory to write (must not exist or be empty)
     step: int | None = None  # checkpoint step; None = the newest complete checkpoint
     dtype: Literal["float32", "bfloat16"] | None = None  # dtype of the written tensors; None = the parameters'
@@ -44,20 +47,20 @@ def checkpoint_ref(run_dir: RunDir, step: int | None, run: str) -> CheckpointRef
     if step is None:
         ref = latest_complete(run_dir.checkpoints)
         if ref is None:
-            raise ConfigError(f"--run {run!r} has no complete checkpoint under {run_dir.checkpoints}")
+            raise ConfigError(f"--run-dir {run!r} has no complete checkpoint under {run_dir.checkpoints}")
         return ref
     refs = {r.step: r for r in list_complete(run_dir.checkpoints)}
     if step not in refs:
-        raise ConfigError(f"--step {step} is invalid: --run {run!r} has complete checkpoints at steps "
+        raise ConfigError(f"--step {step} is invalid: --run-dir {run!r} has complete checkpoints at steps "
                           f"{sorted(refs) or 'none'}")
     return refs[step]
 
 
 def export(args: ExportOptions) -> Path:
-    run_dir = RunDir(Path(args.run))
+    run_dir = RunDir(Path(args.run_dir))
     cfg = run_dir.load_config()
     export_family(cfg.model)
-    ref = checkpoint_ref(run_dir, args.step, args.run)
+    ref = checkpoint_ref(run_dir, args.step, args.run_dir)
     check_output_dir(args.out)
     owns_process_group = not distributed()
     try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -37,9 +38,10 @@ import torch
 import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from moetrain.config import JobConfig, parse_job_args, parse_step_range
+from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args, parse_step_range, to_toml
 from moetrain.data.dataset import load_training_data
-from moetrain.errors import CollectiveFailed, TrainingDiverged
+from moetrain.errors import CollectiveFailed, ConfigError, TrainingDiverged
+from moetrain.interop import check_architecture
 from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.observe.profiler import ProfilerWindow
@@ -54,6 +56,8 @@ from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
 from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.estimate import job_defaults
+from moetrain.train.estimate import report as estimate_report
 from moetrain.train.sample import generate
 from moetrain.train.trainer import EvalSchedule, Trainer
 
@@ -74,6 +78,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     owns_process_group = not distributed()
     completed = False
     lock: WriterLock | None = None
+    phase = _Phase()
     try:
         rank, world, device = init_distributed(cfg.parallel)
         reuse_freed_host_memory(world)  # one process: large CPU tensors without fresh pages every step
@@ -84,11 +89,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
                                     cfg.logging.run_dir)
         resume_from = checkpointer.resume_point(cfg)
+        if resume_from is not None:
+            _refuse_schedule_change(resume_from, cfg)
         interrupted_threads = None if resume_from is None else ckpt.saved_intra_op_threads(resume_from)
         threads = set_intra_op_threads(cfg.train.num_threads, interrupted=interrupted_threads)
         refuse_foreign_outputs(run_dir, cfg)
         trainer = Trainer(cfg, data, mesh, device)
-        phase = _Phase()
         try:
             with StopSignals(rank, grace_s=cfg.parallel.collective_timeout_s) as stop:
                 result = _run(trainer, run_dir, checkpointer, resume_from, stop, phase, threads)
@@ -99,6 +105,10 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                 from None
         completed = True
         return result
+    except ConfigError:
+        if lock is not None and phase.where == _Phase.where:  # refused before its first step
+            lock.undo_start()
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -109,6 +119,24 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                 # last collective: otherwise a rank can abort at interpreter exit (SIGABRT).
                 leave_together()
             dist.destroy_process_group()
+
+
+SCHEDULE_FIELDS = ("steps", "warmup_steps", "schedule", "decay_fraction", "min_lr_ratio", "lr")
+
+
+def _refuse_schedule_change(ref: ckpt.CheckpointRef, cfg: JobConfig) -> None:
+    # A larger train.steps silently stretches a cosine or WSD schedule mid-run: say so unless asked for.
+    if cfg.checkpoint.allow_schedule_change or ref.step >= cfg.train.steps:  # nothing left to train: no effect
+        return
+    saved = ckpt.stored_config(ref)
+    if saved is None:
+        return
+    for name in SCHEDULE_FIELDS:
+        old, new = getattr(saved.train, name), getattr(cfg.train, name)
+        if old != new:
+            raise ConfigError(f"train.{name} = {new!r} differs from {old!r} in checkpoint {ref.path}: the "
+                              "learning-rate schedule would change mid-run; use the checkpoint's value or pass "
+                              "--checkpoint.allow_schedule_change True")
 
 
 def _is_collective_failure(err: RuntimeError) -> bool:
@@ -314,9 +342,42 @@ def _finish(trainer: Trainer, metrics: MetricsWriter, wall_s: float, steps_this_
     return final
 
 
+DESCRIPTION = ("Train a model: a TOML job (--config) and --section.field overrides. With --model.init_from hf:DIR "
+               "and no model fields, the architecture and tokenizer come from DIR (a Hugging Face directory).")
+
+
+DRY_RUN = CommandOption("dry_run", bool, False, "validate the job (config, HF directory, data, mesh for WORLD_SIZE), "
+                        "print the resolved config as TOML and the memory estimate, write nothing")
+
+
+def dry_run(cfg: JobConfig) -> int:
+    """Everything a start checks before it writes, then the resolved config and the estimate; writes nothing."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(cfg.parallel, world)
+    if cfg.model.init_from is not None:
+        check_architecture(cfg.model, cfg.model.init_from[3:])
+    data = load_training_data(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(to_toml(cfg), end="")
+        print(f"# data: {data.n_train_documents} train documents -> {len(data.train)} sequences of "
+              f"{cfg.data.seq_len} tokens, {data.n_heldout_documents} held-out documents")
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        print("\n".join(f"# {line}" for line in estimate_report(cfg, world, per_node, "cpu").splitlines()))
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    cfg = parse_job_args(argv, prog="moetrain train")
+    flags = {"--dry-run": True, "--dry_run": True, "--no-dry-run": False, "--no_dry_run": False}
+    dry = [flags[a] for a in argv if a in flags][-1:] == [True]  # the last one given wins
+    argv = [a for a in argv if a not in flags]
+    cfg = parse_job_args(argv, prog="moetrain train", init_from_defaults=job_defaults, description=DESCRIPTION,
+                         options=(DRY_RUN,))
+    if dry:
+        return dry_run(cfg)
     setup_logging()
+    if int(os.environ.get("RANK", "0")) == 0:  # at once: data, process group and model take a while
+        print(f"moetrain train: starting {cfg.logging.run_dir} ({cfg.train.steps} steps; reading data, then "
+              "building the model)", flush=True)
     try:
         final = run(cfg)
     except TrainingDiverged as err:

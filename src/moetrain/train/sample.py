@@ -21,9 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
+import tyro
 from torch import nn
 
 from moetrain.args import parse_typed_args
@@ -175,7 +177,9 @@ def generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens
 class SampleOptions:
     """Generate text from a run's newest complete checkpoint."""
 
-    run: str  # run directory of a training job (its logging.run_dir)
+    run_dir: Annotated[str, tyro.conf.arg(aliases=("--run",))]
+    """Run directory of a training job (its logging.run_dir). Under torchrun spell it --run-dir: torchrun
+    takes --run for an abbreviation of its own --run-path."""
     prompt: str = "def "  # text to continue
     max_tokens: int = 200  # tokens to generate at most
     temperature: float = 0.0  # 0 = greedy, else sampling
@@ -194,12 +198,13 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--top-p = {args.top_p} is invalid: must be in (0, 1]")
     if args.top_k < 0:
         raise ConfigError(f"--top-k = {args.top_k} is invalid: must be >= 0 (0 = no top-k cut)")
-    run_dir = RunDir(Path(args.run))
-    run_cfg = run_dir.load_config()  # also says when --run is not a training run's directory
+    run_dir = RunDir(Path(args.run_dir))
+    run_cfg = run_dir.load_config()  # also says when --run-dir is not a training run's directory
     ref, skipped = newest_intact(run_dir.checkpoints)
     if ref is None:
         why = f": {skipped[0]}" if skipped else ""
-        raise ConfigError(f"--run {args.run!r} has no intact checkpoint under {args.run}/checkpoints{why}")
+        raise ConfigError(f"--run-dir {args.run_dir!r} has no intact checkpoint under "
+                          f"{args.run_dir}/checkpoints{why}")
     for problem in skipped:
         log.warning("skipping a damaged checkpoint: %s; sampling from %s", problem, ref.path.name)
     cfg = stored_config(ref) or run_cfg  # the config the weights were trained with
@@ -209,6 +214,6 @@ def main(argv: list[str]) -> int:
     text = generate(model, tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
                     max_context=cfg.data.seq_len, top_k=args.top_k)
     how = "greedy" if args.temperature == 0 else f"T={args.temperature} top-p={args.top_p}"
-    print(f"# {args.run} step {ref.step}, {how}")
+    print(f"# {args.run_dir} step {ref.step}, {how}")
     print(args.prompt + text)
     return 0

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.profiler import record_function
 
 from moetrain.config import JobConfig
 from moetrain.data.batching import build_batching
@@ -235,7 +236,8 @@ class Trainer:
             grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
             finite = totals.nonfinite_ranks == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
             if finite:
-                self.optimizer.step()
+                with record_function("optimizer"):  # a label in profiler traces
+                    self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if finite:
                 self.model.update_expert_bias(all_reduce_sum if self.world > 1 else None)
