@@ -31,6 +31,7 @@ from moetrain.model.grouped_mm import (
     check_activation,
     grouped_mm,
     grouped_mm_backend,
+    host_counts,
 )
 from moetrain.model.moe_function import memory_efficient_experts
 from moetrain.model.routing import Routing
@@ -66,7 +67,7 @@ def _scatter_to_tokens(contrib_AD: Tensor, token_index_A: Tensor, n_tokens: int)
 
 def _experts_loop(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: str) -> Tensor:
     """Reference: one expert at a time, plain matmuls, standard autograd."""
-    sizes = routing.counts.tolist()
+    sizes = host_counts(routing.counts, routing.n_assignments)
     pieces = []
     # Empty experts run too (zero-row matmuls) so every weight gets a zero gradient, never None.
     for tokens, scores, w1_DN, w2_FD in zip(routing.token_index.split(sizes), routing.scores.split(sizes),
@@ -79,7 +80,7 @@ def _experts_loop(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor
 def _experts_grouped(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: str,
                      backend: Backend) -> Tensor:
     """Gather, two grouped GEMMs, weight by score, scatter back; standard autograd saves the lot."""
-    sizes = routing.counts.tolist() if backend == "segment_loop" else None
+    sizes = host_counts(routing.counts, routing.n_assignments) if backend == "segment_loop" else None
     gathered_AD = x_TD.index_select(0, routing.token_index)
     hidden_AN = grouped_mm(gathered_AD, w1_EDN, routing.counts, backend, sizes)
     expert_out_AD = grouped_mm(activation_forward(hidden_AN, activation), w2_EFD, routing.counts, backend, sizes)

@@ -83,79 +83,145 @@ def plan_chunks(counts_host: list[int] | None, n_experts: int, n_rows: int, chun
     return chunks
 
 
+def _forward(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
+             activation: str, backend: Backend, chunk_rows: int) -> tuple[Tensor, Tensor, list[int] | None,
+                                                                         list[ExpertChunk]]:
+    """The forward pass: (out in x's dtype, H, the host counts, the chunk plan) for the backward."""
+    # The segment loop needs the counts on the host: read them once, reuse them in backward.
+    counts_host = counts.tolist() if backend == "segment_loop" else None
+    chunks = plan_chunks(counts_host, counts.numel(), token_index.numel(), chunk_rows)
+    acc = _accumulate_dtype(x.dtype)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    # One chunk writes H directly; several fill row slices of one preallocated H.
+    hidden = x.new_empty(token_index.numel(), w1.shape[2]) if len(chunks) > 1 else None
+    for chunk in chunks:
+        rows = slice(chunk.first_row, chunk.end_row)
+        experts = slice(chunk.first_expert, chunk.end_expert)
+        counts_c = counts[experts]
+        counts_host_c = None if counts_host is None else counts_host[experts]
+        tokens = token_index[rows]
+        # Gathered rows are a chunk-sized temporary; backward gathers X again rather than keep them.
+        hidden_c = grouped_mm(x.index_select(0, tokens), w1[experts], counts_c, backend, counts_host_c,
+                              out=None if hidden is None else hidden[rows])
+        # Scaling A (rows x n) by S before W2 is cheaper than scaling Y (rows x d), equal by linearity.
+        weighted_act = _scale_rows(activation_forward(hidden_c, activation), scores[rows])
+        out.index_add_(0, tokens, grouped_mm(weighted_act, w2[experts], counts_c, backend, counts_host_c).to(acc))
+    hidden = hidden_c if hidden is None else hidden
+    return out.to(x.dtype), hidden, counts_host, chunks
+
+
+def _backward(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token_index: Tensor, counts: Tensor,
+              w1: Tensor, w2: Tensor, activation: str, backend: Backend, counts_host: list[int] | None,
+              chunks: list[ExpertChunk], needs: tuple[bool, bool, bool, bool]):
+    """The backward pass: (dX, dS, dW1, dW2), None where `needs` says that input takes no gradient."""
+    need_x, need_scores, need_w1, need_w2 = needs
+    # An expanded (stride-0) gradient, e.g. from out.sum(), would trip `_grouped_mm`; make it dense.
+    grad_out = grad_out.contiguous()
+    acc = _accumulate_dtype(x.dtype)
+    grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if need_x else None
+    grad_scores = torch.empty_like(scores) if need_scores else None
+    # Every expert's slice is written (zeros for empty experts) by grouped_mm_weight_grad.
+    grad_w1 = torch.empty_like(w1) if need_w1 else None
+    grad_w2 = torch.empty_like(w2) if need_w2 else None
+    for chunk in chunks:
+        rows = slice(chunk.first_row, chunk.end_row)
+        experts = slice(chunk.first_expert, chunk.end_expert)
+        counts_c = counts[experts]
+        counts_host_c = None if counts_host is None else counts_host[experts]
+        tokens, scores_c, hidden_c = token_index[rows], scores[rows], hidden[rows]
+        grad_out_rows = grad_out.index_select(0, tokens)  # dO[token] per assignment
+        # dA' = dO W2^T (a transposed view of W2, no copy)
+        grad_act_unscaled = grouped_mm(grad_out_rows, w2[experts].transpose(1, 2), counts_c, backend,
+                                       counts_host_c)
+        act = activation_forward(hidden_c, activation)  # recomputed from H, never saved
+        if need_scores:  # dS = <dA', A>, reduced in float32 for low-precision inputs
+            grad_scores[rows] = (grad_act_unscaled.to(acc) * act.to(acc)).sum(dim=1).to(scores.dtype)
+        if need_w2:  # dW2_e = (S A)^T dO
+            grouped_mm_weight_grad(_scale_rows(act, scores_c), grad_out_rows, counts_c, backend, counts_host_c,
+                                   out=grad_w2[experts])
+        del grad_out_rows, act
+        if need_x or need_w1:
+            grad_hidden = activation_backward(hidden_c, _scale_rows(grad_act_unscaled, scores_c), activation)
+            del grad_act_unscaled
+            if need_w1:  # dW1_e = X[token]^T dH, X gathered again
+                grouped_mm_weight_grad(x.index_select(0, tokens), grad_hidden, counts_c, backend, counts_host_c,
+                                       out=grad_w1[experts])
+            if need_x:  # dX = scatter-add of dH W1^T
+                grad_rows = grouped_mm(grad_hidden, w1[experts].transpose(1, 2), counts_c, backend, counts_host_c)
+                grad_x.index_add_(0, tokens, grad_rows.to(acc))
+    if need_x:
+        grad_x = grad_x.to(x.dtype)
+    return grad_x, grad_scores, grad_w1, grad_w2
+
+
 class MemoryEfficientExperts(torch.autograd.Function):
     """out = scatter_add_t( S * phi(X[t] W1_e) W2_e ), saving X, H, S, indices and counts only."""
 
     @staticmethod
     def forward(ctx, x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
                 activation: str, backend: Backend, chunk_rows: int) -> Tensor:  # noqa: D102
-        # The segment loop needs the counts on the host: read them once, reuse them in backward.
-        counts_host = counts.tolist() if backend == "segment_loop" else None
-        chunks = plan_chunks(counts_host, counts.numel(), token_index.numel(), chunk_rows)
-        acc = _accumulate_dtype(x.dtype)
-        out = torch.zeros(x.shape, dtype=acc, device=x.device)
-        # One chunk writes H directly; several fill row slices of one preallocated H.
-        hidden = x.new_empty(token_index.numel(), w1.shape[2]) if len(chunks) > 1 else None
-        for chunk in chunks:
-            rows = slice(chunk.first_row, chunk.end_row)
-            experts = slice(chunk.first_expert, chunk.end_expert)
-            counts_c = counts[experts]
-            counts_host_c = None if counts_host is None else counts_host[experts]
-            tokens = token_index[rows]
-            # Gathered rows are a chunk-sized temporary; backward gathers X again rather than keep them.
-            hidden_c = grouped_mm(x.index_select(0, tokens), w1[experts], counts_c, backend, counts_host_c,
-                                  out=None if hidden is None else hidden[rows])
-            # Scaling A (rows x n) by S before W2 is cheaper than scaling Y (rows x d), equal by linearity.
-            weighted_act = _scale_rows(activation_forward(hidden_c, activation), scores[rows])
-            out.index_add_(0, tokens, grouped_mm(weighted_act, w2[experts], counts_c, backend, counts_host_c).to(acc))
-        hidden = hidden_c if hidden is None else hidden
+        out, hidden, counts_host, chunks = _forward(x, scores, w1, w2, token_index, counts, activation, backend,
+                                                    chunk_rows)
         ctx.save_for_backward(x, hidden, scores, token_index, counts, w1, w2)
         ctx.activation, ctx.backend, ctx.counts_host, ctx.chunks = activation, backend, counts_host, chunks
-        return out.to(x.dtype)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):  # noqa: D102
-        x, hidden, scores, token_index, counts, w1, w2 = ctx.saved_tensors
-        activation, backend, counts_host = ctx.activation, ctx.backend, ctx.counts_host
-        need_x, need_scores, need_w1, need_w2 = ctx.needs_input_grad[:4]
-        # An expanded (stride-0) gradient, e.g. from out.sum(), would trip `_grouped_mm`; make it dense.
-        grad_out = grad_out.contiguous()
-        acc = _accumulate_dtype(x.dtype)
-        grad_x = torch.zeros(x.shape, dtype=acc, device=x.device) if need_x else None
-        grad_scores = torch.empty_like(scores) if need_scores else None
-        # Every expert's slice is written (zeros for empty experts) by grouped_mm_weight_grad.
-        grad_w1 = torch.empty_like(w1) if need_w1 else None
-        grad_w2 = torch.empty_like(w2) if need_w2 else None
-        for chunk in ctx.chunks:
-            rows = slice(chunk.first_row, chunk.end_row)
-            experts = slice(chunk.first_expert, chunk.end_expert)
-            counts_c = counts[experts]
-            counts_host_c = None if counts_host is None else counts_host[experts]
-            tokens, scores_c, hidden_c = token_index[rows], scores[rows], hidden[rows]
-            grad_out_rows = grad_out.index_select(0, tokens)  # dO[token] per assignment
-            # dA' = dO W2^T (a transposed view of W2, no copy)
-            grad_act_unscaled = grouped_mm(grad_out_rows, w2[experts].transpose(1, 2), counts_c, backend,
-                                           counts_host_c)
-            act = activation_forward(hidden_c, activation)  # recomputed from H, never saved
-            if need_scores:  # dS = <dA', A>, reduced in float32 for low-precision inputs
-                grad_scores[rows] = (grad_act_unscaled.to(acc) * act.to(acc)).sum(dim=1).to(scores.dtype)
-            if need_w2:  # dW2_e = (S A)^T dO
-                grouped_mm_weight_grad(_scale_rows(act, scores_c), grad_out_rows, counts_c, backend, counts_host_c,
-                                       out=grad_w2[experts])
-            del grad_out_rows, act
-            if need_x or need_w1:
-                grad_hidden = activation_backward(hidden_c, _scale_rows(grad_act_unscaled, scores_c), activation)
-                del grad_act_unscaled
-                if need_w1:  # dW1_e = X[token]^T dH, X gathered again
-                    grouped_mm_weight_grad(x.index_select(0, tokens), grad_hidden, counts_c, backend, counts_host_c,
-                                           out=grad_w1[experts])
-                if need_x:  # dX = scatter-add of dH W1^T
-                    grad_rows = grouped_mm(grad_hidden, w1[experts].transpose(1, 2), counts_c, backend, counts_host_c)
-                    grad_x.index_add_(0, tokens, grad_rows.to(acc))
-        if need_x:
-            grad_x = grad_x.to(x.dtype)
-        return grad_x, grad_scores, grad_w1, grad_w2, None, None, None, None, None
+        grads = _backward(grad_out, *ctx.saved_tensors, ctx.activation, ctx.backend, ctx.counts_host, ctx.chunks,
+                          tuple(ctx.needs_input_grad[:4]))
+        return *grads, None, None, None, None, None
+
+
+# Under torch.compile the layer is one opaque operator per pass (forward, backward): the compiled
+# graph holds no host read of the counts and no data-dependent chunk plan, and inside the operator the
+# eager code above runs unchanged (host counts, cache-sized chunks). Its fake rule gives the output
+# shapes, which depend only on the input shapes. The backward recomputes the plan from `counts`.
+
+@torch.library.custom_op("moetrain::memory_efficient_experts", mutates_args=())
+def _experts_op(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
+                activation: str, backend: str, chunk_rows: int) -> tuple[Tensor, Tensor]:
+    out, hidden, _, _ = _forward(x, scores, w1, w2, token_index, counts, activation, backend, chunk_rows)
+    return out, hidden
+
+
+@_experts_op.register_fake
+def _experts_op_fake(x, scores, w1, w2, token_index, counts, activation, backend, chunk_rows):
+    return x.new_empty(x.shape), x.new_empty(token_index.shape[0], w1.shape[2])
+
+
+@torch.library.custom_op("moetrain::memory_efficient_experts_backward", mutates_args=())
+def _experts_backward_op(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token_index: Tensor,
+                         counts: Tensor, w1: Tensor, w2: Tensor, activation: str, backend: str,
+                         chunk_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    counts_host = counts.tolist() if backend == "segment_loop" else None
+    chunks = plan_chunks(counts_host, counts.numel(), token_index.numel(), chunk_rows)
+    return _backward(grad_out, x, hidden, scores, token_index, counts, w1, w2, activation, backend, counts_host,
+                     chunks, (True, True, True, True))
+
+
+@_experts_backward_op.register_fake
+def _experts_backward_op_fake(grad_out, x, hidden, scores, token_index, counts, w1, w2, activation, backend,
+                              chunk_rows):
+    return torch.empty_like(x), torch.empty_like(scores), torch.empty_like(w1), torch.empty_like(w2)
+
+
+def _experts_op_setup_context(ctx, inputs, output):
+    x, scores, w1, w2, token_index, counts, activation, backend, chunk_rows = inputs
+    ctx.save_for_backward(x, output[1], scores, token_index, counts, w1, w2)
+    ctx.activation, ctx.backend, ctx.chunk_rows = activation, backend, chunk_rows
+
+
+def _experts_op_backward(ctx, grad_out, grad_hidden):
+    # H is an internal output (saved for backward, never used downstream), so grad_hidden is None.
+    x, hidden, scores, token_index, counts, w1, w2 = ctx.saved_tensors
+    grads = _experts_backward_op(grad_out, x, hidden, scores, token_index, counts, w1, w2, ctx.activation,
+                                 ctx.backend, ctx.chunk_rows)
+    return *grads, None, None, None, None, None
+
+
+_experts_op.register_autograd(_experts_op_backward, setup_context=_experts_op_setup_context)
 
 
 def memory_efficient_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str,
@@ -164,5 +230,9 @@ def memory_efficient_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor
     # Integer metadata must be contiguous int64 for index_select/index_add and the offsets cumsum.
     token_index = routing.token_index.to(torch.long).contiguous()
     counts = routing.counts.to(torch.long).contiguous()
+    if torch.compiler.is_compiling():
+        out, _ = _experts_op(x.contiguous(), routing.scores.contiguous(), w1, w2, token_index, counts, activation,
+                             backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows)
+        return out
     return MemoryEfficientExperts.apply(x.contiguous(), routing.scores.contiguous(), w1, w2, token_index, counts,
                                         activation, backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows)
