@@ -174,10 +174,12 @@ class MemoryEfficientExperts(torch.autograd.Function):
         return *grads, None, None, None, None, None
 
 
-# Under torch.compile the layer is one opaque operator per pass (forward, backward): the compiled
-# graph holds no host read of the counts and no data-dependent chunk plan, and inside the operator the
-# eager code above runs unchanged (host counts, cache-sized chunks). Its fake rule gives the output
-# shapes, which depend only on the input shapes. The backward recomputes the plan from `counts`.
+# The layer runs as one opaque operator per pass (forward, backward), eager and compiled alike:
+# a compiled graph then holds no host read of the counts and no data-dependent chunk plan (inside
+# the operator the eager code above runs unchanged: host counts, cache-sized chunks; its fake rule
+# gives the output shapes, which depend only on the input shapes), and selective activation
+# checkpointing (moetrain.parallel.parallelize) can keep its outputs as one op's instead of
+# recomputing the GEMMs inside it. The backward recomputes the chunk plan from `counts`.
 
 @torch.library.custom_op("moetrain::memory_efficient_experts", mutates_args=())
 def _experts_op(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
@@ -194,17 +196,20 @@ def _experts_op_fake(x, scores, w1, w2, token_index, counts, activation, backend
 @torch.library.custom_op("moetrain::memory_efficient_experts_backward", mutates_args=())
 def _experts_backward_op(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token_index: Tensor,
                          counts: Tensor, w1: Tensor, w2: Tensor, activation: str, backend: str,
-                         chunk_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         chunk_rows: int, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     counts_host = counts.tolist() if backend == "segment_loop" else None
     chunks = plan_chunks(counts_host, counts.numel(), token_index.numel(), chunk_rows)
-    return _backward(grad_out, x, hidden, scores, token_index, counts, w1, w2, activation, backend, counts_host,
-                     chunks, (True, True, True, True))
+    grads = _backward(grad_out, x, hidden, scores, token_index, counts, w1, w2, activation, backend, counts_host,
+                      chunks, tuple(needs))
+    # An operator returns tensors only: an input that takes no gradient gets an empty one, dropped below.
+    return tuple(x.new_empty(0) if grad is None else grad for grad in grads)
 
 
 @_experts_backward_op.register_fake
 def _experts_backward_op_fake(grad_out, x, hidden, scores, token_index, counts, w1, w2, activation, backend,
-                              chunk_rows):
-    return torch.empty_like(x), torch.empty_like(scores), torch.empty_like(w1), torch.empty_like(w2)
+                              chunk_rows, needs):
+    return tuple(torch.empty_like(t) if need else x.new_empty(0)
+                 for t, need in zip((x, scores, w1, w2), needs, strict=True))
 
 
 def _experts_op_setup_context(ctx, inputs, output):
@@ -216,12 +221,14 @@ def _experts_op_setup_context(ctx, inputs, output):
 def _experts_op_backward(ctx, grad_out, grad_hidden):
     # H is an internal output (saved for backward, never used downstream), so grad_hidden is None.
     x, hidden, scores, token_index, counts, w1, w2 = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:4])
     grads = _experts_backward_op(grad_out, x, hidden, scores, token_index, counts, w1, w2, ctx.activation,
-                                 ctx.backend, ctx.chunk_rows)
-    return *grads, None, None, None, None, None
+                                 ctx.backend, ctx.chunk_rows, needs)
+    return *(grad if need else None for grad, need in zip(grads, needs, strict=True)), None, None, None, None, None
 
 
 _experts_op.register_autograd(_experts_op_backward, setup_context=_experts_op_setup_context)
+EXPERTS_OP = torch.ops.moetrain.memory_efficient_experts.default  # what selective checkpointing keeps
 
 
 def memory_efficient_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str,
@@ -230,9 +237,6 @@ def memory_efficient_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor
     # Integer metadata must be contiguous int64 for index_select/index_add and the offsets cumsum.
     token_index = routing.token_index.to(torch.long).contiguous()
     counts = routing.counts.to(torch.long).contiguous()
-    if torch.compiler.is_compiling():
-        out, _ = _experts_op(x.contiguous(), routing.scores.contiguous(), w1, w2, token_index, counts, activation,
-                             backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows)
-        return out
-    return MemoryEfficientExperts.apply(x.contiguous(), routing.scores.contiguous(), w1, w2, token_index, counts,
-                                        activation, backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows)
+    out, _ = _experts_op(x.contiguous(), routing.scores.contiguous(), w1, w2, token_index, counts, activation,
+                         backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows)
+    return out

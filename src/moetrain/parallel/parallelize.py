@@ -38,11 +38,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from moetrain.config import ParallelConfig
 from moetrain.errors import ConfigError
+from moetrain.model import moe_function  # registers torch.ops.moetrain.memory_efficient_experts
 from moetrain.parallel.expert_parallel import apply_expert_parallel
 from moetrain.parallel.mesh import expert_meshes
 from moetrain.parallel.shard import apply_fsdp
@@ -61,8 +62,10 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> None:
 # Ops whose outputs selective checkpointing keeps: the GEMMs and attention kernels, where the
 # FLOPs are. Everything else a block does (norms, RoPE, activations, routing, gathers, scatters)
 # is cheap elementwise or indexing work and is recomputed in backward. The memory-efficient MoE
-# layer's own GEMMs run through aten.mm inside its autograd Function and are kept the same way.
+# layer is one operator (its GEMMs write into preallocated rows, aten.mm.out, which a policy cannot
+# replay), so the policy keeps that operator's outputs.
 SAVED_OPS = frozenset({
+    moe_function.EXPERTS_OP,
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
