@@ -86,7 +86,8 @@ def main(argv: list[str]) -> None:
         row["time_vs_none"] = row["step_s_median"] / base["step_s_median"]
         row["memory_vs_none"] = row["peak_rss_above_base_mib"] / base["peak_rss_above_base_mib"]
         summary.append(row)
-    lines = ["| mode | every | fwd+bwd s (median) | x none | peak RSS above base MiB | x none |", "|---|---|---|---|---|---|"]
+    lines = ["| mode | every | fwd+bwd s (median) | x none | peak RSS above base MiB | x none |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} | {r['every']} | {r['step_s_median']:.2f} | {r['time_vs_none']:.2f} | "
               f"{r['peak_rss_above_base_mib']:.0f} | {r['memory_vs_none']:.2f} |" for r in summary]
     print("\n".join(lines))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moetrain.config import ModelConfig, MoEConfig, ParallelConfig
+from moetrain.config import ModelConfig, MoEConfig, ParallelConfig, parse_job_args
 from moetrain.errors import ConfigError
 from moetrain.parallel import parallelize
 from moetrain.parallel.parallelize import checkpointing_mode, parallelize_model
@@ -166,3 +166,18 @@ def test_checkpointing_mode_parsing():
     with pytest.raises(ConfigError, match="activation_checkpointing_every"):
         parallelize_model(build_model(model_cfg("loop"), weights="none"), None, ParallelConfig(),
                           activation_checkpointing="full", activation_checkpointing_every=0)
+
+
+def test_toml_keeps_the_boolean_form(tmp_path):
+    for value, mode in (("true", "full"), ("false", "none"), ('"selective"', "selective")):
+        path = tmp_path / "job.toml"
+        path.write_text(f"[train]\nactivation_checkpointing = {value}\nactivation_checkpointing_every = 2\n")
+        cfg = parse_job_args(["--config", str(path)])
+        assert checkpointing_mode(cfg.train.activation_checkpointing) == mode
+        assert cfg.train.activation_checkpointing_every == 2
+    path.write_text('[train]\nactivation_checkpointing = "sometimes"\n')
+    with pytest.raises(ConfigError, match="train.activation_checkpointing"):
+        parse_job_args(["--config", str(path)])
+    path.write_text("[train]\nactivation_checkpointing_every = 0\n")
+    with pytest.raises(ConfigError, match="train.activation_checkpointing_every"):
+        parse_job_args(["--config", str(path)])

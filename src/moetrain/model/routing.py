@@ -77,8 +77,8 @@ def routing_from_topk(topk_idx: Tensor, topk_scores: Tensor, n_experts: int) -> 
     # The friendly range check reads values on the host; on an accelerator that would stall the
     # stream every layer, so there an out-of-range index fails in the counting kernel instead; so it
     # does in a compiled graph (topk indices are in range by construction there).
-    if (topk_idx.device.type == "cpu" and not torch.compiler.is_compiling()) and topk_idx.numel() and (int(topk_idx.min()) < 0
-                                                                or int(topk_idx.max()) >= n_experts):
+    host_check = topk_idx.device.type == "cpu" and not torch.compiler.is_compiling()
+    if host_check and topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= n_experts):
         raise ValueError(f"expert indices must lie in [0, {n_experts}); got range "
                          f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
     top_k = topk_idx.shape[1]
