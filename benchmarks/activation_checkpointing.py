@@ -8,7 +8,8 @@ Each measurement is a fresh process (the RSS high-water mark is per process) tha
 config's model exactly as training does (`train.build.build_model`, with the mode under test),
 runs one warm-up and `--steps` timed forward+backward passes of one microbatch (random tokens, two
 documents per row) and reports the median pass time and the peak RSS above the RSS before the
-first pass (what the passes themselves allocate: activations, the SAC cache, gradients). Modes
+first pass (what the passes themselves allocate: activations, the SAC cache, gradients), and the
+pass's process CPU time (one thread: on a shared machine less disturbed than wall time). Modes
 run interleaved, the order reversed on every other repeat, so on a shared machine their ratios
 are measured side by side; absolute times are not comparable across runs.
 The remaining arguments are config overrides (e.g. `--model.n_layers 4`).
@@ -49,17 +50,19 @@ def child(argv: list[str], mode: str, every: int, steps: int) -> dict:
     tokens = torch.randint(0, cfg.model.vocab_size, (rows, seq), generator=g)
     docs = (torch.arange(seq) >= seq // 3).long().expand(rows, seq)
     base = rss_bytes()
-    times = []
+    times, cpu_times = [], []
     for step in range(1 + steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         logits = model(tokens, document_ids=docs)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         (loss + model.aux_loss()).backward()
         if step:
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         model.zero_grad(set_to_none=False)  # keep the gradient buffers: the peak counts them once
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"mode": mode, "every": every, "step_s": statistics.median(times), "peak_rss_above_base": peak - base,
+    return {"mode": mode, "every": every, "step_s": statistics.median(times),
+            "step_cpu_s": statistics.median(cpu_times), "peak_rss_above_base": peak - base,
             "loss": float(loss)}
 
 
@@ -80,15 +83,18 @@ def main(argv: list[str]) -> None:
     for mode, every in MODES:
         mine = [r for r in runs if (r["mode"], r["every"]) == (mode, every)]
         row = {"mode": mode, "every": every, "step_s_median": statistics.median(r["step_s"] for r in mine),
+               "step_cpu_s_median": statistics.median(r["step_cpu_s"] for r in mine),
                "peak_rss_above_base_mib": statistics.median(r["peak_rss_above_base"] for r in mine) / 2**20,
                "losses": sorted({r["loss"] for r in mine})}
         base = base or row
         row["time_vs_none"] = row["step_s_median"] / base["step_s_median"]
+        row["cpu_time_vs_none"] = row["step_cpu_s_median"] / base["step_cpu_s_median"]
         row["memory_vs_none"] = row["peak_rss_above_base_mib"] / base["peak_rss_above_base_mib"]
         summary.append(row)
-    lines = ["| mode | every | fwd+bwd s (median) | x none | peak RSS above base MiB | x none |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['every']} | {r['step_s_median']:.2f} | {r['time_vs_none']:.2f} | "
+    lines = ["| mode | every | fwd+bwd CPU s | x none | wall s | x none | peak RSS above base MiB | x none |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['every']} | {r['step_cpu_s_median']:.2f} | {r['cpu_time_vs_none']:.2f} | "
+              f"{r['step_s_median']:.2f} | {r['time_vs_none']:.2f} | "
               f"{r['peak_rss_above_base_mib']:.0f} | {r['memory_vs_none']:.2f} |" for r in summary]
     print("\n".join(lines))
     if json_path:
