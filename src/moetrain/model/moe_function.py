@@ -16,6 +16,11 @@ are processed in cache-sized chunks (gather, GEMMs, elementwise work and scatter
 not even a transient tokens*top_k x hidden tensor is formed.
 Reductions that feed a low-precision result (dS, the token scatter-adds) accumulate in float32.
 The score gradient is returned to autograd, so it reaches the router through ordinary autograd.
+The model calls the layer as the custom operator `torch.ops.moetrain.memory_efficient_experts`
+(forward and backward each one opaque op: torch.compile traces around it without graph breaks,
+selective activation checkpointing keeps its outputs); `MemoryEfficientExperts` is the same
+computation as a plain autograd Function, kept as the pre-operator form that tests and the
+benchmark compare against.
 This module holds no parameters, makes no routing decisions and has no distributed code; the
 caller's weights may be FSDP-unsharded tensors. It is called by `experts.routed_experts` and imports
 only the kernels (grouped_mm.py) and the routing record (routing.py), never experts.py.
