@@ -7,9 +7,9 @@ forward+backward of the memory-efficient routed experts at the qwen3_moe_debug s
 tokens, dim 256, 64 experts, top-8, expert width 768, SwiGLU) through the custom operator the
 model now calls and through the `MemoryEfficientExperts` autograd Function it called before.
 The layer's FLOPs are its GEMMs': the forward 2 · tokens · top_k · dim · 3 · width (W1 of width
-2 · width for SwiGLU, then W2), the backward twice that (input and weight gradients). Reports the best time per path and dtype
-and its fraction of the same round's GEMM peak (best over rounds of each); on a shared machine only
-these side-by-side ratios mean anything.
+2 · width for SwiGLU, then W2), the backward twice that (input and weight gradients). Reports the
+best time per path and dtype and its fraction of the GEMM peak (best over rounds of each); on a
+shared machine only these side-by-side ratios mean anything.
 """
 
 from __future__ import annotations
