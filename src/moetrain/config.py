@@ -320,8 +320,12 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 = no clipping."""
     seed: int = 0
     """Seed of the init, the data order and sampling."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them."""
+    activation_checkpointing: bool | Literal["none", "full", "selective"] = False
+    """Recompute activations in backward instead of storing them: "full" (or true) recomputes whole
+    blocks from their input; "selective" keeps every matmul's and attention kernel's output and
+    recomputes only the cheap ops between them; "none" (or false) stores everything."""
+    activation_checkpointing_every: int = 1
+    """Checkpoint only blocks 0, N, 2N, ... (N = this); 1 = every block."""
     compile: bool = False
     """torch.compile each transformer block."""
     nan_policy: Literal["skip", "stop"] = "stop"
@@ -463,6 +467,7 @@ def _validate(cfg: JobConfig) -> None:
         "model.moe.expert_hidden": moe.expert_hidden, "model.moe.token_rounding_tile": moe.token_rounding_tile,
         "parallel.dp_replicate": p.dp_replicate, "parallel.ep": p.ep, "data.seq_len": d.seq_len, "train.steps": t.steps,
         "train.microbatch_size": t.microbatch_size, "train.grad_accum": t.grad_accum,
+        "train.activation_checkpointing_every": t.activation_checkpointing_every,
         "train.eval_batches": t.eval_batches, "train.max_consecutive_skips": t.max_consecutive_skips,
         "checkpoint.every": c.every, "checkpoint.keep_last": c.keep_last,
         "logging.log_every": lg.log_every,

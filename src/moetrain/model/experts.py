@@ -35,9 +35,10 @@ from moetrain.model.grouped_mm import (
     check_activation,
     grouped_mm,
     grouped_mm_backend,
+    host_counts,
     is_gated,
 )
-from moetrain.model.moe_function import memory_efficient_experts
+from moetrain.model.moe_function import expert_of_rows, memory_efficient_experts
 from moetrain.model.routing import Routing
 
 IMPLS: tuple[str, ...] = ("loop", "grouped", "memory_efficient")
@@ -77,7 +78,7 @@ def _scatter_to_tokens(contrib_AD: Tensor, token_index_A: Tensor, n_tokens: int)
 def _experts_loop(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: Activation,
                   b1_EN: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
     """Reference: one expert at a time, plain matmuls, standard autograd."""
-    sizes = routing.counts.tolist()
+    sizes = host_counts(routing.counts, routing.n_assignments)
     n_experts = w1_EDN.shape[0]
     b1s = b1_EN.unbind(0) if b1_EN is not None else (None,) * n_experts
     b2s = b2_ED.unbind(0) if b2_ED is not None else (None,) * n_experts
@@ -94,15 +95,10 @@ def _experts_loop(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor
     return _scatter_to_tokens(torch.cat(pieces), routing.token_index, x_TD.shape[0])
 
 
-def expert_of_rows(counts: Tensor, n_rows: int) -> Tensor:
-    """The expert owning each row of the grouped layout, [n_rows] (no host sync: the size is given)."""
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=n_rows)
-
-
 def _experts_grouped(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: Activation,
                      backend: Backend, b1_EN: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
     """Gather, two grouped GEMMs, weight by score, scatter back; standard autograd saves the lot."""
-    sizes = routing.counts.tolist() if backend == "segment_loop" else None
+    sizes = host_counts(routing.counts, routing.n_assignments) if backend == "segment_loop" else None
     gathered_AD = x_TD.index_select(0, routing.token_index)
     hidden_AN = grouped_mm(gathered_AD, w1_EDN, routing.counts, backend, sizes)
     experts_A = expert_of_rows(routing.counts, routing.n_assignments) if b1_EN is not None or b2_ED is not None \

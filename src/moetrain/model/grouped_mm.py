@@ -47,6 +47,10 @@ def grouped_mm_backend(device: torch.device, dtype: torch.dtype, impl: str = "me
     """
     if dtype == torch.float64:
         return "segment_loop"
+    if device.type == "cpu" and torch.compiler.is_compiling():
+        # torch 2.13's fake-tensor rule for `_grouped_mm` accepts only bf16 off CUDA, so a traced CPU
+        # graph multiplies the segments instead (sizes from `host_counts`, symbolic under compile).
+        return "segment_loop"
     if device.type == "cuda":
         return "torch_grouped_mm"
     return CPU_GROUPED_MM_BACKEND.get(impl, "segment_loop")
@@ -64,6 +68,22 @@ def _grouped_mm_usable(*mats: Tensor) -> bool:
         if any(s != 1 and (s * mat.element_size()) % 16 for s in mat.stride()):
             return False
     return True
+
+
+def host_counts(counts: Tensor, n_rows: int) -> list[int]:
+    """counts [E] as Python ints (split sizes summing to n_rows).
+
+    Eager this reads the tensor on the host. Under torch.compile (with dynamo's
+    `capture_scalar_outputs`, which `moetrain.parallel.parallelize` turns on) the values become
+    unbacked symbolic sizes inside the graph: the checks tell the compiler they are valid split
+    sizes, so the graph needs no host sync and no graph break.
+    """
+    sizes = counts.tolist()
+    if torch.compiler.is_compiling():
+        for size in sizes:
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == n_rows)
+    return sizes
 
 
 def _offsets(counts: Tensor) -> Tensor:
@@ -99,13 +119,15 @@ def grouped_mm(a: Tensor, b: Tensor, counts: Tensor, backend: Backend, counts_ho
     if backend == "torch_grouped_mm" and _grouped_mm_usable(a, b):
         result = _ContiguousGrad.apply(torch._grouped_mm(a, b, offs=_offsets(counts)))
         return result if out is None else out.copy_(result)
-    sizes = counts.tolist() if counts_host is None else counts_host
+    sizes = host_counts(counts, a.shape[0]) if counts_host is None else counts_host
     if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
         # No autograd (e.g. inside the memory-efficient Function): write each segment's product
         # straight into its rows of one output instead of concatenating pieces (saves an N x m copy).
         out = a.new_empty(a.shape[0], b.shape[2]) if out is None else out
+        # Skipping empty segments branches on a size, which a compiled graph cannot (an empty mm is exact).
+        compiling = torch.compiler.is_compiling()
         for seg, b_e, out_seg in zip(a.split(sizes, dim=0), b.unbind(0), out.split(sizes, dim=0), strict=True):
-            if seg.shape[0]:
+            if compiling or seg.shape[0]:
                 torch.mm(seg, b_e, out=out_seg)
         return out
     # unbind, not b[e]: each select's backward would materialise a zero [E,k,m] gradient per expert.
@@ -130,10 +152,11 @@ def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backen
             # Groups with no rows are left untouched by some kernels; zero them explicitly.
             result = result.masked_fill((counts == 0).view(-1, 1, 1), 0)
             return result if out is None else out.copy_(result)
-    sizes = counts.tolist() if counts_host is None else counts_host
+    sizes = host_counts(counts, a.shape[0]) if counts_host is None else counts_host
     out = torch.empty(n_experts, a.shape[1], g.shape[1], dtype=a.dtype, device=a.device) if out is None else out
+    compiling = torch.compiler.is_compiling()  # no branch on a symbolic size: an empty a^T g is zeros anyway
     for a_seg, g_seg, out_e in zip(a.split(sizes, dim=0), g.split(sizes, dim=0), out.unbind(0), strict=True):
-        if a_seg.shape[0] == 0:
+        if not compiling and a_seg.shape[0] == 0:
             out_e.zero_()
         elif out_e.dtype == a.dtype:
             torch.mm(a_seg.t(), g_seg, out=out_e)
@@ -201,6 +224,9 @@ def activation_backward(h: Tensor, grad_a: Tensor, activation: Activation) -> Te
         return torch.cat((grad_gate, grad_up), dim=-1).to(h.dtype)
     if activation == "swiglu":
         gate, up = h_c.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():  # dynamo takes no strided out=; the compiler fuses the cat away
+            return torch.cat([torch.ops.aten.silu_backward(grad_c * up, gate), grad_c * F.silu(gate)],
+                             dim=-1).to(h.dtype)
         grad_h = torch.empty_like(h_c)
         # dH = [dA * up * silu'(gate) | dA * silu(gate)], written into the two halves without a cat.
         torch.ops.aten.silu_backward.grad_input(grad_c * up, gate, grad_input=grad_h[:, : gate.shape[1]])

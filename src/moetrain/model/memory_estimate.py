@@ -85,7 +85,7 @@ def estimate_training_memory(cfg: JobConfig, dp_shard: int = 1) -> MemoryEstimat
     tokens = rows * row_len
     dense, moe, layer_input = activation_elements_per_token(cfg)
     n_dense, n_moe = m.n_dense_layers, m.n_layers - m.n_dense_layers
-    if t.activation_checkpointing:
+    if t.activation_checkpointing not in (False, "none"):  # full or selective (estimated as full)
         per_token = m.n_layers * layer_input + (moe if n_moe else dense)
     else:
         per_token = n_dense * dense + n_moe * moe

@@ -97,9 +97,10 @@ def routing_from_topk(topk_idx: Tensor, topk_scores: Tensor, n_experts: int) -> 
         raise ValueError(f"topk_idx {tuple(topk_idx.shape)} and topk_scores {tuple(topk_scores.shape)} "
                          "must both be [tokens, top_k]")
     # The friendly range check reads values on the host; on an accelerator that would stall the
-    # stream every layer, so there an out-of-range index fails in the counting kernel instead.
-    if topk_idx.device.type == "cpu" and topk_idx.numel() and (int(topk_idx.min()) < 0
-                                                                or int(topk_idx.max()) >= n_experts):
+    # stream every layer, so there an out-of-range index fails in the counting kernel instead; so it
+    # does in a compiled graph (topk indices are in range by construction there).
+    host_check = topk_idx.device.type == "cpu" and not torch.compiler.is_compiling()
+    if host_check and topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= n_experts):
         raise ValueError(f"expert indices must lie in [0, {n_experts}); got range "
                          f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")
     top_k = topk_idx.shape[1]

@@ -72,6 +72,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # The document-masked attention method; compiled blocks pin it (moetrain.parallel.parallelize).
+        self.attention_method: str = cfg.attention
 
     def _apply(self, fn, recurse=True):
         # `to_empty` / `to` from meta replace each module's parameters one by one, which would
@@ -107,7 +109,7 @@ class Transformer(nn.Module):
         if document_ids is not None and document_ids.shape != tokens.shape:
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != tokens shape "
                              f"{tuple(tokens.shape)}")
-        plan = plan_attention(document_ids, self.cfg.attention)  # once per forward, shared by every layer
+        plan = plan_attention(document_ids, self.attention_method)  # once per forward, shared by every layer
         if positions is None:
             if document_ids is not None:
                 positions = positions_from_documents(document_ids)

@@ -32,8 +32,8 @@ WEIGHTS = ("init", "none", "hf:DIR")
 
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = None, mesh: DeviceMesh | None = None,
                 device: torch.device | str = "cpu", *, weights: str = "init", seed: int = 0,
-                init_scheme: str | None = None, activation_checkpointing: bool = False,
-                compile: bool = False) -> Transformer:
+                init_scheme: str | None = None, activation_checkpointing: bool | str = False,
+                compile: bool = False, activation_checkpointing_every: int = 1) -> Transformer:
     """The model of `model_cfg`, parallelized over `mesh` per `parallel_cfg`, on `device`, with `weights`.
 
     Without a mesh (or on one rank without expert parallelism) the model stays a plain module.
@@ -44,7 +44,8 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
     with torch.device("meta"):
         model = Transformer(model_cfg)
     parallelize_model(model, mesh, parallel_cfg or ParallelConfig(), activation_checkpointing=activation_checkpointing,
-                      compile=compile)
+                      compile=compile, activation_checkpointing_every=activation_checkpointing_every,
+                      device_type=torch.device(device).type)
     model.to_empty(device=device)
     if weights == "none":
         reset_buffers(model)
@@ -61,7 +62,8 @@ def build_for_job(cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device 
     """The model a training job starts from: `model.init_from` when set, else a fresh init, in train mode."""
     model = build_model(cfg.model, cfg.parallel, mesh, device, weights=cfg.model.init_from or "init",
                         seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing,
-                        compile=cfg.train.compile)
+                        compile=cfg.train.compile,
+                        activation_checkpointing_every=cfg.train.activation_checkpointing_every)
     model.train()
     return model
 
