@@ -111,14 +111,18 @@ def _is_symlink_loop(path: Path) -> bool:
 
 
 def files_under(root: Path, pattern: str) -> list[Path]:
-    """The regular files under `root` matching `pattern`; symbolic-link loops skipped with a warning."""
+    """The regular files under `root` matching `pattern`; symbolic-link loops and dangling links skipped with a
+    warning (a link whose target is gone is most likely a document the user meant to include)."""
     files = []
     for path in root.glob(pattern):
         if path.is_file():
             files.append(path)
-        elif path.is_symlink() and _is_symlink_loop(path):
-            get_logger("data").warning("skipping data file '%s': it is a symbolic link loop",
-                                       _printable_name(path.relative_to(root).as_posix()))
+        elif path.is_symlink():
+            why = "a symbolic link loop" if _is_symlink_loop(path) else (
+                "a dangling symbolic link (its target does not exist)" if not path.exists() else "")
+            if why:
+                get_logger("data").warning("skipping data file '%s': it is %s",
+                                           _printable_name(path.relative_to(root).as_posix()), why)
     return files
 
 
