@@ -386,6 +386,9 @@ def _validate(cfg: JobConfig) -> None:
            f"must be <= model.moe.n_experts = {moe.n_experts}")
     _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}")
     if d.token_budget is not None:
+        _check(d.batching == "token_budget", "data.token_budget", d.token_budget,
+               "is only used under data.batching = 'token_budget' (batching is 'packed'); set that, or leave "
+               "data.token_budget unset")
         # A piece of a long document is budget tokens long, so positions reach budget - 1.
         _check(1 <= d.token_budget <= m.max_seq_len, "data.token_budget", d.token_budget,
                f"must be in [1, model.max_seq_len = {m.max_seq_len}] or None (= data.seq_len)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -302,9 +303,21 @@ def _export_tensors(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
 
 
 def check_output_dir(out_dir: str | Path) -> Path:
+    """--out of an export: new or empty, and creatable here (one ConfigError line otherwise; nothing is left)."""
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {str(out)!r} already exists and is not an empty directory; choose a new one")
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"--out {str(out)!r} already exists and is not an empty directory; choose a new one")
+        parent = out.absolute()
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ConfigError(f"--out {str(out)!r} is below {str(parent)!r}, which is a file, not a directory")
+        # Try it: permissions, a read-only mount and pseudo file systems (/proc) all say no only to a write.
+        shutil.rmtree(tempfile.mkdtemp(prefix=".moetrain-probe-", dir=parent))
+    except OSError as err:
+        raise ConfigError(f"--out {str(out)!r} cannot be written: {err.strerror or err} "
+                          f"({err.filename or out}); choose another directory") from None
     return out
 
 
