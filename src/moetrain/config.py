@@ -509,6 +509,8 @@ def load(path: str | Path) -> JobConfig:
         raise ConfigError(f"config file {str(path)!r} is a directory; pass a TOML file")
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    if not path.is_file():  # a FIFO or device: reading it would block or never end
+        raise ConfigError(f"config file {str(path)!r} is not a regular file; pass a TOML file")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
