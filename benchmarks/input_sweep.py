@@ -233,7 +233,8 @@ def run_case(argv: list[str], timeout_s: float, log_dir: Path, index: int) -> di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="run only the cases whose name starts with this")
+    parser.add_argument("--only", default="", help="run only the cases whose name starts with one of these "
+                                                  "(comma-separated)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     opts = parser.parse_args()
@@ -244,7 +245,7 @@ def main() -> int:
         log_dir.mkdir()
         results = []
         for index, (name, argv) in enumerate(cases(fixtures)):
-            if not name.startswith(opts.only):
+            if not name.startswith(tuple(opts.only.split(","))):
                 continue
             result = {"case": name, **run_case(argv, opts.timeout_s, log_dir, index)}
             results.append(result)

@@ -333,6 +333,8 @@ def _check_field_types(obj: Any, prefix: str = "") -> None:
             raise ConfigError(f"{name} = {value!r} has the wrong type: expected {_type_name(hints[f.name])}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name} = {value!r} is invalid: must be a finite number")
+        if isinstance(value, int) and not -(1 << 63) < value < 1 << 63:  # torch and C code overflow past int64
+            raise ConfigError(f"{name} = {value!r} is invalid: beyond the 64-bit integer range")
 
 
 def _validate(cfg: JobConfig) -> None:
@@ -399,8 +401,9 @@ def _validate(cfg: JobConfig) -> None:
         _check(moe.n_experts % p.ep == 0, "parallel.ep", p.ep,
                f"must divide model.moe.n_experts = {moe.n_experts} (each rank owns whole experts)")
     _check(t.lr > 0, "train.lr", t.lr, "must be > 0")
-    _check(0 < p.collective_timeout_s < float("inf"), "parallel.collective_timeout_s", p.collective_timeout_s,
-           "must be a finite number of seconds > 0")
+    # At most a year: the process group keeps it as a timedelta in C (days fit an int32, not 1e30 s).
+    _check(0 < p.collective_timeout_s <= 365 * 86400, "parallel.collective_timeout_s", p.collective_timeout_s,
+           "must be a finite number of seconds > 0 (at most a year, 31536000)")
     _check(0 <= c.signal_save_after_s < float("inf"), "checkpoint.signal_save_after_s", c.signal_save_after_s,
            "must be a finite number of seconds >= 0")
     _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")

@@ -114,7 +114,12 @@ def files_under(root: Path, pattern: str) -> list[Path]:
     """The regular files under `root` matching `pattern`; symbolic-link loops and dangling links skipped with a
     warning (a link whose target is gone is most likely a document the user meant to include)."""
     files = []
-    for path in root.glob(pattern):
+    try:
+        matches = list(root.glob(pattern))
+    except (NotImplementedError, ValueError) as err:  # an absolute or empty pattern
+        raise ConfigError(f"glob pattern {pattern!r} is invalid ({err}); use a pattern relative to {str(root)!r}, "
+                          "e.g. '**/*.txt'") from None
+    for path in matches:
         if path.is_file():
             files.append(path)
         elif path.is_symlink():

@@ -28,13 +28,16 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     """All records of a metrics file but the superseded ones; the last one wins for a repeated (kind, step)."""
     latest: dict[tuple[str, Any], dict[str, Any]] = {}
     order: list[tuple[str, Any]] = []
-    lines = Path(path).read_text().splitlines()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (bad byte at offset {err.start}): not a metrics file") from None
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             # A run killed mid-write can leave a truncated last line; anything else is a real problem.
             if line_no == len(lines):
                 continue

@@ -86,9 +86,12 @@ class RunDir:
             raise ConfigError(f"--run {str(self.root)!r} has no {CONFIG_FILE}; pass the logging.run_dir of a "
                               "training run")
         try:
-            return from_dict(json.loads(self.config.read_text())).validate()
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{self.config} is not valid JSON: {err}") from None
+            stored = json.loads(self.config.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise ConfigError(f"{self.config} is not valid JSON: {str(err).splitlines()[0]}") from None
+        if not isinstance(stored, dict):
+            raise ConfigError(f"{self.config} does not hold a JSON object (a run's config)")
+        return from_dict(stored).validate()
 
 
 class WriterLock:
