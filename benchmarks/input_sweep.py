@@ -200,9 +200,10 @@ def cases(f: dict) -> list[tuple[str, list[str]]]:
 
 def run_case(argv: list[str], timeout_s: float, log_dir: Path, index: int) -> dict:
     err_path = log_dir / f"case{index:04d}.stderr"
-    saved_fd = os.dup(2)
-    with open(err_path, "wb") as err_file:
-        os.dup2(err_file.fileno(), 2)
+    saved_fd, saved_stderr = os.dup(2), sys.stderr
+    with open(err_path, "w", buffering=1, errors="replace") as err_file:
+        os.dup2(err_file.fileno(), 2)  # C-level writes and handlers on fd 2
+        sys.stderr = err_file  # where sys.stderr is not fd 2 (pytest's capture)
         start = time.perf_counter()
         outcome, code = "", None
         signal.signal(signal.SIGALRM, _on_alarm)
@@ -219,6 +220,7 @@ def run_case(argv: list[str], timeout_s: float, log_dir: Path, index: int) -> di
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             sys.stderr.flush()
+            sys.stderr = saved_stderr
             os.dup2(saved_fd, 2)
             os.close(saved_fd)
     err = err_path.read_text(errors="replace")
