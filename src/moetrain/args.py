@@ -11,6 +11,7 @@ the one line of tyro's error box. This module knows nothing about what is parsed
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import io
 import warnings
@@ -36,12 +37,14 @@ def parse_typed_args(cls: type[T], args: list[str], prog: str, default: T | None
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            return tyro.cli(cls, args=args, **kwargs)
+            parsed = tyro.cli(cls, args=args, **kwargs)
     except SystemExit:
         message = first_message_line(captured.getvalue())
         if message.startswith("Unrecognized options"):
             message = _did_you_mean(cls, args, bool_flags) or message
         raise ConfigError(f"{message} (run `{prog} --help` for options)") from None
+    check_int64(parsed)
+    return parsed
 
 
 def _did_you_mean(cls: type, args: list[str], bool_flags: bool) -> str:
@@ -77,6 +80,22 @@ def option_help(cls: type, bool_flags: bool = False) -> dict[str, str]:
         warnings.simplefilter("ignore", DeprecationWarning)  # get_parser: tyro's parser, the one --help prints
         parser = tyro.extras.get_parser(cls, **_tyro_kwargs("moetrain", None, bool_flags))
     return {name: action.help or "" for action in parser._actions for name in action.option_strings}
+
+
+INT64_MAX = (1 << 63) - 1
+
+
+def check_int64(obj: Any, prefix: str = "--") -> None:
+    """Refuse (one line) an integer option beyond int64: torch, numpy and the C libraries below them
+    overflow on it ("Python int too large to convert"), far from the option that caused it."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        name = f"{prefix}{field.name.replace('_', '-') if prefix == '--' else field.name}"
+        if isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX <= value <= INT64_MAX:
+            raise ConfigError(f"{name} = {value} is invalid: beyond the 64-bit integer range")
+        check_int64(value, f"{name}.")
 
 
 def first_message_line(text: str) -> str:

@@ -455,6 +455,8 @@ def _check_field_types(obj: Any, prefix: str = "") -> None:
             raise ConfigError(f"{name} = {value!r} has the wrong type: expected {_type_name(hints[f.name])}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name} = {value!r} is invalid: must be a finite number")
+        if isinstance(value, int) and not -(1 << 63) < value < 1 << 63:  # torch and C code overflow past int64
+            raise ConfigError(f"{name} = {value!r} is invalid: beyond the 64-bit integer range")
 
 
 def _validate(cfg: JobConfig) -> None:
@@ -526,6 +528,9 @@ def _validate(cfg: JobConfig) -> None:
            f"must be <= model.moe.n_experts = {moe.n_experts}")
     _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}")
     if d.token_budget is not None:
+        _check(d.batching == "token_budget", "data.token_budget", d.token_budget,
+               "is only used under data.batching = 'token_budget' (batching is 'packed'); set that, or leave "
+               "data.token_budget unset")
         # A piece of a long document is budget tokens long, so positions reach budget - 1.
         _check(1 <= d.token_budget <= m.max_seq_len, "data.token_budget", d.token_budget,
                f"must be in [1, model.max_seq_len = {m.max_seq_len}] or None (= data.seq_len)")
@@ -540,8 +545,9 @@ def _validate(cfg: JobConfig) -> None:
     _check(t.lr > 0, "train.lr", t.lr, "must be > 0")
     _check(t.warmup_steps < t.steps, "train.warmup_steps", t.warmup_steps,
            f"must be < train.steps = {t.steps} (the schedule would never leave warm-up)")
-    _check(0 < p.collective_timeout_s < float("inf"), "parallel.collective_timeout_s", p.collective_timeout_s,
-           "must be a finite number of seconds > 0")
+    # At most a year: the process group keeps it as a timedelta in C (days fit an int32, not 1e30 s).
+    _check(0 < p.collective_timeout_s <= 365 * 86400, "parallel.collective_timeout_s", p.collective_timeout_s,
+           "must be a finite number of seconds > 0 (at most a year, 31536000)")
     _check(0 <= c.signal_save_after_s < float("inf"), "checkpoint.signal_save_after_s", c.signal_save_after_s,
            "must be a finite number of seconds >= 0")
     _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
@@ -715,6 +721,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} is a directory; pass a TOML file")
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    if not path.is_file():  # a FIFO or device: reading it would block or never end
+        raise ConfigError(f"config file {str(path)!r} is not a regular file; pass a TOML file")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:

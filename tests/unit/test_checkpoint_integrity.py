@@ -107,15 +107,16 @@ def test_a_crafted_pickle_never_runs_listed_or_not(tmp_path):
     ckpt.load_checkpoint(ref, model, optimizer)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in newer_weights.items())
     # The small state replaced by the pickle: refused in one line (not JSON), never unpickled.
+    trainer_json = (newer.path / ckpt.TRAINER_FILE).read_bytes()
     (newer.path / ckpt.TRAINER_FILE).write_bytes(crafted)
     _rewrite_manifest(newer)
     with pytest.raises(ConfigError, match="trainer.json is not valid JSON"):
         ckpt.load_checkpoint(ckpt.newest_intact(tmp_path / "ckpts")[0], model, optimizer)
     # A tensor file replaced by the pickle: not safetensors, refused in one line.
-    (newer.path / ckpt.TRAINER_FILE).write_text("{}")
+    (newer.path / ckpt.TRAINER_FILE).write_bytes(trainer_json)
     _tensor_file(newer).write_bytes(crafted)
     _rewrite_manifest(newer)
-    with pytest.raises(ConfigError, match="cannot be loaded into this model: .*header"):
+    with pytest.raises(ConfigError, match="is not a readable safetensors file: .*header"):
         ckpt.load_model_weights(ckpt.newest_intact(tmp_path / "ckpts")[0], model)
     assert not marker.exists()
     assert pickle.loads(crafted) is None and marker.exists()  # the crafted bytes do run code when unpickled

@@ -432,10 +432,10 @@ def load_trace(path: str, replicate: int) -> np.ndarray:
     """Measured compute seconds [steps, accum, replicate] from a JSON file with a "costs_s" array."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"trace {path!r} does not exist")
+        raise ConfigError(f"trace {path!r} does not exist or is not a regular file")
     try:
         costs = np.asarray(json.loads(file.read_text())["costs_s"], dtype=np.float64)
-    except (KeyError, ValueError, TypeError) as err:
+    except (KeyError, ValueError, TypeError, IndexError, RecursionError) as err:
         raise ConfigError(f"trace {path!r} has no numeric \"costs_s\" [steps][accum][groups] array ({err})") from None
     if costs.ndim != 3 or costs.shape[2] != replicate:
         raise ConfigError(f"trace {path!r} has costs_s of shape {costs.shape}: expected [steps, accum, {replicate}]")
@@ -446,6 +446,10 @@ def _validate(opts: SimulateOptions) -> None:
     for name in ("replicate", "shard", "accum", "samples"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
+    draws = opts.samples * opts.accum * opts.replicate
+    if draws > 1 << 28 or opts.shard > 1 << 24:  # one float64 array of the draws, per-shard arrays beside it
+        raise ConfigError(f"samples x accum x replicate = {draws} (shard = {opts.shard}) is too large to simulate "
+                          "in memory: at most 2**28 draws and 2**24 shards")
     unknown = [m for m in opts.modes if m not in MODES]
     if unknown:
         raise ConfigError(f"modes {unknown} are invalid: valid are {tuple(MODES)}")

@@ -111,14 +111,23 @@ def _is_symlink_loop(path: Path) -> bool:
 
 
 def files_under(root: Path, pattern: str) -> list[Path]:
-    """The regular files under `root` matching `pattern`; symbolic-link loops skipped with a warning."""
+    """The regular files under `root` matching `pattern`; symbolic-link loops and dangling links skipped with a
+    warning (a link whose target is gone is most likely a document the user meant to include)."""
     files = []
-    for path in root.glob(pattern):
+    try:
+        matches = list(root.glob(pattern))
+    except (NotImplementedError, ValueError) as err:  # an absolute or empty pattern
+        raise ConfigError(f"glob pattern {pattern!r} is invalid ({err}); use a pattern relative to {str(root)!r}, "
+                          "e.g. '**/*.txt'") from None
+    for path in matches:
         if path.is_file():
             files.append(path)
-        elif path.is_symlink() and _is_symlink_loop(path):
-            get_logger("data").warning("skipping data file '%s': it is a symbolic link loop",
-                                       _printable_name(path.relative_to(root).as_posix()))
+        elif path.is_symlink():
+            why = "a symbolic link loop" if _is_symlink_loop(path) else (
+                "a dangling symbolic link (its target does not exist)" if not path.exists() else "")
+            if why:
+                get_logger("data").warning("skipping data file '%s': it is %s",
+                                           _printable_name(path.relative_to(root).as_posix()), why)
     return files
 
 

@@ -38,6 +38,22 @@ def read_config_json(model_dir: str | Path) -> tuple[Path, Any]:
         raise ConfigError(f"{path} is not valid JSON: {err}") from None
 
 
+# Bounds on what a config.json may say before anything is built from it: families loop over the
+# layers (which are dense, which MoE) and the reader over layers x experts, so a count of 10**12
+# would hang before the memory check could refuse it. Far above any published model.
+MAX_LAYERS = 1 << 12
+MAX_COUNT = 1 << 31  # any other size or count: beyond int32 no tensor dimension is meant
+
+
+def integer(hf: dict[str, Any], key: str, where: str, default: Any = None, low: int = 1,
+            high: int = MAX_COUNT) -> int:
+    """The integer `hf[key]` (or `default`) in [low, high], else one ConfigError line (strings, floats, bools too)."""
+    value = hf.get(key, default) if default is not None else hf[key]
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{where}: {key} = {value!r:.40} is invalid: must be an integer in [{low}, {high}]")
+    return value
+
+
 def unsupported(where: str, key: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"{where}: {key} = {value!r} is not supported: {why}")
 
@@ -52,9 +68,9 @@ def rope_theta(hf: dict[str, Any], where: str) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def num_experts(hf: dict[str, Any]) -> int:
+def num_experts(hf: dict[str, Any], where: str = "config.json") -> int:
     # Some families (Mixtral) call it num_local_experts.
-    return int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"])
+    return integer(hf, "num_experts" if "num_experts" in hf else "num_local_experts", where, low=0)
 
 
 def decoder_fields(hf: dict[str, Any], where: str, allow: tuple[str, ...] = ()) -> tuple[dict[str, Any],
@@ -73,9 +89,23 @@ def decoder_fields(hf: dict[str, Any], where: str, allow: tuple[str, ...] = ()) 
         if not ok and key not in allow:
             raise unsupported(where, key, hf.get(key), why)
     theta = rope_theta(hf, where)
-    dim, n_layers, n_heads = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
-    n_kv_heads = int(hf.get("num_key_value_heads") or n_heads)
-    experts = num_experts(hf)
+    dim, n_heads = integer(hf, "hidden_size", where), integer(hf, "num_attention_heads", where)
+    n_layers = integer(hf, "num_hidden_layers", where, high=MAX_LAYERS)
+    n_kv_heads = integer(hf, "num_key_value_heads", where, default=n_heads) if hf.get("num_key_value_heads") \
+        else n_heads
+    for key in ("vocab_size", "num_experts_per_tok", "max_position_embeddings", "intermediate_size",
+                "moe_intermediate_size", "head_dim"):
+        if hf.get(key) is not None:
+            integer(hf, key, where)
+    # Which layers are MoE (Qwen2/3-MoE and kin): a step of 0 would divide by zero in the family.
+    if "decoder_sparse_step" in hf:
+        integer(hf, "decoder_sparse_step", where, high=MAX_LAYERS)
+    mlp_only = hf.get("mlp_only_layers")
+    if mlp_only is not None and not (isinstance(mlp_only, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in mlp_only)):
+        raise ConfigError(f"{where}: mlp_only_layers = {mlp_only!r:.60} is invalid: must be a list of layer "
+                          f"indices in [0, {n_layers})")
+    experts = num_experts(hf, where)
     if experts < 1:
         raise unsupported(where, "num_experts", experts, "only MoE models are supported")
     model = dict(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -53,10 +54,12 @@ from moetrain.interop.sharded_tensors import (
     rope_reorder,
     rows_like,
 )
+from moetrain.logging import get_logger
 from moetrain.model.init import canonical_name
 from moetrain.model.layers import rope_permutation
 from moetrain.parallel.collectives import barrier, distributed, rank_and_world
 
+log = get_logger("interop")
 INDEX_FILE = "model.safetensors.index.json"
 # Output files of an export are split at about this size, like save_pretrained's shards.
 MAX_FILE_BYTES = 5 * 1024**3
@@ -100,9 +103,27 @@ def expected_shapes(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
     return shapes
 
 
+# safetensors dtypes a weight may be stored in: read as they are (cast to the model's dtype like any
+# checkpoint); float64 is read too but said in one warning line (half its precision is dropped).
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})
+
+
 def stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in the directory's safetensors files (headers only)."""
+    return stored_headers(model_dir)[0]
+
+
+def stored_headers(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(name -> shape, name -> safetensors dtype) of every tensor in the directory's files (headers only).
+
+    Every weight file must be a regular file (a link to one is fine: the Hugging Face cache is made
+    of them): opening a FIFO or a device named *.safetensors would block or never end.
+    """
     files = sorted(model_dir.glob("*.safetensors"))
+    for path in files:
+        if not path.is_file():
+            raise ConfigError(f"{path} is not a regular file (a FIFO, device or directory?); a weight file must be "
+                              "a safetensors file")
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
@@ -117,20 +138,34 @@ def stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
         hint = (f" (it has {pickled[0]}: pickle files are never loaded; convert them to safetensors)" if pickled
                 else "")
         raise ConfigError(f"{model_dir} has no *.safetensors weight files{hint}")
-    shapes = {}
+    shapes, dtypes = {}, {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():
                     shapes[key] = tuple(handle.get_slice(key).get_shape())
+                    dtypes[key] = handle.get_slice(key).get_dtype()
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
             raise ConfigError(f"{path} is not a readable safetensors file: {str(err).splitlines()[0]}") from None
-    return shapes
+    return shapes, dtypes
+
+
+def _check_dtypes(model_dir: Path, dtypes: dict[str, str]) -> None:
+    """Refuse weights that are not floating point (one line); say in one warning line that float64 is cast."""
+    not_float = sorted(name for name, dtype in dtypes.items() if dtype not in FLOAT_DTYPES | {"F64"})
+    if not_float:
+        raise ConfigError(f"{model_dir}: tensor {not_float[0]} is stored as {dtypes[not_float[0]]}, not a floating-"
+                          f"point type ({', '.join(sorted(FLOAT_DTYPES | {'F64'}))}): it cannot be a weight"
+                          + (f" (and {len(not_float) - 1} more)" if len(not_float) > 1 else ""))
+    wide = sorted(name for name, dtype in dtypes.items() if dtype == "F64")
+    if wide:
+        log.warning("%s: %d tensor(s) stored as float64 (e.g. %s) are cast to the model's dtype", model_dir,
+                    len(wide), wide[0])
 
 
 def _check_stored(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor], model_dir: Path) -> set[int]:
     """Check the files hold exactly the architecture's tensors; return the MoE layers stored fused."""
-    stored = stored_shapes(model_dir)
+    stored, dtypes = stored_headers(model_dir)
     if family.skipped_tensors is not None:  # tensors of parts moetrain does not compute (announced by the family)
         stored = {name: shape for name, shape in stored.items() if not family.skipped_tensors(cfg, name)}
     fused = ({layer for layer in range(cfg.n_dense_layers, cfg.n_layers)
@@ -144,6 +179,7 @@ def _check_stored(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor], 
         if stored[name] != shape:
             raise ConfigError(f"{model_dir}: tensor {name} has shape {list(stored[name])}, config.json implies "
                               f"{list(shape)}")
+    _check_dtypes(model_dir, {name: dtypes[name] for name in want})
     unexpected = sorted(set(stored) - set(want))
     if unexpected:
         raise ConfigError(f"{model_dir}: tensor {unexpected[0]} is not part of the architecture in config.json "
@@ -314,9 +350,21 @@ def _export_tensors(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
 
 
 def check_output_dir(out_dir: str | Path) -> Path:
+    """--out of an export: new or empty, and creatable here (one ConfigError line otherwise; nothing is left)."""
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {str(out)!r} already exists and is not an empty directory; choose a new one")
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"--out {str(out)!r} already exists and is not an empty directory; choose a new one")
+        parent = out.absolute()
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ConfigError(f"--out {str(out)!r} is below {str(parent)!r}, which is a file, not a directory")
+        # Try it: permissions, a read-only mount and pseudo file systems (/proc) all say no only to a write.
+        shutil.rmtree(tempfile.mkdtemp(prefix=".moetrain-probe-", dir=parent))
+    except OSError as err:
+        raise ConfigError(f"--out {str(out)!r} cannot be written: {err.strerror or err} "
+                          f"({err.filename or out}); choose another directory") from None
     return out
 
 

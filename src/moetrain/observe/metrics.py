@@ -6,9 +6,13 @@ the run's last step), shapes the records and the console line, and stores them.
 Records are one JSON object per line in `RUN_DIR/metrics.jsonl`, with a `kind` of
 "train" (every log step), "eval" (held-out loss / bits per byte), "event" (start,
 resume, skipped step) or "final". A resumed run appends to the same file, so a step
-can appear twice (once before an interruption, once after); readers
-(`moetrain.observe.plot.read_records`) keep the last record per (kind, step), which is
-the one that led to the final model. This module does no collectives.
+can appear twice (once before an interruption, once after). When the resume record is
+written, every earlier record of a later step than the resume's (the history the run left:
+steps past its checkpoint, or past a damaged checkpoint it fell back from) is marked
+`"superseded": true` in place (the file is rewritten atomically; a line cut short by a kill
+is dropped), so readers that skip marked records see one history; readers
+(`moetrain.observe.plot.read_records`) skip them and keep the last record per (kind, step).
+This module does no collectives.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from moetrain.durable import write_atomically
 from moetrain.errors import ConfigError
 from moetrain.observe.tracking import WandbTracker
 from moetrain.runtime.disk import append_line, no_space_left
@@ -88,6 +93,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         with no_space_left(self.path, "metrics file"):
+            if record.get("kind") == "event" and record.get("event") == "resume":
+                mark_superseded(self.path, record["step"])
             append_line(self.path, json.dumps(record, allow_nan=True))
         if self._tb is not None and "step" in record:
             for key, value in record.items():
@@ -102,6 +109,33 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def mark_superseded(path: Path, resume_step: int) -> int:
+    """Mark every record of `path` with a step after `resume_step` as superseded; return how many were marked.
+
+    Rewrites the file atomically (temporary file, fsync, rename) only when something changes. A line
+    that is not JSON (cut short by a kill mid-write) is dropped: appended to, it would become a bad
+    line in the middle of the file.
+    """
+    if not path.is_file():
+        return 0
+    lines, changed, marked = [], False, 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            changed = changed or bool(line.strip())
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if (isinstance(step, int) and not isinstance(step, bool) and step > resume_step
+                and not record.get("superseded")):
+            record["superseded"] = True
+            line, changed, marked = json.dumps(record, allow_nan=True), True, marked + 1
+        lines.append(line)
+    if changed:
+        write_atomically(path, lambda handle: handle.write("".join(f"{line}\n" for line in lines).encode("utf-8")))
+    return marked
 
 
 def _tensorboard_writer(log_dir: Path):

@@ -28,20 +28,25 @@ from moetrain.runtime.run_dir import METRICS_FILE, RunDir
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics file; the last one wins for a repeated (kind, step)."""
+    """All records of a metrics file but the superseded ones; the last one wins for a repeated (kind, step)."""
     latest: dict[tuple[str, Any], dict[str, Any]] = {}
     order: list[tuple[str, Any]] = []
-    lines = Path(path).read_text().splitlines()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (bad byte at offset {err.start}): not a metrics file") from None
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             # A run killed mid-write can leave a truncated last line; anything else is a real problem.
             if line_no == len(lines):
                 continue
             raise ConfigError(f"{path}:{line_no} is not a JSON record") from None
+        if not isinstance(record, dict) or record.get("superseded"):
+            continue  # a history a resumed run left (moetrain.observe.metrics.mark_superseded)
         key = (record.get("kind", ""), record.get("step", line_no) if record.get("kind") != "event" else line_no)
         if key not in latest:
             order.append(key)
@@ -126,14 +131,25 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
 
     fig = curve_figure(records, final, f"moetrain run {run_dir.name}")
     out_path = Path(out) if out is not None else RunDir(run_dir).curve
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110)
+    _save_figure(fig, out_path)
     written = [out_path]
     experts = expert_load_figure(records, f"moetrain run {run_dir.name}: expert load per MoE layer")
     if experts is not None:
         written.append(out_path.with_name(f"{out_path.stem}_experts{out_path.suffix}"))
-        experts.savefig(written[-1], dpi=110)
+        _save_figure(experts, written[-1])
     return written
+
+
+def _save_figure(fig: Figure, path: Path) -> None:
+    """Write `fig` to `path` (parents created); one ConfigError line when it cannot be written there."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as err:
+        raise ConfigError(f"--out {str(path)!r} cannot be written: {err.strerror or err} "
+                          f"({err.filename or path}); choose a writable file path") from None
+    except ValueError as err:  # matplotlib: an unknown file extension
+        raise ConfigError(f"--out {str(path)!r} cannot be written: {str(err).splitlines()[0]}") from None
 
 
 def resume_steps(records: list[dict[str, Any]]) -> list[int]:

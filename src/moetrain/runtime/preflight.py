@@ -5,6 +5,9 @@ built or anything written to the run directory. It compares the per-rank estimat
 `moetrain.model.memory_estimate` (parameters and optimizer state, one microbatch's
 activations, the attention mask) with the memory the ranks will have: on CPU the machine's
 physical memory shared by the ranks on this machine, on CUDA one device's memory per rank.
+On CPU a process's address-space limit (RLIMIT_AS: `ulimit -v`, `prlimit --as`) bounds it too:
+the limit less what the process has already mapped (its libraries, torch) is what it can still
+allocate, however much memory the machine has.
 The estimate counts only what certainly gets allocated, so a refusal is never a false alarm;
 a job that passes may still run out of memory. A refusal is one ConfigError line (exit 2)
 that says the estimate, its parts, the memory available and which fields to change.
@@ -13,6 +16,7 @@ that says the estimate, its parts, the memory available and which fields to chan
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import torch
@@ -35,6 +39,20 @@ def physical_memory_bytes() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def address_space_left() -> tuple[int, int] | None:
+    """(bytes this process may still map under RLIMIT_AS, the limit), or None when it is unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None
+    mapped = 0
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmSize:"):
+                mapped = int(line.split()[1]) * 1024  # reported in kB
+    return max(soft - mapped, 0), soft
 
 
 def _device_type(cfg: JobConfig) -> str:
@@ -73,6 +91,13 @@ def refuse_if_too_big(cfg: JobConfig) -> MemoryEstimate:
         available, sharers, where = torch.cuda.get_device_properties(device).total_memory, 1, "CUDA device"
     else:
         available, sharers, where = physical_memory_bytes(), local, "machine (CPU)"
+        limited = address_space_left()
+        if limited is not None and estimate.total > limited[0] and (
+                available is None or estimate.total * sharers <= available):
+            raise ConfigError(f"this job needs an estimated {estimate.describe()} per rank, more than the "
+                              f"{format_bytes(limited[0])} this process may still allocate under its address-"
+                              f"space limit (RLIMIT_AS, ulimit -v) of {format_bytes(limited[1])}; raise the limit "
+                              f"or {_what_to_change(estimate)}")
     if available is None or estimate.total * sharers <= available:
         return estimate
     shared = f" shared by {sharers} ranks" if sharers > 1 else ""

@@ -15,9 +15,16 @@ checkpoints, and because every rank of one job locking the same file would lock
 each other out (flock locks belong to open files, not to jobs); rank 0 broadcasts
 the outcome so every rank of a second job stops. The kernel drops a flock when its
 process exits however it exits (SIGKILL, OOM, power loss of the holder's node), so
-a crashed run never leaves a lock that blocks its resume. The file itself stays: a
-lock file that is deleted while another process waits on it would let two writers
-hold locks on two different files.
+a crashed run never leaves a lock that blocks its resume. The file stays after a run
+that wrote something; a run that wrote nothing (refused) removes the lock file it
+created, while still holding it, so the directory is as it was. Removing it is safe
+because every taker checks, once it holds the lock, that the file it locked is still
+the one at the path (else it takes the new one).
+
+A lock file deleted while a run holds it (by hand, by a cleanup job) would let a second
+run take a new one and both write. The holder notices (`check_held`, once per step): it
+takes the lock again on a new file when nobody else has, else it stops in one line
+before writing anything more, leaving the directory to the run that holds it now.
 """
 
 from __future__ import annotations
@@ -28,10 +35,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from moetrain.config import JobConfig, from_dict
 from moetrain.errors import ConfigError
+from moetrain.logging import get_logger
 from moetrain.parallel.collectives import broadcast_int, rank_and_world
+
+log = get_logger("run_dir")
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -76,9 +87,12 @@ class RunDir:
             raise ConfigError(f"--run {str(self.root)!r} has no {CONFIG_FILE}; pass the logging.run_dir of a "
                               "training run")
         try:
-            return from_dict(json.loads(self.config.read_text())).validate()
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{self.config} is not valid JSON: {err}") from None
+            stored = json.loads(self.config.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise ConfigError(f"{self.config} is not valid JSON: {str(err).splitlines()[0]}") from None
+        if not isinstance(stored, dict):
+            raise ConfigError(f"{self.config} does not hold a JSON object (a run's config)")
+        return from_dict(stored).validate()
 
 
 class WriterLock:
@@ -86,16 +100,17 @@ class WriterLock:
 
     `acquire` is collective (every rank calls it): rank 0 tries the lock without waiting
     and broadcasts whether it got it; on every rank a lock held by another process is a
-    one-line ConfigError naming the holder. A directory the lock had to create, still
-    empty but for the lock file at `release` (the run stopped before writing anything),
-    is removed again so a refused run leaves nothing behind.
+    one-line ConfigError naming the holder. A lock file (and a directory) the lock had to
+    create is removed again at `release` when the run wrote nothing to the directory (its
+    entries' sizes and times are as at `acquire`), so a refused run leaves nothing behind.
     """
 
     def __init__(self, run_dir: RunDir):
         self.run_dir = run_dir
         self._fd: int | None = None
         self._created_dir = False
-        self._entries_before: set[str] = set()
+        self._created_file = False
+        self._before: dict[str, Any] = {}  # the directory's entries when the lock was taken
         self._config_before: bytes | None = None
         self._undone = False
 
@@ -116,7 +131,33 @@ class WriterLock:
         root = self.run_dir.root
         self._created_dir = not root.exists()
         root.mkdir(parents=True, exist_ok=True)
-        self._entries_before = {p.name for p in root.iterdir()}  # before the lock: a new lock file goes too
+        self._created_file = not self.run_dir.lock.exists()
+        self._before = self._entries()
+        refusal = self._lock_current_file()
+        if refusal:
+            self._created_file = False  # the holder's file, not ours
+        else:
+            self._config_before = self.run_dir.config.read_bytes() if self.run_dir.config.is_file() else None
+        return refusal
+
+    def _entries(self) -> dict[str, Any]:
+        """Name -> (size, mtime) of each entry of the run directory but the lock: what a run's writes change."""
+        entries = {}
+        for entry in os.scandir(self.run_dir.root):
+            if entry.name != LOCK_FILE:
+                info = entry.stat(follow_symlinks=False)
+                entries[entry.name] = (info.st_size, info.st_mtime_ns)
+        return entries
+
+    def _is_ours(self) -> bool:
+        """Whether the file at the lock's path is the one this lock holds."""
+        try:
+            return self._fd is not None and os.fstat(self._fd).st_ino == os.stat(self.run_dir.lock).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _lock_current_file(self) -> str:
+        """flock the file at the lock's path (created if missing) into self._fd; '' on success, else why not."""
         while True:
             fd = os.open(self.run_dir.lock, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -135,7 +176,6 @@ class WriterLock:
                 break
             os.close(fd)
         self._fd = fd
-        self._config_before = self.run_dir.config.read_bytes() if self.run_dir.config.is_file() else None
         return ""
 
     def undo_start(self) -> None:
@@ -145,7 +185,7 @@ class WriterLock:
             return
         root = self.run_dir.root
         for path in root.iterdir():
-            if path.name in self._entries_before or path.name == LOCK_FILE:
+            if path.name in self._before or path.name == LOCK_FILE:
                 continue  # the lock file goes in release, while still held
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -155,17 +195,43 @@ class WriterLock:
             self.run_dir.config.write_bytes(self._config_before)
         self._undone = True
 
+    def check_held(self) -> None:
+        """Collective: make sure the lock file at the path is still this run's; stop (ConfigError) if another run's.
+
+        Rank 0 compares the file it holds with the one at the path. When the file was deleted or
+        replaced, it locks the file now there (creating it); if another run already holds that one,
+        every rank raises one line and writes nothing more.
+        """
+        refusal = ""
+        if self._fd is not None and not self._is_ours():
+            held = self._fd
+            self._fd = None
+            try:
+                refusal = self._lock_current_file()
+            except OSError as err:
+                refusal = f"cannot create its lock file again: {err.strerror}"
+            if refusal:
+                self._fd = held  # still ours to close at release; the directory is not
+                self._created_file = self._created_dir = False
+            else:
+                os.close(held)
+                log.warning("%s was removed or replaced while this run held it; locked it again", self.run_dir.lock)
+        if broadcast_int(1 if refusal else 0) == 0:
+            return
+        raise ConfigError(f"logging.run_dir = {str(self.run_dir.root)!r}: its {LOCK_FILE} was removed while this run "
+                          "wrote there, and another training run holds it now; this run stops without writing "
+                          "more (resume it once the other has ended, or use another --logging.run_dir)")
+
     def release(self) -> None:
         """Let go of the lock (rank 0; a no-op elsewhere and when never taken)."""
         if self._fd is None:
             return
         root = self.run_dir.root
-        if self._undone and LOCK_FILE not in self._entries_before and self._created_dir is False:
-            self.run_dir.lock.unlink()  # still held: no other writer can be using it (see _try_lock's check)
-        elif self._created_dir and [p.name for p in root.iterdir()] == [LOCK_FILE]:
-            # Still holding the lock, so no other writer can be using the file or directory.
-            self.run_dir.lock.unlink()
-            root.rmdir()
+        # Still holding the lock, so no other writer can be using the file or directory.
+        if self._created_file and self._is_ours() and (self._undone or self._entries() == self._before):
+            self.run_dir.lock.unlink()  # the run wrote nothing (or its start was undone): as it was
+            if self._created_dir and not any(root.iterdir()):
+                root.rmdir()
         os.close(self._fd)  # closing the last descriptor releases the flock
         self._fd = None
 

@@ -34,8 +34,16 @@ finished does rank 0 add the state, config, meta and manifest files and rename t
 its final name. A rename within one directory is atomic, so a `step_*` directory is always
 complete; a run killed mid-write leaves only a `.tmp-*` directory, which is never read and is
 deleted by the next save or resume. Before writing, the model and optimizer state are checked to
-be finite on every rank, so a diverged run cannot leave a poisoned checkpoint. The newest
-`keep_last` checkpoints are kept.
+be finite on every rank, so a diverged run cannot leave a poisoned checkpoint.
+
+Pruning (`prune`, after each save): the checkpoint just written and the one the run resumed from
+are never deleted; checkpoints newer than the one just written are deleted first (a resume only
+passes over damaged ones, so they are known-damaged or belong to a history the run has left);
+of the older ones the newest `keep_last - 1` stay.
+
+The small state is checked before it is used: `trainer.json` must hold the step, world size and
+per-rank entries of the types the trainer writes (an RNG state of the right size), `meta.json` a
+JSON object; anything else, however consistent with the manifest, is one ConfigError line.
 
 `Checkpointer` decides when a run saves (`maybe_save(step)`: every `checkpoint.every` steps and at
 the run's last step) and where it resumes from (`resume_point()`: per `checkpoint.resume` =
@@ -65,7 +73,7 @@ import numpy as np
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -91,6 +99,7 @@ CONFIG_FILE = "config.json"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 FORMAT = "moetrain-checkpoint-v2"
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"  # a tensor file's header metadata: each tensor's offsets in the whole
 TENSOR_REF = "__tensor__"  # {"__tensor__": key}: a tensor stored in trainer_tensors.safetensors
 
 # Fields a resumed job may change without changing what the checkpoint means: how the initial
@@ -295,9 +304,74 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"{path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests deeper than JSON is read here (not a file moetrain wrote)") from None
 
 
-def _read_trainer_state(path: Path) -> dict[str, Any]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rng_problem(rng: Any) -> str | None:
+    """Why `rng` is not a state `restore_rng_state` can restore (tried on throwaway generators), or None."""
+    if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor) or "python" not in rng:
+        return "is not an RNG state (torch and python generators)"
+    try:
+        torch.Generator().set_state(rng["torch"])
+        version, internal, gauss_next = rng["python"]
+        random.Random().setstate((version, tuple(internal), gauss_next))
+    except (RuntimeError, TypeError, ValueError, OverflowError) as err:
+        return f"is not a restorable RNG state ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+    cuda = rng.get("cuda")
+    if cuda is not None and not (isinstance(cuda, torch.Tensor) and cuda.dtype == torch.uint8 and cuda.dim() == 1):
+        return "has a CUDA RNG state that is not a 1-d uint8 tensor"
+    return None
+
+
+def _check_trainer_state(state: dict[str, Any], path: Path, step: int,
+                         like: tuple[dict[str, Any], dict[str, Any]] | None = None) -> None:
+    """Refuse (one line naming the entry) small state of other types than `save_checkpoint` writes.
+
+    The manifest only proves the files are as written by whoever wrote them last: a hand-edited
+    trainer.json with a consistent manifest must still end in one line, not deep in the trainer.
+    Checked always: step, world size, the per-rank list, a data-loader position and RNG state
+    where present. `like` = (trainer state, per-rank state) of the loading trainer: each of their
+    keys must be present, with an integer where theirs is one and an object where theirs is one.
+    """
+    where = path / TRAINER_FILE
+
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"{where}: {what}; it was not written by moetrain (restore the checkpoint or "
+                           "resume from another one)")
+
+    if not _is_int(state.get("step")) or state["step"] != step:
+        raise refuse(f"step = {state.get('step')!r:.60} is not the step {step} of its directory")
+    world, ranks = state.get("world_size"), state.get("ranks")
+    if not _is_int(world) or world < 1 or not isinstance(ranks, list) or len(ranks) != world:
+        raise refuse(f"world_size = {world!r:.60} does not match its list of per-rank states")
+    top, per_rank = like if like is not None else ({}, {})
+    for key, mine in top.items():
+        if key not in state or (_is_int(mine) and not _is_int(state[key])):
+            raise refuse(f"{key} = {state.get(key)!r:.60} is not {'an integer' if _is_int(mine) else 'present'}")
+    for rank, entry in enumerate(ranks):
+        if not isinstance(entry, dict):
+            raise refuse(f"ranks[{rank}] is not a per-rank state (a JSON object)")
+        for key, mine in per_rank.items():
+            if key not in entry or (isinstance(mine, dict) and not isinstance(entry[key], dict)):
+                raise refuse(f"ranks[{rank}].{key} is missing or not a JSON object")
+        loader = entry.get("loader")
+        if loader is not None:
+            cursor = loader.get("cursor") if isinstance(loader, dict) else None
+            if not isinstance(loader, dict) or ("cursor" in loader and not (_is_int(cursor) and cursor >= 0)):
+                raise refuse(f"ranks[{rank}].loader.cursor = {cursor!r:.60} is not a position (an integer >= 0)")
+        if "rng" in entry:
+            problem = _rng_problem(entry["rng"])
+            if problem is not None:
+                raise refuse(f"ranks[{rank}].rng {problem}")
+
+
+def _read_trainer_state(path: Path, step: int, like: tuple[dict[str, Any], dict[str, Any]] | None = None
+                        ) -> dict[str, Any]:
     tensors_file = path / TRAINER_TENSORS_FILE
     try:
         tensors = safetensors.torch.load_file(tensors_file) if tensors_file.exists() else {}
@@ -307,9 +381,13 @@ def _read_trainer_state(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise ConfigError(f"{path / TRAINER_FILE} does not hold a JSON object")
     try:
-        return _from_json(state, tensors)
-    except KeyError as err:
+        state = _from_json(state, tensors)
+    except (KeyError, TypeError) as err:
         raise ConfigError(f"{path / TRAINER_FILE} refers to tensor {err} that {tensors_file} does not hold") from None
+    except RecursionError:
+        raise ConfigError(f"{path / TRAINER_FILE} nests deeper than a trainer state does") from None
+    _check_trainer_state(state, path, step, like)
+    return state
 
 
 def stored_config(ref: CheckpointRef) -> JobConfig | None:
@@ -411,12 +489,15 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
 
 def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], per_rank_state: dict[str, Any], keep_last: int,
-                    config: dict[str, Any] | None = None) -> CheckpointRef:
-    """Write a complete checkpoint for `step` (collective: every rank calls it).
+                    config: dict[str, Any] | None = None, protect: tuple[int, ...] = (),
+                    damaged: tuple[int, ...] = ()) -> CheckpointRef:
+    """Write a complete checkpoint for `step` (collective: every rank calls it), then `prune`.
 
     `trainer_state` must be the same on every rank; `per_rank_state` (loader position,
     RNG states: JSON values and tensors) is gathered from every rank and stored as a list
-    indexed by rank. `config` (the job's config as a dict) is stored for `check_resume_config`.
+    indexed by rank. `config` (the job's config as a dict) is stored for `check_resume_config`;
+    `protect`: steps `prune` must keep (the checkpoint the run resumed from); `damaged`: steps known
+    to fail their manifest, which `prune` deletes first.
     """
     root = Path(checkpoint_dir)
     final = root / step_dir_name(step)
@@ -462,13 +543,64 @@ def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, opt
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(root)
-        for old in list_complete(root)[:-keep_last]:
-            shutil.rmtree(old.path, ignore_errors=True)
+        prune(root, keep_last, step, protect, damaged)
     barrier()
     return CheckpointRef(step, final)
 
 
+def prune(checkpoint_dir: str | Path, keep_last: int, written: int, protect: tuple[int, ...] = (),
+          damaged: tuple[int, ...] = ()) -> list[int]:
+    """Delete checkpoints beyond `keep_last` after step `written` was saved; return the deleted steps.
+
+    Never deleted: `written` and `protect` (the checkpoint the run resumed from). Deleted first:
+    the `damaged` ones and every checkpoint newer than `written`: a run only writes a step below an
+    existing one after its resume skipped that one as damaged (it resumes from the newest intact
+    one), so those are known-damaged or of a history the run has left; counting them, as a prune
+    by step number would, can leave only damaged checkpoints. Of the other, older ones the newest
+    `keep_last - 1` stay (the protected one counts among them when it is one of them).
+    """
+    refs = list_complete(checkpoint_dir)
+    kept = {written, *protect}
+    bad = [r for r in refs if (r.step > written or r.step in damaged) and r.step not in kept]
+    older = [r for r in refs if r.step < written and r not in bad]
+    keep_older = {r.step for r in older[max(0, len(older) - (keep_last - 1)):]} if keep_last > 1 else set()
+    doomed = bad + [r for r in older if r.step not in keep_older and r.step not in kept]
+    for ref in doomed:
+        shutil.rmtree(ref.path, ignore_errors=True)
+    return [r.step for r in doomed]
+
+
+def _check_tensor_headers(ref: CheckpointRef) -> None:
+    """Parse each tensor file's header as DCP's reader will, refusing in one line what it would fail on.
+
+    DCP logs a reader's failure with its traceback (on the root logger) before raising, so a
+    damaged header must be caught here: a readable safetensors header whose sharding entry, when
+    present, gives every tensor a list of non-negative integer offsets, one per dimension.
+    """
+    for file in sorted((ref.path / TENSORS_DIR).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
+                sharding = (handle.metadata() or {}).get(DCP_SHARDING_KEY)
+        except (SafetensorError, OSError) as err:
+            raise ConfigError(f"{file} is not a readable safetensors file: {str(err).splitlines()[0]}") from None
+        if sharding is None:
+            continue
+        try:
+            entries = json.loads(sharding)
+        except (json.JSONDecodeError, RecursionError):
+            entries = None
+        for key, shape in shapes.items():
+            offsets = entries.get(key) if isinstance(entries, dict) else None
+            offsets = offsets.get("saved_offsets") if isinstance(offsets, dict) else None
+            if not (isinstance(offsets, list) and len(offsets) == len(shape)
+                    and all(_is_int(o) and o >= 0 for o in offsets)):
+                raise ConfigError(f"{file}: the {DCP_SHARDING_KEY} entry of tensor {key!r} in its header is not "
+                                  f"{len(shape)} offsets >= 0; the checkpoint was not written by moetrain")
+
+
 def _load_tensors(ref: CheckpointRef, state: dict[str, Any]) -> None:
+    _check_tensor_headers(ref)
     reader = HuggingFaceStorageReader(str(ref.path / TENSORS_DIR))
     try:
         with _quiet_single_process():
@@ -481,14 +613,22 @@ def _load_tensors(ref: CheckpointRef, state: dict[str, Any]) -> None:
 
 def saved_intra_op_threads(ref: CheckpointRef) -> int | None:
     """The intra-op thread count the run that wrote `ref` trained with (None for checkpoints without it)."""
-    value = json.loads((ref.path / META_FILE).read_text()).get("intra_op_threads")
-    return value if isinstance(value, int) and value > 0 else None
+    meta = _read_json(ref.path / META_FILE)
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{ref.path / META_FILE} does not hold a JSON object")
+    value = meta.get("intra_op_threads")
+    return value if _is_int(value) and value > 0 else None
 
 
-def load_checkpoint(ref: CheckpointRef, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Verify, then restore model and optimizer in place (resharding as needed); return the trainer state."""
+def load_checkpoint(ref: CheckpointRef, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    like: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Verify, then restore model and optimizer in place (resharding as needed); return the trainer state.
+
+    `like`: the loading trainer's (trainer_state(), per_rank_state()), whose keys and integer
+    fields the saved state must have (`_check_trainer_state`), checked before any tensor is read.
+    """
     ref = _require_verified(ref)
-    trainer_state = _read_trainer_state(ref.path)
+    trainer_state = _read_trainer_state(ref.path, ref.step, like)
     state = _tensor_state(model, optimizer)
     param_groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
     _load_tensors(ref, state)
@@ -500,7 +640,7 @@ def load_checkpoint(ref: CheckpointRef, model: nn.Module, optimizer: torch.optim
 def load_model_weights(ref: CheckpointRef, model: nn.Module) -> dict[str, Any]:
     """Verify, then restore only the model (e.g. for sampling in one process); return the trainer state."""
     ref = _require_verified(ref)
-    trainer_state = _read_trainer_state(ref.path)
+    trainer_state = _read_trainer_state(ref.path, ref.step)
     state = _tensor_state(model, None)
     _load_tensors(ref, state)
     set_model_state_dict(model, state["model"])
@@ -527,6 +667,8 @@ class Checkpointer:
         self.cfg = cfg
         self.last_step = last_step
         self.run_dir_name = run_dir_name
+        self.resumed_from: int | None = None  # never pruned while this run saves
+        self.damaged: tuple[int, ...] = ()  # newer than the resume point: each failed its manifest
 
     def resume_point(self, job: JobConfig | None = None) -> CheckpointRef | None:
         """The checkpoint to resume from (verified, and its config checked against `job`), or None.
@@ -548,6 +690,8 @@ class Checkpointer:
         ref, skipped = newest_intact(self.dir)
         if ref is None:
             raise ConfigError(f"no intact checkpoint to resume from under {self.dir}: {skipped[0]}")
+        self.resumed_from = ref.step
+        self.damaged = tuple(r.step for r in existing if r.step > ref.step)
         if rank_and_world()[0] == 0:
             for problem in skipped:
                 log.warning("skipping a damaged checkpoint: %s; resuming from %s", problem, ref.path.name)
@@ -564,10 +708,14 @@ class Checkpointer:
         if not (force or self.due(step)):
             return None
         try:
-            return save_checkpoint(self.dir, step, state.model, state.optimizer, state.trainer_state(),
-                                   state.per_rank_state(), self.cfg.keep_last, state.cfg.to_dict())
+            saved = save_checkpoint(self.dir, step, state.model, state.optimizer, state.trainer_state(),
+                                    state.per_rank_state(), self.cfg.keep_last, state.cfg.to_dict(),
+                                    protect=() if self.resumed_from is None else (self.resumed_from,),
+                                    damaged=self.damaged)
         except PoisonedStateError as err:
             raise TrainingDiverged(str(err)) from None
+        self.damaged = ()  # pruned, or (the step just written) replaced by an intact one
+        return saved
 
     def latest(self) -> CheckpointRef | None:
         return latest_complete(self.dir)

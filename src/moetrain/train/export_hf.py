@@ -26,6 +26,7 @@ from moetrain.errors import ConfigError
 from moetrain.interop import check_output_dir, export_family, save_hf
 from moetrain.parallel.collectives import barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
+from moetrain.runtime.disk import no_space_left
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
 from moetrain.train.checkpoint import CheckpointRef, latest_complete, list_complete, load_model_weights
@@ -74,7 +75,8 @@ def export(args: ExportOptions) -> Path:
             mesh = build_mesh(parallel, world, device.type)
         model = build_model(cfg.model, parallel, mesh, device, weights="none")  # the weights: the checkpoint's
         load_model_weights(ref, model)
-        out = save_hf(model, cfg, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)
+        with no_space_left(args.out, "Hugging Face export"):
+            out = save_hf(model, cfg, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)
         if dist.get_rank() == 0:
             print(f"wrote {out} from {ref.path} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
         barrier()

@@ -97,7 +97,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         trainer = Trainer(cfg, data, mesh, device)
         try:
             with StopSignals(rank, grace_s=cfg.parallel.collective_timeout_s) as stop:
-                result = _run(trainer, run_dir, checkpointer, resume_from, stop, phase, threads)
+                result = _run(trainer, run_dir, checkpointer, resume_from, stop, phase, threads, lock)
         except RuntimeError as err:
             if not _is_collective_failure(err):
                 raise
@@ -169,7 +169,8 @@ def _start(trainer: Trainer, run_dir: RunDir, resume_from: ckpt.CheckpointRef | 
 
 
 def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
-         resume_from: ckpt.CheckpointRef | None, stop: StopSignals, phase: _Phase, threads: str) -> dict[str, Any]:
+         resume_from: ckpt.CheckpointRef | None, stop: StopSignals, phase: _Phase, threads: str,
+         lock: WriterLock) -> dict[str, Any]:
     cfg = trainer.cfg
     _start(trainer, run_dir, resume_from)
     is_rank0 = trainer.rank == 0
@@ -210,6 +211,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                 with profiler.step(trainer.step + 1):
                     result = trainer.train_step()
                 steps_this_run += 1
+                lock.check_held()  # before this step's writes: a lost run.lock may have let another run in
                 window.append(result)
                 consecutive_skips = consecutive_skips + 1 if result.skipped else 0
                 if result.skipped:

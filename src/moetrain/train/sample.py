@@ -192,8 +192,12 @@ def main(argv: list[str]) -> int:
     args = parse_typed_args(SampleOptions, argv, "moetrain sample", bool_flags=True)
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens = {args.max_tokens} is invalid: must be >= 1")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature = {args.temperature} is invalid: must be >= 0 (0 = greedy)")
+    if not 0 <= args.temperature < float("inf"):  # also nan
+        raise ConfigError(f"--temperature = {args.temperature} is invalid: must be a finite number >= 0 (0 = greedy)")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("--prompt is not valid UTF-8 text (it holds bytes the shell could not decode)") from None
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p = {args.top_p} is invalid: must be in (0, 1]")
     if args.top_k < 0:

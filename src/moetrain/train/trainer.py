@@ -160,7 +160,8 @@ class Trainer:
         return {"loader": self.loader.state_dict(), "rng": ckpt.capture_rng_state()}
 
     def restore(self, ref: ckpt.CheckpointRef) -> None:
-        state = ckpt.load_checkpoint(ref, self.model, self.optimizer)
+        state = ckpt.load_checkpoint(ref, self.model, self.optimizer,
+                                     like=(self.trainer_state(), self.per_rank_state()))
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         self.tokens_seen = int(state["tokens_seen"])
