@@ -189,10 +189,10 @@ def test_an_epoch_of_token_budget_microbatches_trains_every_target_once():
 def test_token_budget_config():
     cfg = JobConfig()
     assert (cfg.data.batching, cfg.data.token_budget) == ("packed", None)
-    cfg.data.token_budget = cfg.model.max_seq_len + 1
+    cfg.data.batching, cfg.data.token_budget = "token_budget", cfg.model.max_seq_len + 1
     with pytest.raises(ConfigError, match=r"data.token_budget = 513 is invalid: must be in \[1, model.max_seq_len"):
         cfg.validate()
-    cfg.data.batching, cfg.data.token_budget = "token_budget", None
+    cfg.data.token_budget = None
     batching = build_batching(_sequences(_documents(10)), cfg.validate().data, 4, 0)
     assert isinstance(batching, TokenBudgetBatching) and batching.token_budget == cfg.data.seq_len
 

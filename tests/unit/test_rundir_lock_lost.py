@@ -77,6 +77,7 @@ def test_a_refused_fresh_training_run_leaves_the_directory_as_it_was(tmp_path, c
     before = _entries(root)
     config = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.toml"
     code = cli.main(["train", "--config", str(config), "--logging.run_dir", str(root), "--train.steps", "1",
+                     "--train.warmup_steps", "0",
                      "--logging.progress_bar", "False"])
     err = capsys.readouterr().err
     assert code == 2 and "already holds config.json" in err and "Traceback" not in err, err

@@ -1,4 +1,4 @@
-"""`moetrain eval --run RUN [--step N] | --hf DIR --tasks T1,T2 [--limit N]`: lm-evaluation-harness on a moetrain model.
+"""`moetrain eval --run-dir RUN [--step N] | --hf DIR --tasks T1,T2 [--limit N]`: lm-evaluation-harness on moetrain.
 
 Loads a run's checkpoint (the newest complete one, or `--step`; the config saved with it) or a
 Hugging Face directory (`train.build.load_hf_model`), wraps it as `harness.MoetrainLM` and runs
@@ -20,10 +20,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
+import tyro
 
 from moetrain.args import parse_typed_args
 from moetrain.config import ParallelConfig
@@ -50,8 +51,9 @@ class EvalOptions:
     tasks: str
     """Comma-separated tasks: local JSONL task files (multiple-choice or perplexity lines) and/or
     lm-evaluation-harness task names."""
-    run: str | None = None
-    """Run directory of a training job (its logging.run_dir); exclusive with --hf."""
+    run_dir: Annotated[str | None, tyro.conf.arg(aliases=("--run",))] = None
+    """Run directory of a training job (its logging.run_dir); exclusive with --hf. Under torchrun spell it
+    --run-dir: torchrun takes --run for its own --run-path."""
     step: int | None = None
     """The run's checkpoint step; None = the newest complete checkpoint."""
     hf: str | None = None
@@ -102,16 +104,16 @@ def resolve_tasks(names: str) -> list[str | dict]:
 
 def _load(args: EvalOptions, device: torch.device):
     """(model, tokenizer, JobConfig, step or None) of --run or --hf."""
-    if (args.run is None) == (args.hf is None):
-        raise ConfigError("give exactly one of --run RUN and --hf DIR")
+    if (args.run_dir is None) == (args.hf is None):
+        raise ConfigError("give exactly one of --run-dir RUN and --hf DIR")
     if args.hf is not None:
         if not (Path(args.hf) / "config.json").is_file():
             raise ConfigError(f"--hf {args.hf!r} is not a Hugging Face model directory (no config.json)")
         model, cfg = load_hf_model(args.hf, device=device)
         return model, build_tokenizer(cfg.data.tokenizer), cfg, None
-    run_dir = RunDir(Path(args.run))
+    run_dir = RunDir(Path(args.run_dir))
     run_cfg = run_dir.load_config()
-    ref = checkpoint_ref(run_dir, args.step, args.run)
+    ref = checkpoint_ref(run_dir, args.step, args.run_dir)
     cfg = stored_config(ref) or run_cfg
     model = build_model(cfg.model, device=device, weights="none")
     load_model_weights(ref, model)
@@ -147,18 +149,18 @@ def evaluate(args: EvalOptions) -> dict[str, Any] | None:
         return None
     scores = summary(results)
     results = json.loads(json.dumps(results, default=handle_non_serializable))
-    source = f"{args.run} step {step}" if args.run else args.hf
+    source = f"{args.run_dir} step {step}" if args.run_dir else args.hf
     print(f"# lm-evaluation-harness on {source}")
     for key, value in scores.items():
         print(f"{key}: {value:.6g}")
-    out = Path(args.out) if args.out else (RunDir(Path(args.run)).root / "eval" / f"step_{step:08d}.json"
-                                           if args.run else None)
+    out = Path(args.out) if args.out else (RunDir(Path(args.run_dir)).root / "eval" / f"step_{step:08d}.json"
+                                           if args.run_dir else None)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomically(out, results)
         print(f"wrote {out}")
-    if args.run:
-        writer = MetricsWriter(args.run, enabled=True, wandb_config=cfg.to_dict() if cfg.logging.wandb else None,
+    if args.run_dir:
+        writer = MetricsWriter(args.run_dir, enabled=True, wandb_config=cfg.to_dict() if cfg.logging.wandb else None,
                                wandb_project=cfg.logging.wandb_project)
         writer.write({"kind": "lm_eval", "step": step, **scores})
         writer.close()
