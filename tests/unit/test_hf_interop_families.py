@@ -38,6 +38,10 @@ VARIANTS = {
     "gpt_oss-nobias-alltypes": {"attention_bias": False, "num_hidden_layers": 4,
                                 "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
                                                 "full_attention"]},
+    # YaRN as the released gpt-oss models ship it (scaled down: original context 16, factor 8, no truncation)
+    "gpt_oss-yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 8.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "original_max_position_embeddings": 16,
+                                         "truncate": False}},
 }
 
 
@@ -176,7 +180,8 @@ def edit_config(directory, tmp_path, **changes):
 
 
 @pytest.mark.parametrize("variant, changes, expected", [
-    ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1.5e5}}, "rope_type = 'yarn'"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1.5e5}},
+     "rope_type = 'dynamic'"),
     ("gpt_oss", {"layer_types": ["sliding_attention"]}, "layer_types = ['sliding_attention'] is not supported"),
     ("gpt_oss", {"sliding_window": None}, "sliding_window = None is not supported"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise = 0.1 is not supported"),

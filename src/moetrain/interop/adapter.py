@@ -100,6 +100,15 @@ def absent_field_names(label: str) -> dict[str, str]:
 
 
 # What families without the newer options call them in messages (merged into their field_names).
+# Where config.json keeps the YaRN fields (transformers 5's `rope_parameters`).
+YARN_FIELD_NAMES = {
+    "rope_scaling": "rope_parameters.rope_type", "rope_yarn_factor": "rope_parameters.factor",
+    "rope_yarn_original_max_seq_len": "rope_parameters.original_max_position_embeddings",
+    "rope_yarn_beta_fast": "rope_parameters.beta_fast", "rope_yarn_beta_slow": "rope_parameters.beta_slow",
+    "rope_yarn_mscale": "rope_parameters.mscale", "rope_yarn_mscale_all_dim": "rope_parameters.mscale_all_dim",
+    "rope_yarn_truncate": "rope_parameters.truncate",
+}
+
 PLAIN_FIELD_NAMES = {
     "attention_bias": "(no attention bias)", "attention_sinks": "(no attention sinks)",
     "sliding_window": "(no sliding window)", "layer_types": "(every layer full attention)",

@@ -135,3 +135,50 @@ def decoder_config_json(cfg: ModelConfig, model_type: str, architecture: str, to
         "use_cache": True, "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id, "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+
+
+def rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelConfig RoPE fields of a config.json with default or YaRN RoPE (`rope_parameters`, or the older
+    top-level `rope_theta` + `rope_scaling`); a one-line ConfigError for any other kind."""
+    params = dict(hf.get("rope_parameters") or {})
+    if not params:
+        params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type == "default":
+        return out
+    if rope_type != "yarn":
+        raise unsupported(where, "rope_type", rope_type, "moetrain computes default and yarn RoPE only")
+    extra = sorted(set(params) - YARN_KEYS - {"partial_rotary_factor"})
+    if extra or params.get("factor") is None:
+        key = extra[0] if extra else "factor"
+        raise unsupported(where, f"rope_parameters.{key}", params.get(key),
+                          "moetrain's YaRN takes factor, original_max_position_embeddings, beta_fast, beta_slow, "
+                          "mscale, mscale_all_dim and truncate (factor required)")
+    out.update(rope_scaling="yarn", rope_yarn_factor=float(params["factor"]),
+               rope_yarn_original_max_seq_len=int(params["original_max_position_embeddings"]),
+               rope_yarn_beta_fast=float(params.get("beta_fast") or 32.0),
+               rope_yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+               rope_yarn_mscale=float(params.get("mscale") or 0.0),
+               rope_yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+               rope_yarn_truncate=bool(params.get("truncate", True)))
+    return out
+
+
+def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json `rope_parameters` of a ModelConfig (default or YaRN)."""
+    if cfg.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    out = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_yarn_factor,
+           "original_max_position_embeddings": cfg.rope_yarn_original_max_seq_len,
+           "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
+           "truncate": cfg.rope_yarn_truncate}
+    if cfg.rope_yarn_mscale:
+        out["mscale"] = cfg.rope_yarn_mscale
+    if cfg.rope_yarn_mscale_all_dim:
+        out["mscale_all_dim"] = cfg.rope_yarn_mscale_all_dim
+    return out

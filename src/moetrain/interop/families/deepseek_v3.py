@@ -19,8 +19,14 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal
-from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
+from moetrain.interop.adapter import PLAIN_FIELD_NAMES, YARN_FIELD_NAMES, Family, Refusal
+from moetrain.interop.config_json import (
+    decoder_config_json,
+    decoder_fields,
+    rope_fields,
+    rope_parameters,
+    unsupported,
+)
 from moetrain.interop.layouts import fused_expert_names, per_expert_names
 from moetrain.logging import get_logger
 
@@ -40,63 +46,12 @@ FIELD_NAMES = {
     "kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
     "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "rope_layout": "rope_interleave",
     "partial_rotary_factor": "(every rope channel rotates)",
-    "rope_scaling": "rope_parameters.rope_type", "rope_yarn_factor": "rope_parameters.factor",
-    "rope_yarn_original_max_seq_len": "rope_parameters.original_max_position_embeddings",
-    "rope_yarn_beta_fast": "rope_parameters.beta_fast", "rope_yarn_beta_slow": "rope_parameters.beta_slow",
-    "rope_yarn_mscale": "rope_parameters.mscale", "rope_yarn_mscale_all_dim": "rope_parameters.mscale_all_dim",
-    "rope_yarn_truncate": "rope_parameters.truncate",
+    **YARN_FIELD_NAMES,
 }
 
 # transformers keeps the router and the correction bias in float32 (`_keep_in_fp32_modules_strict`).
 FLOAT32_NAMES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _ANNOUNCED: set[str] = set()  # config.json paths whose dropped MTP layers were announced
-YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
-             "beta_slow", "mscale", "mscale_all_dim", "truncate"}
-
-
-def rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """ModelConfig RoPE fields of a config.json with default or YaRN RoPE (`rope_parameters`, or the older
-    top-level `rope_theta` + `rope_scaling`); a one-line ConfigError for any other kind."""
-    params = dict(hf.get("rope_parameters") or {})
-    if not params:
-        params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
-    if rope_type == "default":
-        return out
-    if rope_type != "yarn":
-        raise unsupported(where, "rope_type", rope_type, "moetrain computes default and yarn RoPE only")
-    extra = sorted(set(params) - YARN_KEYS - {"partial_rotary_factor"})
-    if extra or params.get("factor") is None:
-        key = extra[0] if extra else "factor"
-        raise unsupported(where, f"rope_parameters.{key}", params.get(key),
-                          "moetrain's YaRN takes factor, original_max_position_embeddings, beta_fast, beta_slow, "
-                          "mscale, mscale_all_dim and truncate (factor required)")
-    out.update(rope_scaling="yarn", rope_yarn_factor=float(params["factor"]),
-               rope_yarn_original_max_seq_len=int(params["original_max_position_embeddings"]),
-               rope_yarn_beta_fast=float(params.get("beta_fast") or 32.0),
-               rope_yarn_beta_slow=float(params.get("beta_slow") or 1.0),
-               rope_yarn_mscale=float(params.get("mscale") or 0.0),
-               rope_yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-               rope_yarn_truncate=bool(params.get("truncate", True)))
-    return out
-
-
-def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json `rope_parameters` of a ModelConfig (default or YaRN)."""
-    if cfg.rope_scaling == "none":
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    out = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_yarn_factor,
-           "original_max_position_embeddings": cfg.rope_yarn_original_max_seq_len,
-           "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
-           "truncate": cfg.rope_yarn_truncate}
-    if cfg.rope_yarn_mscale:
-        out["mscale"] = cfg.rope_yarn_mscale
-    if cfg.rope_yarn_mscale_all_dim:
-        out["mscale_all_dim"] = cfg.rope_yarn_mscale_all_dim
-    return out
-
-
 def sigmoid_moe_fields(hf: dict[str, Any], where: str, model: dict[str, Any],
                        moe: dict[str, Any]) -> tuple[int, dict]:
     """(dense layers, MoEConfig fields) of DeepSeek-V3-style routing, shared by GLM-4.5; drops MTP layers."""

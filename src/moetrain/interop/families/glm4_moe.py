@@ -19,7 +19,7 @@ import torch
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.interop.adapter import Family, Refusal
-from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
+from moetrain.interop.config_json import decoder_config_json, decoder_fields, rope_fields, unsupported
 from moetrain.interop.families.deepseek_v3 import (
     FIELD_NAMES as DEEPSEEK_FIELD_NAMES,
 )
@@ -28,7 +28,6 @@ from moetrain.interop.families.deepseek_v3 import (
     correction_bias_refusals,
     moe_config_json,
     moe_layer_names,
-    rope_fields,
     sigmoid_moe_fields,
     sigmoid_routing_refusals,
     skipped_tensors,

@@ -7,9 +7,9 @@ layer whose top-k logits go through a softmax (moetrain's softmax router with re
 computes the same, see model/moe.py); the experts have biases and the clamped SwiGLU
 (`swiglu_alpha`, `swiglu_limit`). The experts are stored as transformers holds them, on disk as in
 memory: gate_up_proj [E, d, 2n] with gate and up interleaved, down_proj [E, n, d], and their biases
-(the adapter's interleaved layout). transformers' GPT-OSS config defaults to YaRN RoPE: moetrain
-computes the default RoPE only, so such a config.json is refused (YaRN is another issue's work in
-model/layers.py). This module declares the mapping; it reads no files and moves no tensors.
+(the adapter's interleaved layout). RoPE is the default or YaRN (the released models' and
+transformers' default for GPT-OSS), read and written as `rope_parameters`. This module declares the
+mapping; it reads no files and moves no tensors.
 """
 
 from __future__ import annotations
@@ -20,8 +20,21 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, absent_field_names, plain_top_k_refusals
-from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
+from moetrain.interop.adapter import (
+    PLAIN_FIELD_NAMES,
+    YARN_FIELD_NAMES,
+    Family,
+    Refusal,
+    absent_field_names,
+    plain_top_k_refusals,
+)
+from moetrain.interop.config_json import (
+    decoder_config_json,
+    decoder_fields,
+    rope_fields,
+    rope_parameters,
+    unsupported,
+)
 from moetrain.interop.layouts import decoder_names, interleaved_expert_names
 
 MODEL_TYPE, ARCHITECTURE, LABEL = "gpt_oss", "GptOssForCausalLM", "GPT-OSS"
@@ -40,11 +53,14 @@ FIELD_NAMES = {
     "attention_bias": "attention_bias", "attention_sinks": "(attention sinks)",
     "sliding_window": "sliding_window", "layer_types": "layer_types", "moe.router_bias": "(router bias)",
     "moe.expert_proj_bias": "(expert biases)", "moe.swiglu_alpha": "swiglu_alpha", "moe.swiglu_limit": "swiglu_limit",
+    **YARN_FIELD_NAMES,
 }
 
 
 def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
-    model, moe = decoder_fields(hf, where, allow=("attention_bias",))
+    model, moe = decoder_fields({**hf, "rope_scaling": None, "rope_parameters": {"rope_type": "default"}}, where,
+                                allow=("attention_bias",))
+    model.update(rope_fields(hf, where))
     n_layers = model["n_layers"]
     layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                             for i in range(n_layers)]
@@ -70,13 +86,14 @@ def config_json(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> d
     out.update(head_dim=cfg.attention_head_dim(), intermediate_size=cfg.moe.expert_hidden,
                num_local_experts=cfg.moe.n_experts, attention_bias=cfg.attention_bias == "all",
                layer_types=layer_types, sliding_window=cfg.sliding_window, swiglu_alpha=cfg.moe.swiglu_alpha,
-               swiglu_limit=cfg.moe.swiglu_limit)
+               swiglu_limit=cfg.moe.swiglu_limit, rope_parameters=rope_parameters(cfg))
     return out
 
 
 def export_refusals(cfg: ModelConfig) -> list[Refusal]:
     moe = cfg.moe
-    refusals = plain_top_k_refusals(cfg, LABEL, allow=("model.moe.activation", "model.attention_bias",
+    refusals = plain_top_k_refusals(cfg, LABEL, allow=("model.rope_scaling", "model.moe.activation",
+                                                       "model.attention_bias",
                                                        "model.attention_sinks", "model.sliding_window",
                                                        "model.moe.router_bias", "model.moe.expert_proj_bias"))
     for ok, name, value, why in (
