@@ -150,7 +150,7 @@ def job(directory: Path, tmp: Path, corpus: Path, name: str, replicate: int = 1,
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_layout="interleaved"))
     cfg.parallel.dp_replicate, cfg.parallel.ep = replicate, ep
     cfg.data.source, cfg.data.path, cfg.data.glob, cfg.data.seq_len = "dir", str(corpus), "*.py", 32
-    cfg.train.steps, cfg.train.microbatch_size = 1, 2
+    cfg.train.steps, cfg.train.warmup_steps, cfg.train.microbatch_size = 1, 0, 2
     cfg.logging.run_dir, cfg.logging.progress_bar = str(tmp / name), False
     return cfg.validate()
 

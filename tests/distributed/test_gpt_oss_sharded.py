@@ -66,7 +66,7 @@ def run(tmp_path_factory):
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_layout="interleaved"))
     cfg.parallel.dp_replicate = 2
     cfg.data.source, cfg.data.path, cfg.data.glob, cfg.data.seq_len = "dir", str(corpus), "*.py", 32
-    cfg.train.steps, cfg.train.microbatch_size = 1, 2
+    cfg.train.steps, cfg.train.warmup_steps, cfg.train.microbatch_size = 1, 0, 2
     cfg.logging.run_dir, cfg.logging.progress_bar = str(tmp / "hsdp"), False
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))  # window 5 < 20
     result = run_on_ranks(worker, 4, cfg.validate(), tokens, timeout=300)[0]
