@@ -231,7 +231,7 @@ def figures(summary: dict, out: Path) -> list[Path]:
     # 1. Training-loss curves (smoothed) of every row, seed 0 solid, seed 1 dashed; held-out beside.
     fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(15, 6))
     for e in done:
-        for i, (seed, s) in enumerate(sorted(e["seeds"].items())):
+        for i, (_seed, s) in enumerate(sorted(e["seeds"].items())):
             steps = [p[0] for p in s["loss_curve"]]
             losses = [p[1] for p in s["loss_curve"]]
             smooth = [statistics.mean(losses[max(0, j - 4):j + 1]) for j in range(len(losses))]
@@ -278,7 +278,7 @@ def figures(summary: dict, out: Path) -> list[Path]:
     if moe_rows:
         fig, (ax_cv, ax_idle) = plt.subplots(1, 2, figsize=(14, 5))
         for e in moe_rows:
-            for i, (seed, s) in enumerate(sorted(e["seeds"].items())):
+            for i, (_seed, s) in enumerate(sorted(e["seeds"].items())):
                 ls = "-" if i == 0 else "--"
                 ax_cv.plot([p[0] for p in s["load_cv_curve"]], [p[1] for p in s["load_cv_curve"]],
                            color=colors[e["name"]], ls=ls, lw=1, label=e["label"] if i == 0 else None)
