@@ -77,18 +77,20 @@ def rows(base: JobConfig) -> list[Row]:
     n_layers = str(base.model.n_layers)
     dense = ("--model.n_dense_layers", n_layers)
     acc4 = ("--train.microbatch_size", "1", "--train.grad_accum", "4")
+    # In priority order: the grid runs row by row (both seeds of a row side by side), so a grid cut
+    # short has the most important comparisons first.
     return [
         Row("moe_default", "headline", "MoE default (16 experts, top-2, width 128)"),
         Row("dense_active", "headline", "dense, MoE's active params",
             dense + ("--model.ffn_hidden", str(dense_width(base, "active_matmul")))),
+        Row("bal_none", "balancing", "no balancing", ("--model.moe.load_balance", "none")),
+        Row("bal_aux_free", "balancing", "aux-loss-free bias", ("--model.moe.load_balance", "aux_free")),
+        Row("gran_64x8x32", "granularity", "64 experts, top-8, width 32", _moe(64, 8, 32)),
+        Row("gran_8x1x256", "granularity", "8 experts, top-1, width 256", _moe(8, 1, 256)),
+        Row("shared_1", "shared", "1 shared + 15 routed top-1, width 128", _moe(15, 1, 128, shared=1)),
         Row("dense_total", "headline", "dense, MoE's total params",
             dense + ("--model.ffn_hidden", str(dense_width(base, "total")))),
-        Row("gran_8x1x256", "granularity", "8 experts, top-1, width 256", _moe(8, 1, 256)),
         Row("gran_32x4x64", "granularity", "32 experts, top-4, width 64", _moe(32, 4, 64)),
-        Row("gran_64x8x32", "granularity", "64 experts, top-8, width 32", _moe(64, 8, 32)),
-        Row("shared_1", "shared", "1 shared + 15 routed top-1, width 128", _moe(15, 1, 128, shared=1)),
-        Row("bal_aux_free", "balancing", "aux-loss-free bias", ("--model.moe.load_balance", "aux_free")),
-        Row("bal_none", "balancing", "no balancing", ("--model.moe.load_balance", "none")),
         Row("bal_aux_mb_acc4", "balancing", "aux loss per microbatch, 1x4 accumulation", acc4),
         Row("bal_aux_global_acc4", "balancing", "global-batch aux loss, 1x4 accumulation",
             acc4 + ("--model.moe.aux_loss_scope", "global_batch")),
@@ -104,7 +106,7 @@ def schedule_args(steps: int, eval_every: int, eval_batches: int, seed: int, qui
             "--train.eval_every", str(eval_every), "--train.eval_batches", str(eval_batches),
             "--train.sample_tokens", "0", "--train.num_threads", "1", "--train.seed", str(seed),
             "--checkpoint.enabled", "False", "--logging.progress_bar", "False",
-            "--logging.log_every", str(max(1, min(10, steps // 4)))]
+            "--logging.log_every", str(max(1, min(5, steps // 4)))]
     if quick:
         args += ["--data.seq_len", "64", "--data.max_documents", "60"]
     return args
@@ -122,12 +124,13 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-def finished(run_dir: Path) -> bool:
-    return any(r.get("kind") == "final" for r in read_records(run_dir / "metrics.jsonl"))
+def finished(run_dir: Path, steps: int) -> bool:
+    """The run's final record exists and is at `steps` (a run of another length is run again)."""
+    return any(r.get("kind") == "final" and r["step"] == steps for r in read_records(run_dir / "metrics.jsonl"))
 
 
-def run_one(row: Row, seed: int, extra: list[str], run_dir: Path, python: str) -> str:
-    if finished(run_dir):
+def run_one(row: Row, seed: int, steps: int, extra: list[str], run_dir: Path, python: str) -> str:
+    if finished(run_dir, steps):
         return f"{run_dir.name}: already done"
     if run_dir.exists():  # an unfinished run: start it afresh (no checkpoints are kept)
         for child in run_dir.iterdir():
@@ -166,7 +169,8 @@ def summarize_run(records: list[dict]) -> dict:
     return out
 
 
-def summarize(grid_rows: list[Row], base: JobConfig, seeds: list[int], runs: Path, seq_len: int) -> dict:
+def summarize(grid_rows: list[Row], base: JobConfig, seeds: list[int], runs: Path, seq_len: int,
+              steps: int) -> dict:
     summary = {"rows": []}
     for row in grid_rows:
         cfg = apply_overrides(base, list(row.overrides))
@@ -176,7 +180,7 @@ def summarize(grid_rows: list[Row], base: JobConfig, seeds: list[int], runs: Pat
                  "flops_per_token": flops_per_token(cfg.model, seq_len), "seeds": {}}
         for seed in seeds:
             records = read_records(runs / f"{row.name}_s{seed}" / "metrics.jsonl")
-            if any(r.get("kind") == "final" for r in records):
+            if any(r.get("kind") == "final" and r["step"] == steps for r in records):
                 entry["seeds"][str(seed)] = summarize_run(records)
         values = [s["heldout_bpb"] for s in entry["seeds"].values()]
         if values:
@@ -301,7 +305,7 @@ def figures(summary: dict, out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=8)
@@ -327,15 +331,15 @@ def main(argv: list[str] | None = None) -> int:
         grid_rows = [r for r in grid_rows if r.name in wanted]
     seq_len = 64 if args.quick else base.data.seq_len
     if not args.report_only:
-        # Seed-major order: a grid cut short still has every row at the first seed.
-        tasks = [(row, seed) for seed in args.seeds for row in grid_rows]
+        # Row-major: both seeds of a row run side by side (same cost, so they finish together).
+        tasks = [(row, seed) for row in grid_rows for seed in args.seeds]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = [pool.submit(run_one, row, seed,
+            futures = [pool.submit(run_one, row, seed, args.steps,
                                    schedule_args(args.steps, args.eval_every, args.eval_batches, seed, args.quick),
                                    runs / f"{row.name}_s{seed}", sys.executable) for row, seed in tasks]
             for future in futures:
                 print(future.result(), flush=True)
-    summary = summarize(grid_rows, base, args.seeds, runs, seq_len)
+    summary = summarize(grid_rows, base, args.seeds, runs, seq_len, args.steps)
     summary["method"] = {"config": str(CONFIG.relative_to(ROOT)), "steps": args.steps, "seeds": args.seeds,
                          "eval_every": args.eval_every, "eval_batches": args.eval_batches,
                          "warmup_steps": max(1, round(40 * args.steps / 800)), "quick": args.quick,
