@@ -97,7 +97,7 @@ def rows(base: JobConfig) -> list[Row]:
     ]
 
 
-QUICK_ROWS = ("moe_default", "dense_active", "bal_aux_global_acc4")
+QUICK_ROWS = ("moe_default", "dense_active")
 
 
 def schedule_args(steps: int, eval_every: int, eval_batches: int, seed: int, quick: bool) -> list[str]:
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each one intra-op thread)")
     parser.add_argument("--rows", nargs="*", default=None, help="only these rows (default: all)")
     parser.add_argument("--quick", action="store_true",
-                        help="three rows, 6 steps, sequence length 64: checks the pipeline, not quality")
+                        help="two rows, 6 steps, sequence length 64: checks the pipeline, not quality")
     parser.add_argument("--report-only", action="store_true", help="rebuild summary, table and figures only")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality"))
     args = parser.parse_args(argv)

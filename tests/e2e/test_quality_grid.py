@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "quality" / "grid.py"
-ROWS = ["moe_default", "dense_active", "bal_aux_global_acc4"]
+ROWS = ["moe_default", "dense_active"]
 
 
 def _grid(out: Path, *extra: str) -> subprocess.CompletedProcess:
