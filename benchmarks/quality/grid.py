@@ -54,6 +54,9 @@ class Row:
     group: str
     label: str
     overrides: tuple[str, ...] = field(default_factory=tuple)
+    microbatch_size: int = 4
+    """Held-out evaluation reads eval_batches x microbatch_size evenly spaced sequences, so a row with
+    smaller microbatches evaluates more batches to score the same sequences as every other row."""
 
 
 def _moe(n_experts: int, top_k: int, hidden: int, shared: int = 0) -> tuple[str, ...]:
@@ -91,16 +94,17 @@ def rows(base: JobConfig) -> list[Row]:
         Row("dense_total", "headline", "dense, MoE's total params",
             dense + ("--model.ffn_hidden", str(dense_width(base, "total")))),
         Row("gran_32x4x64", "granularity", "32 experts, top-4, width 64", _moe(32, 4, 64)),
-        Row("bal_aux_mb_acc4", "balancing", "aux loss per microbatch, 1x4 accumulation", acc4),
+        Row("bal_aux_mb_acc4", "balancing", "aux loss per microbatch, 1x4 accumulation", acc4, 1),
         Row("bal_aux_global_acc4", "balancing", "global-batch aux loss, 1x4 accumulation",
-            acc4 + ("--model.moe.aux_loss_scope", "global_batch")),
+            acc4 + ("--model.moe.aux_loss_scope", "global_batch"), 1),
     ]
 
 
 QUICK_ROWS = ("moe_default", "dense_active")
 
 
-def schedule_args(steps: int, eval_every: int, eval_batches: int, seed: int, quick: bool) -> list[str]:
+def schedule_args(row: Row, steps: int, eval_every: int, eval_batches: int, seed: int, quick: bool) -> list[str]:
+    eval_batches = eval_batches * 4 // row.microbatch_size
     warmup = max(1, round(40 * steps / 800))  # the default job's warmup fraction
     args = ["--train.steps", str(steps), "--train.warmup_steps", str(warmup),
             "--train.eval_every", str(eval_every), "--train.eval_batches", str(eval_batches),
@@ -335,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks = [(row, seed) for row in grid_rows for seed in args.seeds]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = [pool.submit(run_one, row, seed, args.steps,
-                                   schedule_args(args.steps, args.eval_every, args.eval_batches, seed, args.quick),
+                                   schedule_args(row, args.steps, args.eval_every, args.eval_batches, seed, args.quick),
                                    runs / f"{row.name}_s{seed}", sys.executable) for row, seed in tasks]
             for future in futures:
                 print(future.result(), flush=True)
