@@ -154,7 +154,8 @@ def summarize_run(records: list[dict]) -> dict:
     train = [r for r in records if r.get("kind") == "train"]
     evals = {r["step"]: r["heldout_bpb"] for r in records if r.get("kind") == "eval"}
     final = next(r for r in records if r.get("kind") == "final")
-    later = train[len(train) // 2:] or train  # the second half of training
+    half = len(train) // 2
+    early, later = train[:half] or train, train[half:] or train  # the two halves of training
     out = {
         "heldout_bpb": final["heldout_bpb"], "wall_s": final["wall_s"],
         "eval_curve": sorted(evals.items()),
@@ -164,8 +165,13 @@ def summarize_run(records: list[dict]) -> dict:
     if train and "expert_load_cv" in train[0]:
         out["load_cv_curve"] = [(r["step"], r["expert_load_cv"]) for r in train]
         out["idle_curve"] = [(r["step"], r["experts_without_tokens"]) for r in train]
+        out["load_cv_first_half"] = statistics.mean(r["expert_load_cv"] for r in early)
         out["load_cv_second_half"] = statistics.mean(r["expert_load_cv"] for r in later)
+        out["idle_first_half"] = statistics.mean(r["experts_without_tokens"] for r in early)
         out["idle_second_half"] = statistics.mean(r["experts_without_tokens"] for r in later)
+        # The worst layer's max / mean expert load in any logged step: 1 when even, E / top_k when
+        # one expert takes every token (a token visits an expert at most once).
+        out["peak_max_over_mean"] = max(max(r["expert_load_max_over_mean_per_layer"]) for r in train)
         out["max_over_mean_second_half"] = statistics.mean(r["expert_load_max_over_mean"] for r in later)
         out["aux_loss_last"] = train[-1]["aux_loss"]
         if "expert_bias_range" in train[-1]:
@@ -191,7 +197,8 @@ def summarize(grid_rows: list[Row], base: JobConfig, seeds: list[int], runs: Pat
             entry["heldout_bpb_mean"] = statistics.mean(values)
             entry["heldout_bpb_spread"] = max(values) - min(values)
             entry["wall_s_mean"] = statistics.mean(s["wall_s"] for s in entry["seeds"].values())
-            for key in ("load_cv_second_half", "idle_second_half", "max_over_mean_second_half"):
+            for key in ("load_cv_first_half", "load_cv_second_half", "idle_first_half", "idle_second_half",
+                        "max_over_mean_second_half", "peak_max_over_mean"):
                 got = [s[key] for s in entry["seeds"].values() if key in s]
                 if got:
                     entry[key] = statistics.mean(got)
@@ -209,17 +216,20 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def table(summary: dict) -> str:
-    lines = ["| row | group | params total / active | GFLOPs/token | held-out bpb (mean ± half-spread) | seeds "
-             "| per-seed bpb | load CV (2nd half) | idle experts (2nd half) | loop time s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | group | params total / active | MFLOPs/token | held-out bpb (mean ± half-spread) | seeds "
+             "| per-seed bpb | load CV 1st / 2nd half | idle experts 1st / 2nd half | peak max/mean load "
+             "| loop time s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary["rows"]:
         seeds = e["seeds"]
         per_seed = " / ".join(f"{s['heldout_bpb']:.3f}" for _, s in sorted(seeds.items()))
         bpb = (f"{e['heldout_bpb_mean']:.3f} ± {e['heldout_bpb_spread'] / 2:.3f}" if seeds else "not run")
         lines.append(f"| {e['label']} | {e['group']} | {e['params_total'] / 1e6:.2f} M / "
-                     f"{e['params_active'] / 1e6:.2f} M | {e['flops_per_token'] / 1e9:.4f} | {bpb} | {len(seeds)} "
-                     f"| {per_seed or '-'} | {fmt(e.get('load_cv_second_half'), '.3f')} "
-                     f"| {fmt(e.get('idle_second_half'), '.2f')} | {fmt(e.get('wall_s_mean'), '.0f')} |")
+                     f"{e['params_active'] / 1e6:.2f} M | {e['flops_per_token'] / 1e6:.1f} | {bpb} | {len(seeds)} "
+                     f"| {per_seed or '-'} | {fmt(e.get('load_cv_first_half'), '.2f')} / "
+                     f"{fmt(e.get('load_cv_second_half'), '.2f')} | {fmt(e.get('idle_first_half'), '.1f')} / "
+                     f"{fmt(e.get('idle_second_half'), '.1f')} | {fmt(e.get('peak_max_over_mean'), '.1f')} "
+                     f"| {fmt(e.get('wall_s_mean'), '.0f')} |")
     lines.append("")
     for seed, order in summary["ranking_per_seed"].items():
         lines.append(f"seed {seed} ranking (best first): {', '.join(order)}")
