@@ -203,6 +203,14 @@ def summarize(grid_rows: list[Row], base: JobConfig, seeds: list[int], runs: Pat
                 if got:
                     entry[key] = statistics.mean(got)
         summary["rows"].append(entry)
+    # Paired by seed (a seed fixes the init and the data order, shared by every row of that seed):
+    # each row's held-out bpb minus the default MoE's. Negative: better than the default.
+    default = next((e for e in summary["rows"] if e["name"] == "moe_default"), None)
+    for e in summary["rows"]:
+        if default is not None:
+            common = sorted(set(e["seeds"]) & set(default["seeds"]))
+            e["delta_vs_default_per_seed"] = {seed: e["seeds"][seed]["heldout_bpb"]
+                                              - default["seeds"][seed]["heldout_bpb"] for seed in common}
     # Ranking stability: the order of the rows by held-out bpb under each seed alone.
     summary["ranking_per_seed"] = {}
     for seed in seeds:
@@ -217,16 +225,17 @@ def fmt(x: float | None, spec: str) -> str:
 
 def table(summary: dict) -> str:
     lines = ["| row | group | params total / active | MFLOPs/token | held-out bpb (mean ± half-spread) | seeds "
-             "| per-seed bpb | load CV 1st / 2nd half | idle experts 1st / 2nd half | peak max/mean load "
-             "| loop time s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| per-seed bpb | per-seed Δ vs MoE default | load CV 1st / 2nd half | idle experts 1st / 2nd half "
+             "| peak max/mean load | loop time s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary["rows"]:
         seeds = e["seeds"]
         per_seed = " / ".join(f"{s['heldout_bpb']:.3f}" for _, s in sorted(seeds.items()))
         bpb = (f"{e['heldout_bpb_mean']:.3f} ± {e['heldout_bpb_spread'] / 2:.3f}" if seeds else "not run")
+        delta = " / ".join(f"{d:+.3f}" for _, d in sorted(e.get("delta_vs_default_per_seed", {}).items()))
         lines.append(f"| {e['label']} | {e['group']} | {e['params_total'] / 1e6:.2f} M / "
                      f"{e['params_active'] / 1e6:.2f} M | {e['flops_per_token'] / 1e6:.1f} | {bpb} | {len(seeds)} "
-                     f"| {per_seed or '-'} | {fmt(e.get('load_cv_first_half'), '.2f')} / "
+                     f"| {per_seed or '-'} | {delta or '-'} | {fmt(e.get('load_cv_first_half'), '.2f')} / "
                      f"{fmt(e.get('load_cv_second_half'), '.2f')} | {fmt(e.get('idle_first_half'), '.1f')} / "
                      f"{fmt(e.get('idle_second_half'), '.1f')} | {fmt(e.get('peak_max_over_mean'), '.1f')} "
                      f"| {fmt(e.get('wall_s_mean'), '.0f')} |")
