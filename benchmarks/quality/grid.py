@@ -271,10 +271,9 @@ def figures(summary: dict, out: Path) -> list[Path]:
     ax_eval.set(xlabel="step", ylabel="held-out bits per byte", title="held-out bits per byte")
     for ax in (ax_train, ax_eval):
         ax.grid(alpha=0.3)
-        lo = min(min(p[1] for s in e["seeds"].values() for p in s["eval_curve"]) for e in done)
-        ax.set_ylim(bottom=None)
-    ax_train.set_ylim(max(0.0, lo * 0.69 - 0.1), None)
-    ax_eval.set_ylim(lo - 0.1, lo + 1.5)
+    evals_all = [p[1] for e in done for s in e["seeds"].values() for p in s["eval_curve"]]
+    pad = 0.05 * (max(evals_all) - min(evals_all) or 1.0)
+    ax_eval.set_ylim(min(evals_all) - pad, max(evals_all) + pad)
     ax_eval.legend(fontsize=7)
     fig.suptitle("moetrain quality grid: solid seed 0, dashed seed 1")
     fig.tight_layout()
