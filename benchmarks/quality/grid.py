@@ -59,9 +59,14 @@ class Row:
     smaller microbatches evaluates more batches to score the same sequences as every other row."""
 
 
-def _moe(n_experts: int, top_k: int, hidden: int, shared: int = 0) -> tuple[str, ...]:
+def _moe(n_experts: int, top_k: int, hidden: int, shared: int = 0, renormalize: bool | None = None) -> tuple[str, ...]:
+    # Top-1 with renormalized gates makes every gate exactly 1 (g / g), so the router would get no
+    # gradient from the language-model loss, only from the aux loss: top-1 rows use Switch's gate
+    # (the softmax probability itself) unless a row asks otherwise.
+    renormalize = top_k > 1 if renormalize is None else renormalize
     return ("--model.moe.n_experts", str(n_experts), "--model.moe.top_k", str(top_k),
-            "--model.moe.expert_hidden", str(hidden), "--model.moe.n_shared_experts", str(shared))
+            "--model.moe.expert_hidden", str(hidden), "--model.moe.n_shared_experts", str(shared),
+            "--model.moe.renormalize", str(renormalize))
 
 
 def dense_width(base: JobConfig, key: str) -> int:
@@ -89,14 +94,16 @@ def rows(base: JobConfig) -> list[Row]:
         Row("bal_none", "balancing", "no balancing", ("--model.moe.load_balance", "none")),
         Row("bal_aux_free", "balancing", "aux-loss-free bias", ("--model.moe.load_balance", "aux_free")),
         Row("gran_64x8x32", "granularity", "64 experts, top-8, width 32", _moe(64, 8, 32)),
-        Row("gran_8x1x256", "granularity", "8 experts, top-1, width 256", _moe(8, 1, 256)),
-        Row("shared_1", "shared", "1 shared + 15 routed top-1, width 128", _moe(15, 1, 128, shared=1)),
+        Row("gran_8x1x256", "granularity", "8 experts, top-1, width 256 (Switch gate)", _moe(8, 1, 256)),
+        Row("shared_1", "shared", "1 shared + 15 routed top-1, width 128 (Switch gate)", _moe(15, 1, 128, shared=1)),
         Row("dense_total", "headline", "dense, MoE's total params",
             dense + ("--model.ffn_hidden", str(dense_width(base, "total")))),
         Row("gran_32x4x64", "granularity", "32 experts, top-4, width 64", _moe(32, 4, 64)),
         Row("bal_aux_mb_acc4", "balancing", "aux loss per microbatch, 1x4 accumulation", acc4, 1),
         Row("bal_aux_global_acc4", "balancing", "global-batch aux loss, 1x4 accumulation",
             acc4 + ("--model.moe.aux_loss_scope", "global_batch"), 1),
+        Row("gran_8x1x256_renorm", "diagnostic", "8 experts, top-1, renormalized gate = 1 (router: aux loss only)",
+            _moe(8, 1, 256, renormalize=True)),
     ]
 
 
