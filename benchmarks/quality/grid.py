@@ -261,7 +261,8 @@ def figures(summary: dict, out: Path) -> list[Path]:
     done = [e for e in summary["rows"] if e["seeds"]]
     if not done:
         return written
-    colors = {e["name"]: f"C{i % 10}" for i, e in enumerate(summary["rows"])}
+    palette = plt.get_cmap("tab10" if len(done) <= 10 else "tab20")
+    colors = {e["name"]: palette(i % palette.N) for i, e in enumerate(done)}
     # 1. Training-loss curves (smoothed) of every row, seed 0 solid, seed 1 dashed; held-out beside.
     fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(15, 6))
     for e in done:
