@@ -118,6 +118,20 @@ PLAIN_FIELD_NAMES = {
 }
 
 
+def gpt_oss_era_checks(cfg: ModelConfig, label: str) -> list[tuple[bool, str, Any, str]]:
+    """(ok, field, value, why) of the options only GPT-OSS and Qwen2-MoE carry, for a family without them."""
+    moe = cfg.moe
+    return [
+        (not cfg.attention_sinks, "model.attention_sinks", cfg.attention_sinks, f"{label} has no attention sinks"),
+        (cfg.sliding_window is None, "model.sliding_window", cfg.sliding_window, f"{label} has no sliding window"),
+        (not moe.router_bias, "model.moe.router_bias", moe.router_bias, f"{label}'s router has no bias"),
+        (not moe.expert_proj_bias, "model.moe.expert_proj_bias", moe.expert_proj_bias,
+         f"{label}'s experts have no biases"),
+        (not moe.shared_expert_gate, "model.moe.shared_expert_gate", moe.shared_expert_gate,
+         f"{label} has no shared expert gate"),
+    ]
+
+
 def plain_top_k_refusals(cfg: ModelConfig, label: str, allow: tuple[str, ...] = ()) -> list[Refusal]:
     """What a family routing plain softmax top-k to SwiGLU experts, with no shared expert, refuses.
 
@@ -136,13 +150,7 @@ def plain_top_k_refusals(cfg: ModelConfig, label: str, allow: tuple[str, ...] = 
          f"rounding changes which experts tokens reach; {label} routes plain top-k"),
         (cfg.attention_bias == "none", "model.attention_bias", cfg.attention_bias,
          f"{label}'s attention projections have no bias"),
-        (not cfg.attention_sinks, "model.attention_sinks", cfg.attention_sinks, f"{label} has no attention sinks"),
-        (cfg.sliding_window is None, "model.sliding_window", cfg.sliding_window, f"{label} has no sliding window"),
-        (not moe.router_bias, "model.moe.router_bias", moe.router_bias, f"{label}'s router has no bias"),
-        (not moe.expert_proj_bias, "model.moe.expert_proj_bias", moe.expert_proj_bias,
-         f"{label}'s experts have no biases"),
-        (not moe.shared_expert_gate, "model.moe.shared_expert_gate", moe.shared_expert_gate,
-         f"{label} has no shared expert gate"),
+        *gpt_oss_era_checks(cfg, label),
         (moe.n_group == 1, "model.moe.n_group", moe.n_group, f"{label} routes without expert groups"),
         (moe.routed_scaling_factor == 1, "model.moe.routed_scaling_factor", moe.routed_scaling_factor,
          f"{label} does not scale its gate values"),

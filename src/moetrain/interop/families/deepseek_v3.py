@@ -19,7 +19,7 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, YARN_FIELD_NAMES, Family, Refusal
+from moetrain.interop.adapter import PLAIN_FIELD_NAMES, YARN_FIELD_NAMES, Family, Refusal, gpt_oss_era_checks
 from moetrain.interop.config_json import (
     decoder_config_json,
     decoder_fields,
@@ -132,13 +132,7 @@ def sigmoid_routing_refusals(cfg: ModelConfig, label: str) -> list[Refusal]:
         (cfg.clip_qkv is None, "model.clip_qkv", cfg.clip_qkv, f"{label} has no clip_qkv"),
         (cfg.attention_bias in ("none", "qkv"), "model.attention_bias", cfg.attention_bias,
          f"{label} has no output-projection bias"),
-        (not cfg.attention_sinks, "model.attention_sinks", cfg.attention_sinks, f"{label} has no attention sinks"),
-        (cfg.sliding_window is None, "model.sliding_window", cfg.sliding_window, f"{label} has no sliding window"),
-        (not moe.router_bias, "model.moe.router_bias", moe.router_bias, f"{label}'s router has no bias"),
-        (not moe.expert_proj_bias, "model.moe.expert_proj_bias", moe.expert_proj_bias,
-         f"{label}'s experts have no biases"),
-        (not moe.shared_expert_gate, "model.moe.shared_expert_gate", moe.shared_expert_gate,
-         f"{label} has no shared expert gate"),
+        *gpt_oss_era_checks(cfg, label),
         (moe.shared_expert_hidden is None, "model.moe.shared_expert_hidden", moe.shared_expert_hidden,
          f"{label}'s shared experts are model.moe.expert_hidden wide"),
     ]
