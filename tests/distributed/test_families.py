@@ -106,7 +106,7 @@ def import_checkpoint_export(cfg: JobConfig, logits_tokens: torch.Tensor) -> dic
         run_dir.root.mkdir(parents=True, exist_ok=True)
         run_dir.config.write_text(json.dumps(cfg.to_dict()))
     Checkpointer(run_dir.checkpoints, cfg.checkpoint, 1, cfg.logging.run_dir).maybe_save(1, trainer)
-    export(ExportOptions(run=cfg.logging.run_dir, out=str(run_dir.root / "hf")))
+    export(ExportOptions(run_dir=cfg.logging.run_dir, out=str(run_dir.root / "hf")))
     return {"weights": weights, "logits": logits}
 
 

@@ -49,7 +49,7 @@ def worker(cfg: JobConfig, tokens: torch.Tensor) -> dict:
         run_dir.root.mkdir(parents=True, exist_ok=True)
         run_dir.config.write_text(json.dumps(cfg.to_dict()))
     Checkpointer(run_dir.checkpoints, cfg.checkpoint, 1, cfg.logging.run_dir).maybe_save(1, trainer)
-    export(ExportOptions(run=cfg.logging.run_dir, out=str(run_dir.root / "hf")))
+    export(ExportOptions(run_dir=cfg.logging.run_dir, out=str(run_dir.root / "hf")))
     return {"weights": weights, "logits": logits, "sharded": sharded} if rank == 0 else {}
 
 

@@ -152,7 +152,7 @@ def test_in_loop_tasks_equal_moetrain_eval_on_the_same_checkpoint(job_args, tmp_
     assert sorted(in_loop) == [2, 4]
     assert "tasks | tiny_choice/acc" in capsys.readouterr().err
     for step in (2, 4):
-        results = evaluate(EvalOptions(run=str(run_dir), step=step, tasks=str(CHOICE), batch_size=5))
+        results = evaluate(EvalOptions(run_dir=str(run_dir), step=step, tasks=str(CHOICE), batch_size=5))
         scores = summary(results)
         for metric in ("acc", "acc_norm"):
             assert scores[f"task/tiny_choice/{metric}"] == in_loop[step][f"task/tiny_choice/{metric}"]
