@@ -63,7 +63,7 @@ def build_fixtures(root: Path) -> dict[str, str]:
             "--model.max_seq_len", "32", "--model.moe.n_experts", "4", "--model.moe.top_k", "2",
             "--model.moe.expert_hidden", "16", "--data.seq_len", "32", "--train.microbatch_size", "2",
             "--train.eval_every", "0", "--train.sample_tokens", "0", "--logging.progress_bar", "False",
-            "--checkpoint.every", "2", "--train.steps", "2"]
+            "--checkpoint.every", "2", "--train.steps", "2", "--train.warmup_steps", "1"]
     code = cli.main([*base, "--logging.run_dir", str(run)])
     base = [*base, "--train.stop_at_step", "1"]  # a case whose values are valid trains one step, not train.steps
     assert code == 0, "the fixture run failed"

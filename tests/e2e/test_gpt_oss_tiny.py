@@ -21,6 +21,7 @@ def test_gpt_oss_tiny_trains_then_exports_to_transformers(corpus_dir, tmp_path):
     config = Path(__file__).resolve().parents[2] / "configs" / "gpt_oss_tiny.toml"
     argv = ["--config", str(config), "--data.source", "dir", "--data.path", str(corpus_dir),
             "--data.glob", "*.py", "--data.seq_len", "96", "--data.heldout_fraction", "0.2", "--train.steps", "3",
+            "--train.warmup_steps", "1",
             "--train.microbatch_size", "1", "--train.eval_every", "0", "--train.sample_tokens", "0",
             "--checkpoint.every", "3", "--logging.run_dir", str(run_dir), "--logging.progress_bar", "False"]
     assert cli.main(["train", *argv]) == 0

@@ -49,8 +49,9 @@ def test_a_save_below_a_damaged_checkpoint_keeps_one_to_resume_from(job_args, tm
     """The issue's scenario: keep_last 1, fell back to step 2 past a damaged step 4, saved step 3."""
     run_dir = tmp_path / "run"
     common = dict(train__eval_every=0, checkpoint__keep_last=1)
-    assert cli.main(["train", *job_args(run_dir, train__steps=4, checkpoint__every=2, checkpoint__keep_last=2,
-                                        train__eval_every=0)]) == 0
+    # The same schedule throughout (6 steps); the first invocation stops after step 4.
+    assert cli.main(["train", *job_args(run_dir, train__steps=6, train__stop_at_step=4, checkpoint__every=2,
+                                        checkpoint__keep_last=2, train__eval_every=0)]) == 0
     _damage_newest(run_dir)
     assert cli.main(["train", *job_args(run_dir, train__steps=6, checkpoint__every=3, train__stop_at_step=3,
                                         checkpoint__resume=True, **common)]) == 0
@@ -104,7 +105,8 @@ def test_a_job_over_the_address_space_limit_is_one_line_and_writes_nothing(tmp_p
     # About 3.9 GiB estimated: within this machine's memory, beyond a 2.5 GB address-space limit.
     args = ["train", "--config", str(REPO / "configs" / "tiny_moe.toml"), "--model.dim", "1024", "--model.n_layers",
             "8", "--model.n_heads", "8", "--model.moe.n_experts", "8", "--model.moe.expert_hidden", "1024",
-            "--train.steps", "2", "--logging.run_dir", str(run_dir), "--logging.progress_bar", "False"]
+            "--train.steps", "2", "--train.warmup_steps", "1", "--logging.run_dir", str(run_dir),
+            "--logging.progress_bar", "False"]
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (2_500_000_000, resource.RLIM_INFINITY))
