@@ -128,7 +128,7 @@ def test_eval_command_on_hf_dir_writes_results_and_refuses_bad_input(exported, t
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "q", "choices": ["a", "b"], "gold": 2}\n')
     cases = {"gold = 2 is invalid": ["--hf", str(exported), "--tasks", str(bad)],
-             "exactly one of --run RUN and --hf DIR": ["--tasks", str(CHOICE)],
+             "exactly one of --run-dir RUN and --hf DIR": ["--tasks", str(CHOICE)],
              "not a Hugging Face model directory": ["--hf", str(tmp_path), "--tasks", str(CHOICE)],
              "does not exist": ["--hf", str(exported), "--tasks", str(tmp_path / "missing.jsonl")]}
     for message, argv in cases.items():
@@ -163,7 +163,7 @@ def test_in_loop_tasks_equal_moetrain_eval_on_the_same_checkpoint(job_args, tmp_
     assert final["task/tiny_choice/acc"] == in_loop[4]["task/tiny_choice/acc"]
     out = tmp_path / "curve.png"
     assert cli.main(["plot", str(run_dir), "--out", str(out)]) == 0
-    assert Image.open(out).size[0] == 20 * 110  # the fourth (task) panel widens the figure
+    assert Image.open(out).size[0] == 30 * 110  # the sixth (task) panel widens the figure (25 in. without it)
     bad = tmp_path / "text_only.jsonl"
     bad.write_text('{"text": "hello"}\n')
     assert cli.main(["train", *job_args(tmp_path / "run2", train__eval_tasks=str(bad))]) == 2
