@@ -25,7 +25,8 @@ def test_debug_preset_trains_then_exports_as_deepseek_v3(corpus_dir, tmp_path):
 
     run_dir, out = tmp_path / "run", tmp_path / "export"
     argv = ["--config", str(PRESET), "--data.source", "dir", "--data.path", str(corpus_dir), "--data.glob", "*.py",
-            "--data.seq_len", "64", "--train.steps", "3", "--train.warmup_steps", "1", "--train.eval_every", "0", "--train.sample_tokens", "0",
+            "--data.seq_len", "64", "--train.steps", "3", "--train.warmup_steps", "1",
+            "--train.eval_every", "0", "--train.sample_tokens", "0",
             "--checkpoint.every", "3", "--logging.run_dir", str(run_dir), "--logging.progress_bar", "False",
             "--logging.log_every", "1"]
     assert cli.main(["train", *argv]) == 0
