@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.func import functional_call
 
 from moetrain.config import ModelConfig, MoEConfig, ParallelConfig
+from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.model.transformer import Transformer
 from moetrain.train.build import build_model
@@ -225,3 +226,71 @@ def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
         if err > worst:
             worst, worst_name = err, name
     return worst, worst_name
+
+
+# Token-budget microbatches on HSDP 2x2 against one float64 process (test_token_budget_parity.py,
+# test_chat_parity.py): the two differ only in their data and in what they count per microbatch.
+
+def _step_loss(model, microbatches, global_tokens: int):
+    for batch in microbatches:
+        logits = model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
+        loss_sum, n_valid = token_loss_sum(logits, batch.targets)
+        yield microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss())
+
+
+def token_budget_reference_run(state, batching, statistic, micro: int, steps: int, world: int):
+    """One float64 process over the world-1 loader of `batching()`: (grads of step 0, params after `steps`,
+    `statistic(microbatch)` per microbatch and step, min top-k gap)."""
+    model = Transformer(MODEL_CFG)
+    model.load_state_dict(state)
+    model.double()
+    install_router_probe(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loader = DataLoader(batching(), seed=5, dp_rank=0, dp_world=1, microbatches_per_rank=micro * world)
+    grads0, lengths, gap = {}, [], float("inf")
+    for step in range(steps):
+        microbatches = loader.next_microbatches()
+        lengths.append([statistic(mb) for mb in microbatches])
+        global_tokens = sum(mb.n_valid_targets for mb in microbatches)
+        for loss in _step_loss(model, microbatches, global_tokens):
+            loss.backward()
+            for moe in model.moe_layers():
+                top = moe._parity_last_probs.topk(moe.cfg.top_k + 1, dim=-1).values
+                gap = min(gap, float((top[:, -2] - top[:, -1]).min()))
+        if step == 0:
+            grads0 = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads0, {n: p.detach().clone() for n, p in model.named_parameters()}, lengths, gap
+
+
+def token_budget_hsdp_worker(state, batching, statistic, micro: int, steps: int):
+    """On each rank: HSDP 2x2, delayed all-reduce, this rank's `micro` microbatches of `batching()`."""
+    import torch.distributed as dist
+
+    from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
+    from moetrain.parallel.mesh import build_mesh, init_distributed
+
+    pcfg = parallel_cfg((2, 2), "delayed_all_reduce", "fp32")
+    rank, world, device = init_distributed(pcfg)
+    mesh = build_mesh(pcfg, world, device.type)
+    model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
+    load_full_state(model, state)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    policy = resolve_sync_policy(pcfg, mesh, micro)
+    loader = DataLoader(batching(), seed=5, dp_rank=rank, dp_world=world, microbatches_per_rank=micro)
+    grads0, lengths = {}, []
+    for step in range(steps):
+        microbatches = loader.next_microbatches()
+        lengths.append([statistic(mb) for mb in microbatches])
+        global_tokens = count_global_tokens(sum(mb.n_valid_targets for mb in microbatches))
+        for batch, _is_last in accumulation(model, microbatches, policy):
+            (loss,) = _step_loss(model, [batch], global_tokens)
+            loss.backward()
+        if step == 0:
+            grads0 = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {n: p.full_tensor().detach().double().numpy() for n, p in model.named_parameters()}
+    dist.barrier()
+    return policy.name, lengths, grads0, params

@@ -14,23 +14,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 from test_parity_support import (
-    LR,
     MODEL_CFG,
-    MOMENTUM,
     initial_state,
-    install_router_probe,
-    load_full_state,
-    parallel_cfg,
     relative_error,
+    token_budget_hsdp_worker,
+    token_budget_reference_run,
 )
 
 from moetrain.data.batching import TokenBudgetBatching
-from moetrain.data.loader import DataLoader
 from moetrain.data.packing import PackedSequences
-from moetrain.model.transformer import Transformer
 from moetrain.testing import run_on_ranks
-from moetrain.train.build import build_model
-from moetrain.train.loss import microbatch_loss, token_loss_sum
 
 BOS, EOS, PAD = MODEL_CFG.vocab_size - 3, MODEL_CFG.vocab_size - 2, MODEL_CFG.vocab_size - 1
 BUDGET = 16
@@ -47,74 +40,16 @@ def batching() -> TokenBudgetBatching:
     return TokenBudgetBatching(sequences, BUDGET, seed=2)
 
 
-def _step_loss(model, microbatches, global_tokens: int):
-    for batch in microbatches:
-        logits = model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
-        loss_sum, n_valid = token_loss_sum(logits, batch.targets)
-        yield microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss())
-
-
-def reference_run(state):
-    """One float64 process over the world-1 loader: (grads of step 0, params after STEPS, lengths, min top-k gap)."""
-    model = Transformer(MODEL_CFG)
-    model.load_state_dict(state)
-    model.double()
-    install_router_probe(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    loader = DataLoader(batching(), seed=5, dp_rank=0, dp_world=1, microbatches_per_rank=MICRO * WORLD)
-    grads0, lengths, gap = {}, [], float("inf")
-    for step in range(STEPS):
-        microbatches = loader.next_microbatches()
-        lengths.append([mb.tokens.shape[1] for mb in microbatches])
-        global_tokens = sum(mb.n_valid_targets for mb in microbatches)
-        for loss in _step_loss(model, microbatches, global_tokens):
-            loss.backward()
-            for moe in model.moe_layers():
-                top = moe._parity_last_probs.topk(moe.cfg.top_k + 1, dim=-1).values
-                gap = min(gap, float((top[:, -2] - top[:, -1]).min()))
-        if step == 0:
-            grads0 = {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    return grads0, {n: p.detach().clone() for n, p in model.named_parameters()}, lengths, gap
-
-
-def hsdp_worker(state):
-    """On each of 4 ranks: HSDP 2x2, delayed all-reduce, this rank's token-budget microbatches."""
-    import torch.distributed as dist
-
-    from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import build_mesh, init_distributed
-
-    pcfg = parallel_cfg((2, 2), "delayed_all_reduce", "fp32")
-    rank, world, device = init_distributed(pcfg)
-    mesh = build_mesh(pcfg, world, device.type)
-    model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
-    load_full_state(model, state)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    policy = resolve_sync_policy(pcfg, mesh, MICRO)
-    loader = DataLoader(batching(), seed=5, dp_rank=rank, dp_world=world, microbatches_per_rank=MICRO)
-    grads0, lengths = {}, []
-    for step in range(STEPS):
-        microbatches = loader.next_microbatches()
-        lengths.append([mb.tokens.shape[1] for mb in microbatches])
-        global_tokens = count_global_tokens(sum(mb.n_valid_targets for mb in microbatches))
-        for batch, _is_last in accumulation(model, microbatches, policy):
-            (loss,) = _step_loss(model, [batch], global_tokens)
-            loss.backward()
-        if step == 0:
-            grads0 = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    params = {n: p.full_tensor().detach().double().numpy() for n, p in model.named_parameters()}
-    dist.barrier()
-    return policy.name, lengths, grads0, params
+def row_width(microbatch) -> int:
+    return microbatch.tokens.shape[1]
 
 
 def test_token_budget_microbatches_on_hsdp_2x2_match_one_float64_process():
     state = initial_state(seed=1)
-    ref_grads, ref_params, ref_lengths, gap = reference_run(state)
-    results = run_on_ranks(hsdp_worker, WORLD, state, timeout=300)
+    ref_grads, ref_params, ref_lengths, gap = token_budget_reference_run(
+        state, batching, row_width, MICRO, STEPS, WORLD)
+    results = run_on_ranks(token_budget_hsdp_worker, WORLD, state, batching, row_width, MICRO, STEPS,
+                           timeout=300)
     assert {r[0] for r in results} == {"delayed_all_reduce"}
     # The ranks' microbatches, in rank order, are the reference's global batch; lengths vary.
     for step in range(STEPS):
