@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain.config import TrainConfig
+from moetrain.config import MoEConfig, TrainConfig
+from moetrain.model.moe import RoutedExpertWeights
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr, split_decay_groups
 
 
@@ -81,3 +82,11 @@ def test_constant_and_no_warmup():
     assert {s.lr(i) for i in range(12)} == {0.5}
     with pytest.raises(ValueError, match="unknown schedule"):
         LRSchedule(1.0, 10, 0, kind="linear").lr(3)
+
+
+def test_stacked_expert_biases_are_not_decayed():
+    experts = RoutedExpertWeights(4, MoEConfig(n_experts=3, top_k=1, expert_hidden=2, expert_proj_bias=True))
+    decay, no_decay = split_decay_groups(experts, decay_norms_and_embeddings=False)
+    assert decay == ["w1", "w2"] and no_decay == ["b1", "b2"]
+    without = RoutedExpertWeights(4, MoEConfig(n_experts=3, top_k=1, expert_hidden=2))
+    assert split_decay_groups(without, decay_norms_and_embeddings=False) == (["w1", "w2"], [])

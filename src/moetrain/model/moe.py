@@ -63,6 +63,10 @@ class RoutedExpertWeights(nn.Module):
     """Stacked expert weights: w1 [E, d, 2n] (gated: gate = [..., :n], up = [..., n:]) or [E, d, n]; w2 [E, n, d];
     under `expert_proj_bias` also b1 [E, width of w1] and b2 [E, d]."""
 
+    bias_names = ("b1", "b2")
+    """Parameters that are stacked bias vectors (2-D only because experts are stacked): the optimizer does not
+    weight-decay them, as it does not decay any other bias."""
+
     def __init__(self, dim: int, cfg: MoEConfig):
         super().__init__()
         width = cfg.expert_hidden if cfg.activation == "gelu" else 2 * cfg.expert_hidden

@@ -24,18 +24,21 @@ from moetrain.config import TrainConfig
 def split_decay_groups(model: nn.Module, decay_norms_and_embeddings: bool) -> tuple[list[str], list[str]]:
     """Names of (decayed, not decayed) trainable parameters.
 
-    Not decayed: every parameter with fewer than 2 dims (norm gains, biases, per-expert
-    bias vectors) and every nn.Embedding weight. A weight tied to an embedding is the
-    same Parameter, so it follows the embedding.
+    Not decayed: every parameter with fewer than 2 dims (norm gains, biases, sinks), the
+    stacked per-expert biases a module names in `bias_names` (2-D [E, width], still
+    biases), and every nn.Embedding weight. A weight tied to an embedding is the same
+    Parameter, so it follows the embedding.
     """
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    stacked_biases = {id(getattr(m, name)) for m in model.modules()
+                      for name in getattr(m, "bias_names", ()) if getattr(m, name, None) is not None}
     decay, no_decay = [], []
     seen: set[int] = set()
     for name, param in model.named_parameters():
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        exempt = param.ndim < 2 or id(param) in embedding_params
+        exempt = param.ndim < 2 or id(param) in embedding_params or id(param) in stacked_biases
         (no_decay if exempt and not decay_norms_and_embeddings else decay).append(name)
     return decay, no_decay
 
