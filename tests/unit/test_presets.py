@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import GptOssConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from moetrain.config import load
 from moetrain.interop import export_family
 from moetrain.model.flops import count_params
+from moetrain.model.layers import rope_inv_freq
 from moetrain.model.transformer import Transformer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -61,3 +64,19 @@ def test_the_tiny_gpt_oss_preset_is_gpt_oss_shaped():
     assert {"layers.0.attention.sinks", "layers.0.attention.wo.bias", "layers.0.moe.router.bias",
             "layers.0.moe.experts.b1", "layers.0.moe.experts.b2"} <= names
     assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
+
+
+# rope_parameters of openai/gpt-oss-20b and -120b's config.json (both ship the same).
+RELEASED_GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("preset", ["gpt_oss_20b", "gpt_oss_120b"])
+def test_gpt_oss_presets_compute_the_released_yarn_rope(preset):
+    cfg = load(CONFIGS / f"{preset}.toml").model
+    hf = GptOssConfig(hidden_size=cfg.dim, num_attention_heads=cfg.n_heads, head_dim=cfg.head_dim,
+                      max_position_embeddings=131072, rope_parameters=dict(RELEASED_GPT_OSS_ROPE))
+    expected_inv_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    inv_freq, factor = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg, torch.device("cpu"))
+    torch.testing.assert_close(inv_freq, expected_inv_freq, rtol=0, atol=1e-9)
+    assert factor == pytest.approx(expected_factor, rel=1e-12) and cfg.max_seq_len == 131072
