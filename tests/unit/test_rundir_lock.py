@@ -86,3 +86,9 @@ def test_a_fresh_run_refuses_another_runs_config_or_metrics(tmp_path):
 def test_timeouts_must_be_finite_and_positive(section, name, value):
     with pytest.raises(ConfigError, match=rf"{section}.{name} = .* is invalid"):
         from_dict({section: {name: value}}).validate()
+
+
+def test_a_run_directory_named_by_a_string_joins_paths_like_one_named_by_a_path(tmp_path):
+    named = RunDir(str(tmp_path / "run"))
+    assert named == RunDir(tmp_path / "run")
+    assert named.checkpoints == tmp_path / "run" / "checkpoints" and named.lock == tmp_path / "run" / LOCK_FILE

@@ -53,6 +53,10 @@ LOCK_FILE = "run.lock"
 class RunDir:
     root: Path
 
+    def __post_init__(self) -> None:
+        # Callers pass str or Path; every property joins paths, which a str cannot.
+        object.__setattr__(self, "root", Path(self.root))
+
     @property
     def config(self) -> Path:
         return self.root / CONFIG_FILE
