@@ -534,6 +534,11 @@ def _validate(cfg: JobConfig) -> None:
         # A piece of a long document is budget tokens long, so positions reach budget - 1.
         _check(1 <= d.token_budget <= m.max_seq_len, "data.token_budget", d.token_budget,
                f"must be in [1, model.max_seq_len = {m.max_seq_len}] or None (= data.seq_len)")
+    # A bin's row is as long as its documents ([1, L], L <= budget), so compiled blocks with static shapes
+    # would recompile for every new L.
+    _check(not (t.compile and d.batching == "token_budget"), "data.batching", d.batching,
+           "with train.compile = True: each microbatch's row length differs (a recompile per length); "
+           "use packed batching or train.compile = False")
     _check(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", p.dp_shard, "must be -1 (auto) or >= 1")
     if p.ep > 1:
         _check(not moe.expert_proj_bias, "model.moe.expert_proj_bias", moe.expert_proj_bias,

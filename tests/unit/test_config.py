@@ -171,3 +171,12 @@ def test_cli_help_and_unknown_command():
     assert ok.returncode == 0 and "train" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "moetrain", "fly"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "valid commands" in bad.stderr
+
+
+def test_compile_with_token_budget_batching_is_refused_in_one_line():
+    base = JobConfig()
+    packed = dataclasses.replace(base, train=dataclasses.replace(base.train, compile=True))
+    packed.validate()
+    budget = dataclasses.replace(packed, data=dataclasses.replace(base.data, batching="token_budget"))
+    with pytest.raises(ConfigError, match=r"^data.batching = 'token_budget' is invalid: with train.compile = True"):
+        budget.validate()
