@@ -120,3 +120,122 @@ def training_memory_breakdown(cfg: JobConfig, dp_shard: int = 1) -> MemoryBreakd
     return MemoryBreakdown(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
                            activations=full.activations, activations_checkpointed=checkpointed.activations,
                            attention_mask=full.attention_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The peak a rank really reaches: `estimate_training_memory` above is a lower bound (what certainly gets
+# allocated, so that a refusal is never a false alarm); `estimate_peak` below is the best estimate of the
+# peak resident memory, for `moetrain estimate` and `train --dry-run`. Its two terms that depend on the
+# machine (the process itself and the loaded data) are measured by the caller and passed in: this module
+# still never looks at the machine.
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """Bytes per rank at the peak of a training step, by part; `peak` is the larger of the two phases."""
+
+    process: int  # the interpreter, torch, moetrain and their libraries (measured by the caller)
+    data: int  # the training and held-out tokens held in memory (measured by the caller; 0 = not counted)
+    weights: int  # float32 master weights (this rank's shard)
+    gradients: int  # float32 gradients (this rank's shard)
+    optimizer: int  # AdamW's exp_avg and exp_avg_sq (this rank's shard)
+    activations: int  # saved for backward by one microbatch, at the configured activation checkpointing
+    backward_working: int  # one block's activation gradients (and its recomputation under checkpointing)
+    logits: int  # float32 logits, log-softmax and its gradient of one microbatch
+    attention_mask: int  # one microbatch's boolean document mask (the dense method only)
+    fsdp_buffers: int  # two blocks' unsharded parameters (one prefetched) and one block's unsharded gradients
+    optimizer_temporaries: int  # the optimizer step's temporaries (fused AdamW: none)
+
+    @property
+    def step_peak(self) -> int:
+        """During forward and backward: everything but the optimizer's temporaries."""
+        return (self.process + self.data + self.weights + self.gradients + self.optimizer + self.activations
+                + self.backward_working + self.logits + self.attention_mask + self.fsdp_buffers)
+
+    @property
+    def optimizer_peak(self) -> int:
+        """During the optimizer step: the state and its temporaries, the activations gone."""
+        return (self.process + self.data + self.weights + self.gradients + self.optimizer
+                + self.optimizer_temporaries)
+
+    @property
+    def peak(self) -> int:
+        return max(self.step_peak, self.optimizer_peak)
+
+
+def _attention_saved_per_token(cfg: JobConfig, device_type: str) -> int:
+    """Elements one attention sub-block saves per token, norms and residual included (counted per storage
+    with saved_tensors_hooks on tiny_moe and qwen3_moe_debug; tests/unit/test_peak_estimate.py)."""
+    m = cfg.model
+    head_dim = m.attention_head_dim()
+    heads, kv_heads = m.n_heads, m.n_kv_heads or m.n_heads
+    # Both RMSNorms' inputs and outputs, and the input of the q/k/v projections.
+    saved = 5 * m.dim
+    if m.kv_lora_rank is not None:  # MLA: q and k of qk_nope + qk_rope, v and the output of v_head_dim, the latents
+        qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        latents = m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 0)
+        return saved + heads * (2 * qk_head + 2 * m.v_head_dim) + 2 * latents + heads * m.v_head_dim
+    qk = (heads + kv_heads) * head_dim
+    saved += qk * (2 if m.qk_norm != "none" else 1)  # q and k before RoPE (and before QK-norm)
+    saved += kv_heads * head_dim + heads * head_dim  # v, and the attention output (wo's input)
+    method = m.attention if m.attention != "auto" else ("flex" if device_type == "cuda" else "segments")
+    if method == "segments":  # q, k, v and the output gathered into per-document segments
+        saved += 2 * (heads + kv_heads) * head_dim
+    elif method == "dense":  # SDPA's math path keeps the softmax probabilities [B, H, S, S]
+        saved += heads * _row_length(cfg)
+    else:  # flex: RoPE's outputs and the log-sum-exp
+        saved += qk + heads
+    return saved
+
+
+def _ffn_saved_per_token(cfg: JobConfig, moe_layer: bool) -> int:
+    m, moe = cfg.model, cfg.model.moe
+    if not moe_layer:
+        return m.dim + 4 * m.ffn_hidden  # input, w1 and w3 outputs, silu(w1 x), their product
+    w1_width = 2 * moe.expert_hidden if moe.activation == "swiglu" else moe.expert_hidden
+    # Router input, probabilities, every routed copy of the token; the grouped and loop backwards also
+    # keep the hidden H of each copy, the memory-efficient one recomputes it (moe_function.py).
+    saved = m.dim + moe.n_experts + moe.top_k * m.dim
+    if moe.impl != "memory_efficient":
+        saved += moe.top_k * 2 * w1_width
+    return saved + (m.dim + 4 * moe.shared_width()) * min(moe.n_shared_experts, 1)
+
+
+def _row_length(cfg: JobConfig) -> int:
+    return (cfg.data.token_budget or cfg.data.seq_len) if cfg.data.batching == "token_budget" else cfg.data.seq_len
+
+
+def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", process_bytes: int = 0,
+                  data_bytes: int = 0, activation_checkpointing: bool | None = None) -> PeakEstimate:
+    """The peak bytes of a rank of `cfg` sharded over `dp_shard`; `process_bytes`, `data_bytes` measured."""
+    m, t = cfg.model, cfg.train
+    ac = (t.activation_checkpointing not in (False, "none")) if activation_checkpointing is None \
+        else activation_checkpointing
+    counts = count_params(m)
+    shard = counts["total"] // max(dp_shard, 1)
+    rows = 1 if cfg.data.batching == "token_budget" else t.microbatch_size
+    tokens = rows * _row_length(cfg)
+    act_bytes = DTYPE_BYTES[cfg.parallel.param_dtype]
+    attention = _attention_saved_per_token(cfg, device_type)
+    dense_layer = attention + _ffn_saved_per_token(cfg, moe_layer=False)
+    moe_layer = attention + _ffn_saved_per_token(cfg, moe_layer=True)
+    n_dense, n_moe = m.n_dense_layers, m.n_layers - m.n_dense_layers
+    largest_layer = moe_layer if n_moe else dense_layer
+    final_norm = 3 * m.dim  # the final norm's input, output and the head's input
+    if ac:  # each block's input; one block recomputed at a time (counted in backward_working)
+        saved = m.n_layers * m.dim + final_norm
+        working = 2 * largest_layer
+    else:
+        saved = n_dense * dense_layer + n_moe * moe_layer + final_norm
+        working = largest_layer  # the gradients of the block whose backward runs
+    logits = 3 * tokens * m.vocab_size * LOGITS_BYTES  # logits, log-softmax, their gradient
+    mask = rows * _row_length(cfg) ** 2 if (m.attention == "dense") else 0
+    fsdp = 0
+    if dp_shard > 1:  # FSDP2 all-gathers a block's parameters (the next one prefetched) and reduce-scatters
+        embedding = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
+        per_block = max((counts["total"] - embedding) // max(m.n_layers, 1), m.vocab_size * m.dim)
+        fsdp = 2 * per_block * act_bytes + per_block * DTYPE_BYTES[cfg.parallel.reduce_dtype]
+    return PeakEstimate(process=process_bytes, data=data_bytes, weights=4 * shard, gradients=4 * shard,
+                        optimizer=8 * shard, activations=tokens * saved * act_bytes,
+                        backward_working=tokens * working * act_bytes, logits=logits, attention_mask=mask,
+                        fsdp_buffers=fsdp, optimizer_temporaries=0)
