@@ -32,8 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15
-TRAIN_OFF = ["--train.warmup_steps", "1", "--train.eval_every", "0", "--train.sample_tokens", "0", "--checkpoint.enabled", "False",
-             "--logging.log_every", "1", "--logging.progress_bar", "False"]
+TRAIN_OFF = ["--train.warmup_steps", "1", "--train.eval_every", "0", "--train.sample_tokens", "0",
+             "--checkpoint.enabled", "False", "--logging.log_every", "1", "--logging.progress_bar", "False"]
 # (name, config, overrides, world): the presets that train on CPU in a few steps, and FSDP over 2 ranks.
 CASES = [
     ("tiny_moe", "configs/tiny_moe.toml", [], 1),
@@ -88,7 +88,12 @@ def measure(config: str, overrides: list[str], world: int, steps: int) -> dict:
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
-    return {"peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks], "wall_s": wall_s}
+        records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    # Every rank's resident memory at the end of each step: whether the peak has settled by the last step.
+    rss_per_step = [r["rss_bytes_per_rank"] for r in sorted((r for r in records if r["kind"] == "train"),
+                                                             key=lambda r: r["step"])]
+    return {"peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks], "wall_s": wall_s,
+            "rss_bytes_per_rank_per_step": rss_per_step}
 
 
 def estimated(config: str, overrides: list[str], world: int) -> dict:

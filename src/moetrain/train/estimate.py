@@ -14,12 +14,14 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+import torch
+
 from moetrain.args import take_option
 from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args
+from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
 from moetrain.interop import hf_dir, hf_job_config
 from moetrain.model.flops import count_params
-from moetrain.data.dataset import load_training_data
 from moetrain.model.memory_estimate import PeakEstimate, estimate_peak, estimate_training_memory, format_bytes
 from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.runtime.preflight import physical_memory_bytes
@@ -78,12 +80,18 @@ def _memory_of(device: str, device_memory: str | None, per_node: int) -> tuple[i
         if not gib > 0:
             raise ConfigError(f"--device-memory = {device_memory!r} is invalid: a positive number of GiB")
         return int(gib * 2**30), 1, f"{device} with {format_bytes(gib * 2**30)} (--device-memory)"
+    if device == "cuda":  # this machine's GPU (the first; ranks of one job get the same kind)
+        if not torch.cuda.is_available():
+            raise ConfigError("--device = 'cuda' is invalid here: no CUDA device is visible; name a GPU "
+                              f"({', '.join(GPU_MEMORY_BYTES)}) or give --device-memory GIB")
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, 1, f"this machine's {props.name}: {format_bytes(props.total_memory)}"
     if device == "cpu":
         available = physical_memory_bytes()
         return available, per_node, f"this machine's {format_bytes(available or 0)} shared by {per_node} rank(s)"
     if device not in GPU_MEMORY_BYTES:
-        raise ConfigError(f"--device = {device!r} is invalid: 'cpu' or one of {', '.join(GPU_MEMORY_BYTES)} "
-                          "(or any name with --device-memory GIB)")
+        raise ConfigError(f"--device = {device!r} is invalid: 'cpu', 'cuda' (this machine's GPU) or one of "
+                          f"{', '.join(GPU_MEMORY_BYTES)} (or any name with --device-memory GIB)")
     return GPU_MEMORY_BYTES[device], 1, f"{device}: {format_bytes(GPU_MEMORY_BYTES[device])}"
 
 
@@ -95,8 +103,10 @@ def process_baseline_bytes() -> int:
 def measure_data_bytes(cfg: JobConfig) -> int:
     """The resident memory loading `cfg`'s training data adds to this process (what a rank holds all run)."""
     before = current_rss_bytes()
-    load_training_data(cfg)
-    return max(current_rss_bytes() - before, 0)
+    data = load_training_data(cfg)
+    held = current_rss_bytes() - before  # measured while the data is still referenced
+    del data
+    return max(held, 0)
 
 
 @dataclass(frozen=True)
