@@ -142,7 +142,7 @@ class PeakEstimate:
     activations: int  # saved for backward by one microbatch, at the configured activation checkpointing
     backward_working: int  # one block's activation gradients (and its recomputation under checkpointing)
     logits: int  # float32 logits, log-softmax and its gradient of one microbatch
-    attention_mask: int  # one microbatch's boolean document mask (the dense method only)
+    attention_mask: int  # one microbatch's document mask (boolean; the dense method's float32 copies too)
     fsdp_buffers: int  # two blocks' unsharded parameters (one prefetched) and one block's unsharded gradients
     optimizer_temporaries: int  # the optimizer step's temporaries (fused AdamW: none)
 
@@ -164,28 +164,24 @@ class PeakEstimate:
 
 
 def _attention_saved_per_token(cfg: JobConfig, device_type: str) -> int:
-    """Elements one attention sub-block saves per token, norms and residual included (counted per storage
-    with saved_tensors_hooks on tiny_moe and qwen3_moe_debug; tests/unit/test_peak_estimate.py)."""
+    """Elements one attention sub-block saves per token, both norms included (counted per storage with
+    saved_tensors_hooks on tiny_moe and qwen3_moe_debug shapes; tests/unit/test_peak_estimate.py)."""
     m = cfg.model
     head_dim = m.attention_head_dim()
     heads, kv_heads = m.n_heads, m.n_kv_heads or m.n_heads
-    # Both RMSNorms' inputs and outputs, and the input of the q/k/v projections.
-    saved = 5 * m.dim
+    saved = 5 * m.dim  # both RMSNorms' inputs and outputs, and the input of the q/k/v projections
     if m.kv_lora_rank is not None:  # MLA: q and k of qk_nope + qk_rope, v and the output of v_head_dim, the latents
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
         latents = m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 0)
         return saved + heads * (2 * qk_head + 2 * m.v_head_dim) + 2 * latents + heads * m.v_head_dim
-    qk = (heads + kv_heads) * head_dim
-    saved += qk * (2 if m.qk_norm != "none" else 1)  # q and k before RoPE (and before QK-norm)
-    saved += kv_heads * head_dim + heads * head_dim  # v, and the attention output (wo's input)
-    method = m.attention if m.attention != "auto" else ("flex" if device_type == "cuda" else "segments")
-    if method == "segments":  # q, k, v and the output gathered into per-document segments
+    if m.qk_norm != "none":  # the QK-norms' inputs and outputs (RoPE itself saves only cos and sin)
         saved += 2 * (heads + kv_heads) * head_dim
-    elif method == "dense":  # SDPA's math path keeps the softmax probabilities [B, H, S, S]
-        saved += heads * _row_length(cfg)
-    else:  # flex: RoPE's outputs and the log-sum-exp
-        saved += qk + heads
-    return saved
+    method = m.attention if m.attention != "auto" else ("flex" if device_type == "cuda" else "segments")
+    if method == "flex":  # q, k, v as they are, the output and its log-sum-exp
+        return saved + (2 * heads + 2 * kv_heads) * head_dim + heads
+    # SDPA (dense, segments, causal rows): q, k and v with k and v repeated to every query head, the output;
+    # per-document segments keep the output scattered back to the rows as well (wo's input).
+    return saved + 4 * heads * head_dim + (heads * head_dim if method == "segments" else 0)
 
 
 def _ffn_saved_per_token(cfg: JobConfig, moe_layer: bool) -> int:
@@ -193,11 +189,12 @@ def _ffn_saved_per_token(cfg: JobConfig, moe_layer: bool) -> int:
     if not moe_layer:
         return m.dim + 4 * m.ffn_hidden  # input, w1 and w3 outputs, silu(w1 x), their product
     w1_width = 2 * moe.expert_hidden if moe.activation == "swiglu" else moe.expert_hidden
-    # Router input, probabilities, every routed copy of the token; the grouped and loop backwards also
-    # keep the hidden H of each copy, the memory-efficient one recomputes it (moe_function.py).
-    saved = m.dim + moe.n_experts + moe.top_k * m.dim
+    # Router input (the experts' X too), probabilities and the pre-activation H of every routed copy
+    # (moe_function.py); standard autograd ("grouped", "loop") also keeps the gathered rows, phi(H) and
+    # the expert outputs.
+    saved = m.dim + moe.n_experts + moe.top_k * w1_width
     if moe.impl != "memory_efficient":
-        saved += moe.top_k * 2 * w1_width
+        saved += moe.top_k * (2 * m.dim + moe.expert_hidden)
     return saved + (m.dim + 4 * moe.shared_width()) * min(moe.n_shared_experts, 1)
 
 
@@ -229,7 +226,8 @@ def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", p
         saved = n_dense * dense_layer + n_moe * moe_layer + final_norm
         working = largest_layer  # the gradients of the block whose backward runs
     logits = 3 * tokens * m.vocab_size * LOGITS_BYTES  # logits, log-softmax, their gradient
-    mask = rows * _row_length(cfg) ** 2 if (m.attention == "dense") else 0
+    # The boolean document mask, built once per forward; the dense method also keeps a float32 copy per layer.
+    mask = rows * _row_length(cfg) ** 2 * (1 + (4 * m.n_layers if m.attention == "dense" else 0))
     fsdp = 0
     if dp_shard > 1:  # FSDP2 all-gathers a block's parameters (the next one prefetched) and reduce-scatters
         embedding = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
