@@ -145,12 +145,13 @@ class PeakEstimate:
     attention_mask: int  # one microbatch's document mask (boolean; the dense method's float32 copies too)
     fsdp_buffers: int  # two blocks' unsharded parameters (one prefetched) and one block's unsharded gradients
     optimizer_temporaries: int  # the optimizer step's temporaries (fused AdamW: none)
+    allocator: int  # memory the host allocator keeps that no live tensor uses (see estimate_peak)
 
     @property
     def step_peak(self) -> int:
         """During forward and backward: everything but the optimizer's temporaries."""
         return (self.process + self.data + self.weights + self.gradients + self.optimizer + self.activations
-                + self.backward_working + self.logits + self.attention_mask + self.fsdp_buffers)
+                + self.backward_working + self.logits + self.attention_mask + self.fsdp_buffers + self.allocator)
 
     @property
     def optimizer_peak(self) -> int:
@@ -203,8 +204,14 @@ def _row_length(cfg: JobConfig) -> int:
 
 
 def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", process_bytes: int = 0,
-                  data_bytes: int = 0, activation_checkpointing: bool | None = None) -> PeakEstimate:
-    """The peak bytes of a rank of `cfg` sharded over `dp_shard`; `process_bytes`, `data_bytes` measured."""
+                  data_bytes: int = 0, activation_checkpointing: bool | None = None,
+                  one_process: bool = False) -> PeakEstimate:
+    """The peak bytes of a rank of `cfg` sharded over `dp_shard`; `process_bytes`, `data_bytes` measured.
+
+    `one_process` (a one-rank CPU job): moetrain.runtime.allocator then keeps glibc from returning freed
+    memory, and the gradients and AdamW moments, first allocated during the first step, take the heap
+    space that step's activations freed, so the next step's activations need new pages: the heap ends
+    that much (the smaller of the two) above the live tensors."""
     m, t = cfg.model, cfg.train
     ac = (t.activation_checkpointing not in (False, "none")) if activation_checkpointing is None \
         else activation_checkpointing
@@ -233,7 +240,9 @@ def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", p
         embedding = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
         per_block = max((counts["total"] - embedding) // max(m.n_layers, 1), m.vocab_size * m.dim)
         fsdp = 2 * per_block * act_bytes + per_block * DTYPE_BYTES[cfg.parallel.reduce_dtype]
+    activations, backward_working = tokens * saved * act_bytes, tokens * working * act_bytes
+    allocator = min(12 * shard, activations + backward_working + logits) if one_process else 0
     return PeakEstimate(process=process_bytes, data=data_bytes, weights=4 * shard, gradients=4 * shard,
-                        optimizer=8 * shard, activations=tokens * saved * act_bytes,
-                        backward_working=tokens * working * act_bytes, logits=logits, attention_mask=mask,
-                        fsdp_buffers=fsdp, optimizer_temporaries=0)
+                        optimizer=8 * shard, activations=activations, backward_working=backward_working,
+                        logits=logits, attention_mask=mask, fsdp_buffers=fsdp, optimizer_temporaries=0,
+                        allocator=allocator)

@@ -162,8 +162,9 @@ def estimate(cfg: JobConfig, world: int, per_node: int, device: str, device_memo
         process_bytes = data_bytes = 0
     device_type = "cpu" if host else "cuda"
     ac = cfg.train.activation_checkpointing not in (False, "none")
-    peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, activation_checkpointing=ac)
-    other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, activation_checkpointing=not ac)
+    one_process = host and world == 1
+    peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, one_process)
+    other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, one_process)
     return Estimate(cfg, world, per_node, device, replicate, shard, peak, other,
                     estimate_training_memory(cfg, shard).total, available, sharers, where)
 
@@ -207,6 +208,8 @@ def describe(est: Estimate) -> str:
         f"    attention mask  {format_bytes(parts.attention_mask):>12}",
         f"    FSDP buffers    {format_bytes(parts.fsdp_buffers):>12}  (unsharded parameters of 2 blocks, "
         "gradients of 1)",
+        f"    allocator       {format_bytes(parts.allocator):>12}  (one process: the heap keeps the first step's "
+        "activation space, which the gradients and moments then take)",
         f"    peak            {format_bytes(parts.peak):>12}  (train.activation_checkpointing = {ac}; other setting: "
         f"{format_bytes(est.other.peak)})",
         f"  {verdict} on {est.where}",
