@@ -163,8 +163,8 @@ def estimate(cfg: JobConfig, world: int, per_node: int, device: str, device_memo
     device_type = "cpu" if host else "cuda"
     ac = cfg.train.activation_checkpointing not in (False, "none")
     one_process = host and world == 1
-    peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, one_process)
-    other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, one_process)
+    peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, one_process, host_heap=host)
+    other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, one_process, host_heap=host)
     return Estimate(cfg, world, per_node, device, replicate, shard, peak, other,
                     estimate_training_memory(cfg, shard).total, available, sharers, where)
 
@@ -208,8 +208,8 @@ def describe(est: Estimate) -> str:
         f"    attention mask  {format_bytes(parts.attention_mask):>12}",
         f"    FSDP buffers    {format_bytes(parts.fsdp_buffers):>12}  (unsharded parameters of 2 blocks, "
         "gradients of 1)",
-        f"    allocator       {format_bytes(parts.allocator):>12}  (one process: the heap keeps the first step's "
-        "activation space, which the gradients and moments then take)",
+        f"    allocator       {format_bytes(parts.allocator):>12}  (the heap keeps the first step's activation "
+        "space, which the gradients and moments then take)",
         f"    peak            {format_bytes(parts.peak):>12}  (train.activation_checkpointing = {ac}; other setting: "
         f"{format_bytes(est.other.peak)})",
         f"  {verdict} on {est.where}",
