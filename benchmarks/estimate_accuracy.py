@@ -34,14 +34,19 @@ ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15
 TRAIN_OFF = ["--train.warmup_steps", "1", "--train.eval_every", "0", "--train.sample_tokens", "0",
              "--checkpoint.enabled", "False", "--logging.log_every", "1", "--logging.progress_bar", "False"]
-# (name, config, overrides, world): the presets that train on CPU in a few steps, and FSDP over 2 ranks.
+# (name, config, overrides, world, environment): the presets that train on CPU in a few steps, and FSDP over
+# 2 ranks, those also with torch's huge-page allocation off (moetrain.runtime.allocator turns it on for
+# every rank of a multi-rank job; a value in the environment wins).
+NO_HUGE_PAGES = {"THP_MEM_ALLOC_ENABLE": "0"}
 CASES = [
-    ("tiny_moe", "configs/tiny_moe.toml", [], 1),
-    ("tiny_moe_ac", "configs/tiny_moe.toml", ["--train.activation_checkpointing", "True"], 1),
-    ("tiny_moe_fsdp2", "configs/tiny_moe.toml", [], 2),
-    ("olmoe_tiny", "configs/olmoe_tiny.toml", [], 1),
-    ("qwen3_moe_debug", "configs/qwen3_moe_debug.toml", [], 1),
-    ("qwen3_moe_debug_fsdp2", "configs/qwen3_moe_debug.toml", ["--data.seq_len", "128"], 2),
+    ("tiny_moe", "configs/tiny_moe.toml", [], 1, {}),
+    ("tiny_moe_ac", "configs/tiny_moe.toml", ["--train.activation_checkpointing", "True"], 1, {}),
+    ("olmoe_tiny", "configs/olmoe_tiny.toml", [], 1, {}),
+    ("qwen3_moe_debug", "configs/qwen3_moe_debug.toml", [], 1, {}),
+    ("tiny_moe_fsdp2", "configs/tiny_moe.toml", [], 2, {}),
+    ("tiny_moe_fsdp2_no_thp", "configs/tiny_moe.toml", [], 2, NO_HUGE_PAGES),
+    ("qwen3_moe_debug_fsdp2", "configs/qwen3_moe_debug.toml", ["--data.seq_len", "128"], 2, {}),
+    ("qwen3_moe_debug_fsdp2_no_thp", "configs/qwen3_moe_debug.toml", ["--data.seq_len", "128"], 2, NO_HUGE_PAGES),
 ]
 
 
@@ -65,13 +70,13 @@ def child(argv: list[str]) -> None:
     os._exit(code)  # as moetrain.cli.entry ends a rank of a multi-rank job
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     return env
 
 
-def measure(config: str, overrides: list[str], world: int, steps: int) -> dict:
+def measure(config: str, overrides: list[str], world: int, steps: int, environment: dict[str, str]) -> dict:
     """Train `steps` steps on `world` ranks; every rank's peak RSS and the wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         args = ["--config", config, *overrides, "--train.steps", str(steps), *TRAIN_OFF,
@@ -83,7 +88,8 @@ def measure(config: str, overrides: list[str], world: int, steps: int) -> dict:
             torchrun = str(Path(sys.executable).with_name("torchrun"))
             command = [torchrun, "--standalone", "--nproc-per-node", str(world), *script]
         start = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=3600)
+        done = subprocess.run(command, cwd=ROOT, env=_env(environment), capture_output=True, text=True,
+                              timeout=3600)
         wall_s = time.perf_counter() - start
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -112,14 +118,15 @@ def main(argv: list[str]) -> int:
     only = set(options["only"].split(",")) if "only" in options else None
     json_path = Path(options.get("json", ROOT / "benchmarks" / "results" / "estimate_accuracy.json"))
     rows = []
-    for name, config, overrides, world in CASES:
+    for name, config, overrides, world, environment in CASES:
         if only is not None and name not in only:
             continue
         estimate = estimated(config, overrides, world)
-        run = measure(config, overrides, world, steps)
+        run = measure(config, overrides, world, steps, environment)
         measured = max(run["peak_rss_bytes_per_rank"])
         peak = estimate["peak_bytes"]
         rows.append({"name": name, "config": config, "overrides": overrides, "world": world, "steps": steps,
+                     "environment": environment,
                      "measured_peak_rss_bytes": measured, **run, "estimate": estimate,
                      "estimated_peak_bytes": peak, "error": peak / measured - 1})
         print(f"{name}: estimated {peak / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB "
