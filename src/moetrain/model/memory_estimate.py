@@ -16,6 +16,12 @@
 
 It is an estimate of what certainly gets allocated (no allocator overhead, no temporary
 buffers, no FSDP all-gather buffers), so a config it says does not fit certainly does not.
+
+`estimate_peak(cfg, dp_shard, device_type, process_bytes, data_bytes, ...)` is the best estimate of
+the peak instead, what `moetrain estimate` and `train --dry-run` report: the process itself and the
+data (both measured by the caller), the state, the activations counted per storage as autograd
+saves them, one block's backward working set, the float32 logits, FSDP2's unsharded blocks and the
+host heap's slack (benchmarks/estimate_accuracy.py compares it with the peak RSS of real runs).
 This module reads the config; it never builds a model, allocates tensors or looks at the machine.
 """
 

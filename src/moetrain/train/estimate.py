@@ -2,10 +2,13 @@
 
 What a job needs before it runs, for a mesh the user may not have: total and active parameters, and
 per rank the bytes of weights, gradients, optimizer state, activations with and without activation
-checkpointing, the attention mask, and the peak (moetrain.model.memory_estimate), compared with the
-memory of CPU ranks on this machine or of a named GPU. `moetrain train --dry-run` prints the same
-report. It reads the config (and, with `model.init_from = "hf:DIR"`, DIR's config.json) only: it
-builds no model, reads no data and writes nothing.
+checkpointing, the backward's working set, logits, FSDP buffers and the peak
+(moetrain.model.memory_estimate.estimate_peak), compared with the memory of CPU ranks on this machine,
+of this machine's GPU or of a named one. `moetrain train --dry-run` prints the same report and exits 2
+in one line when the peak does not fit. On CPU two terms are measured in this process: its own
+resident memory (the same interpreter, torch and moetrain modules a rank loads) and what loading the
+job's training data adds. It reads the config (and, with `model.init_from = "hf:DIR"`, DIR's
+config.json) and, on CPU, the data; it builds no model and writes nothing.
 """
 
 from __future__ import annotations
