@@ -44,6 +44,7 @@ OPTIONS = (
     CommandOption("device_memory", float | None, None, "GiB of one device, for a GPU not in the table "
                   "(overrides its entry)"),
     CommandOption("json", bool, False, "print the estimate as JSON (bytes) instead of the table"),
+    CommandOption("skip_data", bool, False, "on CPU, do not load the training data to measure it (data counts 0)"),
 )
 
 
@@ -196,7 +197,7 @@ def describe(est: Estimate) -> str:
             f"    process         {format_bytes(parts.process):>12}  (measured: this interpreter after importing torch "
             "and moetrain, the same a rank loads)",
             f"    data            {format_bytes(parts.data):>12}  (measured: what loading the training data added "
-            "here)",
+            "here; 0 with --skip-data)",
         ]
     rows += [
         f"    weights         {format_bytes(parts.weights):>12}  (float32, 1/{shard} of the model)",
@@ -228,12 +229,12 @@ def main(argv: list[str]) -> int:
     gpus_arg, argv = take_option(argv, "gpus-per-node")
     device, argv = take_option(argv, "device")
     device_memory, argv = take_option(argv, "device-memory")
-    as_json = "--json" in argv
-    argv = [a for a in argv if a != "--json"]
+    as_json, skip_data = "--json" in argv, "--skip-data" in argv
+    argv = [a for a in argv if a not in ("--json", "--skip-data")]
     cfg = parse_job_args(argv, prog=PROG, init_from_defaults=job_defaults, options=OPTIONS,
                          description=" ".join(__doc__.split("\n\n")[1].split()))
     world, per_node = mesh_size(_positive(world_arg, "world"), _positive(nodes_arg, "nodes"),
                                 _positive(gpus_arg, "gpus_per_node"))
-    est = estimate(cfg, world, per_node, device or "cpu", device_memory)
+    est = estimate(cfg, world, per_node, device or "cpu", device_memory, data_bytes=0 if skip_data else None)
     print(json.dumps(est.as_json(), indent=1) if as_json else describe(est))
     return 0
