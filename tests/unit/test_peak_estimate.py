@@ -91,6 +91,9 @@ def test_estimate_json_has_the_parts_that_add_up_to_the_peak(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["peak_bytes"] == sum(v for k, v in report["parts"].items() if k != "optimizer_temporaries")
     assert report["fits"] is True and report["available_bytes"] == 24 * 2**30
+    assert cli.main(["estimate", *TINY, "--json", "--skip-data"]) == 0
+    on_cpu = json.loads(capsys.readouterr().out)
+    assert on_cpu["parts"]["data"] == 0 < on_cpu["parts"]["process"]
 
 
 def test_dry_run_refuses_in_one_line_when_the_peak_exceeds_the_named_gpu(tmp_path, capsys):
