@@ -212,8 +212,11 @@ def describe(est: Estimate) -> str:
         f"    attention mask  {format_bytes(parts.attention_mask):>12}",
         f"    FSDP buffers    {format_bytes(parts.fsdp_buffers):>12}  (unsharded parameters of 2 blocks, "
         "gradients of 1)",
-        f"    allocator       {format_bytes(parts.allocator):>12}  (the heap keeps the first step's activation "
-        "space, which the gradients and moments then take)",
+    ]
+    if host:
+        rows.append(f"    allocator       {format_bytes(parts.allocator):>12}  (the heap keeps the first step's "
+                    "activation space, which the gradients and moments then take)")
+    rows += [
         f"    peak            {format_bytes(parts.peak):>12}  (train.activation_checkpointing = {ac}; other setting: "
         f"{format_bytes(est.other.peak)})",
         f"  {verdict} on {est.where}",
