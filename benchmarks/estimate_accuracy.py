@@ -1,7 +1,7 @@
 """Is `moetrain estimate`'s CPU peak within 15% of the peak RSS a real run reaches? One row per preset.
 
     flock /tmp/moetrain-heavy.lock .venv/bin/python benchmarks/estimate_accuracy.py \
-        [--steps 3] [--only NAME[,NAME]] [--json benchmarks/results/estimate_accuracy.json]
+        [--steps=3] [--only=NAME[,NAME]] [--json=benchmarks/results/estimate_accuracy.json] [--from=JSON]
 
 For each case (a config, overrides, a world size) it trains a few steps in a subprocess exactly
 as a user would (`python -m moetrain train ...`, under `torchrun --standalone --nproc-per-node N`
@@ -15,7 +15,8 @@ Measurement notes: the run's per-window peak records reset the kernel's RSS high
 missing file so the record falls back to the lifetime peak, which changes no allocation of the
 run. Evaluation, the sample and checkpoints are off (the estimate is of training; evaluation
 runs without gradients and stays below it). Timings on a shared machine are not the point here:
-only memory is compared. Writes JSON and a table beside it (same name, .txt).
+only memory is compared. Writes JSON and a table beside it (same name, .txt). `--from=JSON` keeps
+the runs measured in that file and computes the estimates again with the current code.
 """
 
 from __future__ import annotations
@@ -117,12 +118,20 @@ def main(argv: list[str]) -> int:
     steps = int(options.get("steps", "3"))
     only = set(options["only"].split(",")) if "only" in options else None
     json_path = Path(options.get("json", ROOT / "benchmarks" / "results" / "estimate_accuracy.json"))
+    # --from=JSON: the runs measured there, the estimates computed again by the current code (no training).
+    earlier = {row["name"]: row for row in json.loads(Path(options["from"]).read_text())["cases"]} \
+        if "from" in options else None
     rows = []
     for name, config, overrides, world, environment in CASES:
-        if only is not None and name not in only:
+        if (only is not None and name not in only) or (earlier is not None and name not in earlier):
             continue
         estimate = estimated(config, overrides, world)
-        run = measure(config, overrides, world, steps, environment)
+        if earlier is not None:
+            run = {key: earlier[name][key] for key in ("peak_rss_bytes_per_rank", "wall_s",
+                                                       "rss_bytes_per_rank_per_step")}
+            steps = earlier[name]["steps"]
+        else:
+            run = measure(config, overrides, world, steps, environment)
         measured = max(run["peak_rss_bytes_per_rank"])
         peak = estimate["peak_bytes"]
         rows.append({"name": name, "config": config, "overrides": overrides, "world": world, "steps": steps,

@@ -239,5 +239,6 @@ def main(argv: list[str]) -> int:
     world, per_node = mesh_size(_positive(world_arg, "world"), _positive(nodes_arg, "nodes"),
                                 _positive(gpus_arg, "gpus_per_node"))
     est = estimate(cfg, world, per_node, device or "cpu", device_memory, data_bytes=0 if skip_data else None)
-    print(json.dumps(est.as_json(), indent=1) if as_json else describe(est))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one report for the job
+        print(json.dumps(est.as_json(), indent=1) if as_json else describe(est))
     return 0
