@@ -11,7 +11,7 @@ import torch
 
 from moetrain import cli
 from moetrain.config import parse_job_args
-from moetrain.model.memory_estimate import estimate_peak
+from moetrain.model.memory_estimate import HEAP_SLACK, estimate_peak
 from moetrain.model.transformer import Transformer
 from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.train import estimate as estimate_command
@@ -65,14 +65,10 @@ def test_sharding_splits_the_state_and_adds_the_fsdp_buffers():
     assert one.weights == 4 * n_params and abs(two.weights - 2 * n_params) <= 4
     assert one.optimizer == 2 * one.weights and one.fsdp_buffers == 0 < two.fsdp_buffers
     assert two.activations == one.activations  # each rank runs its own microbatch
-    # On CPU the heap keeps the first step's activation space, which the state then takes; not on a GPU.
+    # On CPU the heap's slack is a fixed fraction of the step's transients; a GPU's memory has none of it.
     transients = one.activations + one.backward_working + one.logits
-    assert estimate_peak(cfg, 1, one_process=True, host_heap=True).allocator == min(12 * n_params, transients)
+    assert estimate_peak(cfg, 1, host_heap=True).allocator == int(HEAP_SLACK * transients) > 0
     assert one.allocator == 0
-    # A rank of several: the expert weights of a big layer are above glibc's mmap ceiling, so not heap state.
-    big = parse_job_args([*TINY, "--model.moe.n_experts", "256", "--train.microbatch_size", "64"])
-    heap_one = estimate_peak(big, 1, one_process=True, host_heap=True).allocator
-    assert estimate_peak(big, 1, host_heap=True).allocator < heap_one
 
 
 def test_process_and_data_are_measured_here(monkeypatch):

@@ -166,9 +166,8 @@ def estimate(cfg: JobConfig, world: int, per_node: int, device: str, device_memo
         process_bytes = data_bytes = 0
     device_type = "cpu" if host else "cuda"
     ac = cfg.train.activation_checkpointing not in (False, "none")
-    one_process = host and world == 1
-    peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, one_process, host_heap=host)
-    other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, one_process, host_heap=host)
+    peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, host_heap=host)
+    other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, host_heap=host)
     return Estimate(cfg, world, per_node, device, replicate, shard, peak, other,
                     estimate_training_memory(cfg, shard).total, available, sharers, where)
 
@@ -214,8 +213,8 @@ def describe(est: Estimate) -> str:
         "gradients of 1)",
     ]
     if host:
-        rows.append(f"    allocator       {format_bytes(parts.allocator):>12}  (the heap keeps the first step's "
-                    "activation space, which the gradients and moments then take)")
+        rows.append(f"    allocator       {format_bytes(parts.allocator):>12}  (the host heap's slack: half the "
+                    "step's transients, as measured on the presets)")
     rows += [
         f"    peak            {format_bytes(parts.peak):>12}  (train.activation_checkpointing = {ac}; other setting: "
         f"{format_bytes(est.other.peak)})",
