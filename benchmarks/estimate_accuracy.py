@@ -15,7 +15,8 @@ Measurement notes: the run's per-window peak records reset the kernel's RSS high
 missing file so the record falls back to the lifetime peak, which changes no allocation of the
 run. Evaluation, the sample and checkpoints are off (the estimate is of training; evaluation
 runs without gradients and stays below it). Timings on a shared machine are not the point here:
-only memory is compared. The two qwen3_moe_debug FSDP cases need about 7 GB free. Writes JSON and a table beside it (same name, .txt). `--from=JSON` keeps
+only memory is compared. The two qwen3_moe_debug FSDP cases need about 7 GB free.
+Writes JSON and a table beside it (same name, .txt). `--from=JSON` keeps
 the runs measured in that file and computes the estimates again with the current code.
 """
 
