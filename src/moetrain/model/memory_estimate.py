@@ -16,6 +16,12 @@
 
 It is an estimate of what certainly gets allocated (no allocator overhead, no temporary
 buffers, no FSDP all-gather buffers), so a config it says does not fit certainly does not.
+
+`estimate_peak(cfg, dp_shard, device_type, process_bytes, data_bytes, ...)` is the best estimate of
+the peak instead, what `moetrain estimate` and `train --dry-run` report: the process itself and the
+data (both measured by the caller), the state, the activations counted per storage as autograd
+saves them, one block's backward working set, the float32 logits, FSDP2's unsharded blocks and the
+host heap's slack (benchmarks/estimate_accuracy.py compares it with the peak RSS of real runs).
 This module reads the config; it never builds a model, allocates tensors or looks at the machine.
 """
 
@@ -30,6 +36,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # float32 weight + float32 gradient + AdamW exp_avg and exp_avg_sq.
 TRAINING_BYTES_PER_PARAM = 16
 LOGITS_BYTES = 4  # the loss is computed on float32 logits
+HEAP_SLACK = 0.5  # the host heap's slack as a fraction of a step's transient memory (estimate_peak)
 
 
 @dataclass(frozen=True)
@@ -120,3 +127,131 @@ def training_memory_breakdown(cfg: JobConfig, dp_shard: int = 1) -> MemoryBreakd
     return MemoryBreakdown(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
                            activations=full.activations, activations_checkpointed=checkpointed.activations,
                            attention_mask=full.attention_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The peak a rank really reaches: `estimate_training_memory` above is a lower bound (what certainly gets
+# allocated, so that a refusal is never a false alarm); `estimate_peak` below is the best estimate of the
+# peak resident memory, for `moetrain estimate` and `train --dry-run`. Its two terms that depend on the
+# machine (the process itself and the loaded data) are measured by the caller and passed in: this module
+# still never looks at the machine.
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """Bytes per rank at the peak of a training step, by part; `peak` is the larger of the two phases."""
+
+    process: int  # the interpreter, torch, moetrain and their libraries (measured by the caller)
+    data: int  # the training and held-out tokens held in memory (measured by the caller; 0 = not counted)
+    weights: int  # float32 master weights (this rank's shard)
+    gradients: int  # float32 gradients (this rank's shard)
+    optimizer: int  # AdamW's exp_avg and exp_avg_sq (this rank's shard)
+    activations: int  # saved for backward by one microbatch, at the configured activation checkpointing
+    backward_working: int  # one block's activation gradients (and its recomputation under checkpointing)
+    logits: int  # float32 logits, log-softmax and its gradient of one microbatch
+    attention_mask: int  # one microbatch's document mask (boolean; the dense method's float32 copies too)
+    fsdp_buffers: int  # two blocks' unsharded parameters (one prefetched) and one block's unsharded gradients
+    optimizer_temporaries: int  # the optimizer step's temporaries (fused AdamW: none)
+    allocator: int  # memory the host allocator keeps that no live tensor uses (see estimate_peak)
+
+    @property
+    def step_peak(self) -> int:
+        """During forward and backward: everything but the optimizer's temporaries."""
+        return (self.process + self.data + self.weights + self.gradients + self.optimizer + self.activations
+                + self.backward_working + self.logits + self.attention_mask + self.fsdp_buffers + self.allocator)
+
+    @property
+    def optimizer_peak(self) -> int:
+        """During the optimizer step: the state and its temporaries, the activations gone."""
+        return (self.process + self.data + self.weights + self.gradients + self.optimizer
+                + self.optimizer_temporaries)
+
+    @property
+    def peak(self) -> int:
+        return max(self.step_peak, self.optimizer_peak)
+
+
+def _attention_saved_per_token(cfg: JobConfig, device_type: str) -> int:
+    """Elements one attention sub-block saves per token, both norms included (counted per storage with
+    saved_tensors_hooks on tiny_moe and qwen3_moe_debug shapes; tests/unit/test_peak_estimate.py)."""
+    m = cfg.model
+    head_dim = m.attention_head_dim()
+    heads, kv_heads = m.n_heads, m.n_kv_heads or m.n_heads
+    saved = 5 * m.dim  # both RMSNorms' inputs and outputs, and the input of the q/k/v projections
+    if m.kv_lora_rank is not None:  # MLA: q and k of qk_nope + qk_rope, v and the output of v_head_dim, the latents
+        qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        latents = m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 0)
+        return saved + heads * (2 * qk_head + 2 * m.v_head_dim) + 2 * latents + heads * m.v_head_dim
+    if m.qk_norm != "none":  # the QK-norms' inputs and outputs (RoPE itself saves only cos and sin)
+        saved += 2 * (heads + kv_heads) * head_dim
+    method = m.attention if m.attention != "auto" else ("flex" if device_type == "cuda" else "segments")
+    if method == "flex":  # q, k, v as they are, the output and its log-sum-exp
+        return saved + (2 * heads + 2 * kv_heads) * head_dim + heads
+    # SDPA (dense, segments, causal rows): q, k and v with k and v repeated to every query head, the output;
+    # per-document segments keep the output scattered back to the rows as well (wo's input).
+    return saved + 4 * heads * head_dim + (heads * head_dim if method == "segments" else 0)
+
+
+def _ffn_saved_per_token(cfg: JobConfig, moe_layer: bool) -> int:
+    m, moe = cfg.model, cfg.model.moe
+    if not moe_layer:
+        return m.dim + 4 * m.ffn_hidden  # input, w1 and w3 outputs, silu(w1 x), their product
+    w1_width = 2 * moe.expert_hidden if moe.activation == "swiglu" else moe.expert_hidden
+    # Router input (the experts' X too), probabilities and the pre-activation H of every routed copy
+    # (moe_function.py); standard autograd ("grouped", "loop") also keeps the gathered rows, phi(H) and
+    # the expert outputs.
+    saved = m.dim + moe.n_experts + moe.top_k * w1_width
+    if moe.impl != "memory_efficient":
+        saved += moe.top_k * (2 * m.dim + moe.expert_hidden)
+    return saved + (m.dim + 4 * moe.shared_width()) * min(moe.n_shared_experts, 1)
+
+
+def _row_length(cfg: JobConfig) -> int:
+    return (cfg.data.token_budget or cfg.data.seq_len) if cfg.data.batching == "token_budget" else cfg.data.seq_len
+
+
+def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", process_bytes: int = 0,
+                  data_bytes: int = 0, activation_checkpointing: bool | None = None,
+                  host_heap: bool = False) -> PeakEstimate:
+    """The peak bytes of a rank of `cfg` sharded over `dp_shard`; `process_bytes`, `data_bytes` measured.
+
+    `host_heap` (a CPU job): the host heap's slack, memory it holds that no live tensor uses (freed
+    forward temporaries between saved tensors, the state first allocated in the first step's freed
+    activation space), is taken as HEAP_SLACK of the step's transient memory (activations, backward working
+    set, logits). That fraction is measured, not derived: the slack was 0.13x (olmoe_tiny), 0.5x (tiny_moe)
+    and 1.1x (qwen3_moe_debug) of the transients on one process (benchmarks/estimate_accuracy.py)."""
+    m, t = cfg.model, cfg.train
+    ac = (t.activation_checkpointing not in (False, "none")) if activation_checkpointing is None \
+        else activation_checkpointing
+    counts = count_params(m)
+    shard = counts["total"] // max(dp_shard, 1)
+    rows = 1 if cfg.data.batching == "token_budget" else t.microbatch_size
+    tokens = rows * _row_length(cfg)
+    act_bytes = DTYPE_BYTES[cfg.parallel.param_dtype]
+    attention = _attention_saved_per_token(cfg, device_type)
+    dense_layer = attention + _ffn_saved_per_token(cfg, moe_layer=False)
+    moe_layer = attention + _ffn_saved_per_token(cfg, moe_layer=True)
+    n_dense, n_moe = m.n_dense_layers, m.n_layers - m.n_dense_layers
+    largest_layer = moe_layer if n_moe else dense_layer
+    final_norm = 3 * m.dim  # the final norm's input, output and the head's input
+    if ac:  # each block's input; one block recomputed at a time (counted in backward_working)
+        saved = m.n_layers * m.dim + final_norm
+        working = 2 * largest_layer
+    else:
+        saved = n_dense * dense_layer + n_moe * moe_layer + final_norm
+        working = largest_layer  # the gradients of the block whose backward runs
+    logits = 3 * tokens * m.vocab_size * LOGITS_BYTES  # logits, log-softmax, their gradient
+    # The boolean document mask, built once per forward; the dense method also keeps a float32 copy per layer.
+    mask = rows * _row_length(cfg) ** 2 * (1 + (4 * m.n_layers if m.attention == "dense" else 0))
+    fsdp = 0
+    if dp_shard > 1:  # FSDP2 all-gathers a block's parameters (the next one prefetched) and reduce-scatters
+        embedding = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
+        per_block = max((counts["total"] - embedding) // max(m.n_layers, 1), m.vocab_size * m.dim)
+        fsdp = 2 * per_block * act_bytes + per_block * DTYPE_BYTES[cfg.parallel.reduce_dtype]
+    activations, backward_working = tokens * saved * act_bytes, tokens * working * act_bytes
+    transients = activations + backward_working + logits
+    allocator = int(HEAP_SLACK * transients) if host_heap else 0
+    return PeakEstimate(process=process_bytes, data=data_bytes, weights=4 * shard, gradients=4 * shard,
+                        optimizer=8 * shard, activations=activations, backward_working=backward_working,
+                        logits=logits, attention_mask=mask, fsdp_buffers=fsdp, optimizer_temporaries=0,
+                        allocator=allocator)

@@ -142,17 +142,21 @@ class MoE(nn.Module):
         with record_function("router"):  # labels in profiler traces
             logits_TE = self.router(x_TD)
             probs_TE, topk_idx_TK, gates_TK = self.route(logits_TE)
+        # Dispatch without expert parallelism: the permutation of the token copies into expert order (the
+        # row gather and the weighted scatter-add run chunk by chunk inside the experts' op, under "experts").
+        with record_function("dispatch"):
             routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
             if self.cfg.token_rounding_tile > 1:
                 routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
         with record_function("experts"):
             out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.activation,
                                          self.cfg.impl, **self.experts.biases())
-        if self.shared_expert is not None:
-            shared_TD = self.shared_expert(x_TD)
-            if self.shared_expert_gate is not None:
-                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
-            out_TD = out_TD + shared_TD
+        with record_function("combine"):  # the routed experts' output joined with the shared expert's
+            if self.shared_expert is not None:
+                shared_TD = self.shared_expert(x_TD)
+                if self.shared_expert_gate is not None:
+                    shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+                out_TD = out_TD + shared_TD
         counts_E = routing.counts.detach()
         self.tokens_per_expert = counts_E
         self.aux_loss = self._balance_loss(probs_TE, counts_E)

@@ -55,7 +55,8 @@ def address_space_left() -> tuple[int, int] | None:
     return max(soft - mapped, 0), soft
 
 
-def _device_type(cfg: JobConfig) -> str:
+def job_device_type(cfg: JobConfig) -> str:
+    """"cuda" or "cpu": where the job will run, decided before its process group or model exists."""
     # The rule of moetrain.parallel.mesh, evaluated before the process group exists.
     parallel = cfg.parallel
     if parallel.device != "auto":
@@ -86,7 +87,7 @@ def refuse_if_too_big(cfg: JobConfig) -> MemoryEstimate:
     world, local = _ranks()
     _, dp_shard = check_world_size(cfg.parallel, world)
     estimate = estimate_training_memory(cfg, dp_shard)
-    if _device_type(cfg) == "cuda":
+    if job_device_type(cfg) == "cuda":
         device = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
         available, sharers, where = torch.cuda.get_device_properties(device).total_memory, 1, "CUDA device"
     else:

@@ -2,22 +2,31 @@
 
 What a job needs before it runs, for a mesh the user may not have: total and active parameters, and
 per rank the bytes of weights, gradients, optimizer state, activations with and without activation
-checkpointing, the attention mask, and the peak (moetrain.model.memory_estimate), compared with the
-memory of CPU ranks on this machine or of a named GPU. `moetrain train --dry-run` prints the same
-report. It reads the config (and, with `model.init_from = "hf:DIR"`, DIR's config.json) only: it
-builds no model, reads no data and writes nothing.
+checkpointing, the backward's working set, logits, FSDP buffers and the peak
+(moetrain.model.memory_estimate.estimate_peak), compared with the memory of CPU ranks on this machine,
+of this machine's GPU or of a named one. `moetrain train --dry-run` prints the same report and exits 2
+in one line when the peak does not fit. On CPU two terms are measured in this process: its own
+resident memory (the same interpreter, torch and moetrain modules a rank loads) and what loading the
+job's training data adds. It reads the config (and, with `model.init_from = "hf:DIR"`, DIR's
+config.json) and, on CPU, the data; it builds no model and writes nothing.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import asdict, dataclass
+
+import torch
 
 from moetrain.args import take_option
 from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args
+from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
 from moetrain.interop import hf_dir, hf_job_config
 from moetrain.model.flops import count_params
-from moetrain.model.memory_estimate import MemoryBreakdown, format_bytes, training_memory_breakdown
+from moetrain.model.memory_estimate import PeakEstimate, estimate_peak, estimate_training_memory, format_bytes
+from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.runtime.preflight import physical_memory_bytes
 
 PROG = "moetrain estimate"
@@ -30,8 +39,12 @@ OPTIONS = (
     CommandOption("world", int | None, None, "ranks of the job; None = WORLD_SIZE of the environment, else 1"),
     CommandOption("nodes", int | None, None, "machines of the job (with --gpus-per-node; world = nodes x gpus)"),
     CommandOption("gpus_per_node", int | None, None, "ranks per machine (with --nodes)"),
-    CommandOption("device", str, "cpu", f"'cpu' (this machine's memory shared by its ranks) or a GPU: "
-                  f"{', '.join(GPU_MEMORY_BYTES)}"),
+    CommandOption("device", str, "cpu", f"'cpu' (this machine's memory shared by its ranks; the process and the "
+                  f"data are measured here) or a GPU: {', '.join(GPU_MEMORY_BYTES)}"),
+    CommandOption("device_memory", float | None, None, "GiB of one device, for a GPU not in the table "
+                  "(overrides its entry)"),
+    CommandOption("json", bool, False, "print the estimate as JSON (bytes) instead of the table"),
+    CommandOption("skip_data", bool, False, "on CPU, do not load the training data to measure it (data counts 0)"),
 )
 
 
@@ -61,37 +74,153 @@ def mesh_size(world: int | None, nodes: int | None, gpus_per_node: int | None) -
     return world, world
 
 
-def report(cfg: JobConfig, world: int, per_node: int, device: str) -> str:
-    """The estimate as lines of text; ConfigError when the mesh does not fit the world or the device is unknown."""
-    if device != "cpu" and device not in GPU_MEMORY_BYTES:
-        raise ConfigError(f"--device = {device!r} is invalid: 'cpu' or one of {', '.join(GPU_MEMORY_BYTES)}")
-    replicate, shard = check_world_size(cfg.parallel, world)
-    params = count_params(cfg.model)
-    parts: MemoryBreakdown = training_memory_breakdown(cfg, shard)
-    ac = cfg.train.activation_checkpointing
-    peak = parts.peak(ac)
+def _memory_of(device: str, device_memory: str | None, per_node: int) -> tuple[int | None, int, str]:
+    """(bytes a rank's share has, ranks sharing them, where) for 'cpu', a named GPU or --device-memory GiB."""
+    if device_memory is not None:
+        try:
+            gib = float(device_memory)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ConfigError(f"--device-memory = {device_memory!r} is invalid: a positive number of GiB")
+        return int(gib * 2**30), 1, f"{device} with {format_bytes(gib * 2**30)} (--device-memory)"
+    if device == "cuda":  # this machine's GPU (the first; ranks of one job get the same kind)
+        if not torch.cuda.is_available():
+            raise ConfigError("--device = 'cuda' is invalid here: no CUDA device is visible; name a GPU "
+                              f"({', '.join(GPU_MEMORY_BYTES)}) or give --device-memory GIB")
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, 1, f"this machine's {props.name}: {format_bytes(props.total_memory)}"
     if device == "cpu":
-        available, sharers = physical_memory_bytes(), per_node
-        where = f"this machine's {format_bytes(available or 0)} shared by {per_node} rank(s)"
+        available = physical_memory_bytes()
+        return available, per_node, f"this machine's {format_bytes(available or 0)} shared by {per_node} rank(s)"
+    if device not in GPU_MEMORY_BYTES:
+        raise ConfigError(f"--device = {device!r} is invalid: 'cpu', 'cuda' (this machine's GPU) or one of "
+                          f"{', '.join(GPU_MEMORY_BYTES)} (or any name with --device-memory GIB)")
+    return GPU_MEMORY_BYTES[device], 1, f"{device}: {format_bytes(GPU_MEMORY_BYTES[device])}"
+
+
+def process_baseline_bytes() -> int:
+    """This process's resident memory now: the same interpreter, torch and moetrain modules a rank loads."""
+    return current_rss_bytes()
+
+
+def measure_data_bytes(cfg: JobConfig) -> int:
+    """The resident memory loading `cfg`'s training data adds to this process (what a rank holds all run)."""
+    before = current_rss_bytes()
+    data = load_training_data(cfg)
+    held = current_rss_bytes() - before  # measured while the data is still referenced
+    del data
+    return max(held, 0)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What `moetrain estimate` reports for a job and a mesh; `fits` is None when the memory is unknown."""
+
+    cfg: JobConfig
+    world: int
+    per_node: int
+    device: str
+    replicate: int
+    shard: int
+    peak: PeakEstimate  # at the configured train.activation_checkpointing
+    other: PeakEstimate  # at the other setting
+    lower_bound: int  # what certainly gets allocated (the start's refusal threshold, runtime.preflight)
+    available: int | None
+    sharers: int
+    where: str
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.available is None else self.peak.peak * self.sharers <= self.available
+
+    def refusal(self) -> str:
+        """The one line a dry run that does not fit ends with."""
+        ac = self.cfg.train.activation_checkpointing
+        hint = "" if ac or self.other.peak >= self.peak.peak else \
+            f"; with train.activation_checkpointing = True it is {format_bytes(self.other.peak)}"
+        return (f"this job's estimated peak is {format_bytes(self.peak.peak)} per rank on {self.world} rank(s), "
+                f"more than {self.where}{hint}; lower train.microbatch_size or data.seq_len, or shard over "
+                "more ranks (moetrain estimate shows the parts)")
+
+    def as_json(self) -> dict:
+        return {"world": self.world, "per_node": self.per_node, "device": self.device,
+                "replicate": self.replicate, "shard": self.shard, "peak_bytes": self.peak.peak,
+                "parts": asdict(self.peak), "step_peak_bytes": self.peak.step_peak,
+                "optimizer_peak_bytes": self.peak.optimizer_peak,
+                "other_activation_checkpointing_peak_bytes": self.other.peak,
+                "lower_bound_bytes": self.lower_bound, "available_bytes": self.available, "fits": self.fits,
+                "parameters": count_params(self.cfg.model)}
+
+
+def estimate(cfg: JobConfig, world: int, per_node: int, device: str, device_memory: str | None = None,
+             process_bytes: int | None = None, data_bytes: int | None = None) -> Estimate:
+    """The estimate; on CPU the process and data terms are measured here unless given."""
+    available, sharers, where = _memory_of(device, device_memory, per_node)
+    replicate, shard = check_world_size(cfg.parallel, world)
+    host = device == "cpu"
+    if host:  # on a GPU the interpreter and the data live in host memory, not in the device's
+        process_bytes = process_baseline_bytes() if process_bytes is None else process_bytes
+        data_bytes = measure_data_bytes(cfg) if data_bytes is None else data_bytes
     else:
-        available, sharers, where = GPU_MEMORY_BYTES[device], 1, f"{device}: {format_bytes(GPU_MEMORY_BYTES[device])}"
-    verdict = "unknown" if available is None else ("fits" if peak * sharers <= available else "does NOT fit")
+        process_bytes = data_bytes = 0
+    device_type = "cpu" if host else "cuda"
+    ac = cfg.train.activation_checkpointing not in (False, "none")
+    peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, host_heap=host)
+    other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, host_heap=host)
+    return Estimate(cfg, world, per_node, device, replicate, shard, peak, other,
+                    estimate_training_memory(cfg, shard).total, available, sharers, where)
+
+
+def report(cfg: JobConfig, world: int, per_node: int, device: str, device_memory: str | None = None,
+           process_bytes: int | None = None, data_bytes: int | None = None) -> str:
+    """The estimate as lines of text; ConfigError when the mesh does not fit the world or the device is unknown."""
+    return describe(estimate(cfg, world, per_node, device, device_memory, process_bytes, data_bytes))
+
+
+def describe(est: Estimate) -> str:
+    cfg, parts, shard = est.cfg, est.peak, est.shard
+    params = count_params(cfg.model)
+    ac = cfg.train.activation_checkpointing
+    with_ac, without_ac = (parts, est.other) if ac else (est.other, parts)
+    verdict = "unknown" if est.fits is None else ("fits" if est.fits else "does NOT fit")
+    host = est.device == "cpu"
     rows = [
-        f"{PROG}: {world} rank(s) ({replicate} replica(s) x {shard} shard(s), ep {cfg.parallel.ep}), "
-        f"{per_node} per machine, device {device}",
+        f"{PROG}: {est.world} rank(s) ({est.replicate} replica(s) x {shard} shard(s), ep {cfg.parallel.ep}), "
+        f"{est.per_node} per machine, device {est.device}",
         f"  parameters        {params['total'] / 1e6:12.2f} M total, {params['active'] / 1e6:.2f} M active per token",
         "  per rank:",
+    ]
+    if host:
+        rows += [
+            f"    process         {format_bytes(parts.process):>12}  (measured: this interpreter after importing torch "
+            "and moetrain, the same a rank loads)",
+            f"    data            {format_bytes(parts.data):>12}  (measured: what loading the training data added "
+            "here; 0 with --skip-data)",
+        ]
+    rows += [
         f"    weights         {format_bytes(parts.weights):>12}  (float32, 1/{shard} of the model)",
         f"    gradients       {format_bytes(parts.gradients):>12}",
-        f"    optimizer       {format_bytes(parts.optimizer):>12}  (AdamW: 2 float32 moments)",
-        f"    activations     {format_bytes(parts.activations):>12}  without activation checkpointing",
-        f"                    {format_bytes(parts.activations_checkpointed):>12}  with activation checkpointing",
+        f"    optimizer       {format_bytes(parts.optimizer):>12}  (AdamW: 2 float32 moments; fused step, no "
+        "temporaries)",
+        f"    activations     {format_bytes(without_ac.activations):>12}  without activation checkpointing",
+        f"                    {format_bytes(with_ac.activations):>12}  with activation checkpointing",
+        f"    backward        {format_bytes(parts.backward_working):>12}  (one block's activation gradients"
+        f"{' and its recomputation' if ac else ''})",
+        f"    logits          {format_bytes(parts.logits):>12}  (float32 logits, log-softmax and gradient)",
         f"    attention mask  {format_bytes(parts.attention_mask):>12}",
-        f"    peak            {format_bytes(peak):>12}  (train.activation_checkpointing = {ac}; other setting: "
-        f"{format_bytes(parts.peak(not ac))})",
-        f"  {verdict} on {where}",
-        "  (counts what certainly gets allocated: no allocator slack, temporaries, FSDP gather buffers, "
-        "data or the interpreter)",
+        f"    FSDP buffers    {format_bytes(parts.fsdp_buffers):>12}  (unsharded parameters of 2 blocks, "
+        "gradients of 1)",
+    ]
+    if host:
+        rows.append(f"    allocator       {format_bytes(parts.allocator):>12}  (the host heap's slack: half the "
+                    "step's transients, as measured on the presets)")
+    rows += [
+        f"    peak            {format_bytes(parts.peak):>12}  (train.activation_checkpointing = {ac}; other setting: "
+        f"{format_bytes(est.other.peak)})",
+        f"  {verdict} on {est.where}",
+        f"  (what certainly gets allocated, the start's refusal threshold: {format_bytes(est.lower_bound)}"
+        f"{'' if host else '; on a GPU the CUDA context and allocator cache come on top'})",
     ]
     return "\n".join(rows)
 
@@ -101,9 +230,14 @@ def main(argv: list[str]) -> int:
     nodes_arg, argv = take_option(argv, "nodes")
     gpus_arg, argv = take_option(argv, "gpus-per-node")
     device, argv = take_option(argv, "device")
+    device_memory, argv = take_option(argv, "device-memory")
+    as_json, skip_data = "--json" in argv, "--skip-data" in argv
+    argv = [a for a in argv if a not in ("--json", "--skip-data")]
     cfg = parse_job_args(argv, prog=PROG, init_from_defaults=job_defaults, options=OPTIONS,
                          description=" ".join(__doc__.split("\n\n")[1].split()))
     world, per_node = mesh_size(_positive(world_arg, "world"), _positive(nodes_arg, "nodes"),
                                 _positive(gpus_arg, "gpus_per_node"))
-    print(report(cfg, world, per_node, device or "cpu"))
+    est = estimate(cfg, world, per_node, device or "cpu", device_memory, data_bytes=0 if skip_data else None)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one report for the job
+        print(json.dumps(est.as_json(), indent=1) if as_json else describe(est))
     return 0

@@ -38,26 +38,27 @@ import torch
 import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from moetrain.args import take_option
 from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args, parse_step_range, to_toml
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, ConfigError, TrainingDiverged
 from moetrain.interop import check_architecture
 from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
+from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.observe.profiler import ProfilerWindow
 from moetrain.parallel.collectives import distributed, leave_together
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.runtime.allocator import reuse_freed_host_memory
 from moetrain.runtime.disk import no_space_left
 from moetrain.runtime.faults import hang_before_step
-from moetrain.runtime.preflight import refuse_if_too_big
+from moetrain.runtime.preflight import job_device_type, refuse_if_too_big
 from moetrain.runtime.run_dir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
 from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
-from moetrain.train.estimate import job_defaults
-from moetrain.train.estimate import report as estimate_report
+from moetrain.train.estimate import describe, estimate, job_defaults
 from moetrain.train.sample import generate
 from moetrain.train.trainer import EvalSchedule, Trainer
 
@@ -349,22 +350,36 @@ DESCRIPTION = ("Train a model: a TOML job (--config) and --section.field overrid
 
 
 DRY_RUN = CommandOption("dry_run", bool, False, "validate the job (config, HF directory, data, mesh for WORLD_SIZE), "
-                        "print the resolved config as TOML and the memory estimate, write nothing")
+                        "print the resolved config as TOML and the memory estimate, write nothing; exit 2 when the "
+                        "estimated peak does not fit the target")
+DRY_RUN_DEVICE = CommandOption("device", str | None, None, "with --dry-run: the target of the estimate, 'cpu', "
+                               "'cuda' (this machine's GPU) or a GPU name of `moetrain estimate --help`; "
+                               "None = where the job would run")
+DRY_RUN_DEVICE_MEMORY = CommandOption("device_memory", float | None, None, "with --dry-run: GiB of one device "
+                                      "of the target")
 
 
-def dry_run(cfg: JobConfig) -> int:
-    """Everything a start checks before it writes, then the resolved config and the estimate; writes nothing."""
+def dry_run(cfg: JobConfig, device: str | None = None, device_memory: str | None = None) -> int:
+    """Everything a start checks before it writes, then the resolved config and the estimate; writes nothing.
+
+    ConfigError (one line, exit 2) when the estimated peak per rank exceeds the target's memory."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_world_size(cfg.parallel, world)
     if cfg.model.init_from is not None:
         check_architecture(cfg.model, cfg.model.init_from[3:])
+    process_bytes = current_rss_bytes()
     data = load_training_data(cfg)
+    data_bytes = max(current_rss_bytes() - process_bytes, 0)  # what the run will hold of it, measured
+    target = device or ("cuda" if job_device_type(cfg) == "cuda" else "cpu")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    est = estimate(cfg, world, per_node, target, device_memory, process_bytes, data_bytes)
     if int(os.environ.get("RANK", "0")) == 0:
         print(to_toml(cfg), end="")
         print(f"# data: {data.n_train_documents} train documents -> {len(data.train)} sequences of "
               f"{cfg.data.seq_len} tokens, {data.n_heldout_documents} held-out documents")
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-        print("\n".join(f"# {line}" for line in estimate_report(cfg, world, per_node, "cpu").splitlines()))
+        print("\n".join(f"# {line}" for line in describe(est).splitlines()), flush=True)
+    if est.fits is False:
+        raise ConfigError(est.refusal())
     return 0
 
 
@@ -372,10 +387,14 @@ def main(argv: list[str]) -> int:
     flags = {"--dry-run": True, "--dry_run": True, "--no-dry-run": False, "--no_dry_run": False}
     dry = [flags[a] for a in argv if a in flags][-1:] == [True]  # the last one given wins
     argv = [a for a in argv if a not in flags]
+    device = device_memory = None
+    if dry:  # the estimate's target: options of the dry run only
+        device, argv = take_option(argv, "device")
+        device_memory, argv = take_option(argv, "device-memory")
     cfg = parse_job_args(argv, prog="moetrain train", init_from_defaults=job_defaults, description=DESCRIPTION,
-                         options=(DRY_RUN,))
+                         options=(DRY_RUN, DRY_RUN_DEVICE, DRY_RUN_DEVICE_MEMORY))
     if dry:
-        return dry_run(cfg)
+        return dry_run(cfg, device, device_memory)
     setup_logging()
     if int(os.environ.get("RANK", "0")) == 0:  # at once: data, process group and model take a while
         print(f"moetrain train: starting {cfg.logging.run_dir} ({cfg.train.steps} steps; reading data, then "
