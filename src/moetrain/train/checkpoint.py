@@ -69,7 +69,7 @@ true/false/"auto", the newest intact checkpoint, after comparing the job's confi
 checkpoint's). This module never reads a file it has not verified and never writes outside the
 checkpoint directory.
 
-Test hooks (`moetrain.runtime.faults`) pause inside a write or crash after a step on request.
+Test hooks (`moetrain.runtime.faults`) pause inside a write, fail a write or crash after a step on request.
 """
 
 from __future__ import annotations
