@@ -10,12 +10,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+from test_train_disk_full import _fill_disk, _one_error_line, _records_parse
+from test_train_nan import poison_step_3  # noqa: F401  (a fixture, used by name below)
 from test_train_torchrun import TORCHRUN, _torchrun
 
+from moetrain import cli
 from moetrain.runtime.faults import FAIL_ENV, PAUSE_ENV
+from moetrain.train import checkpoint as ckpt
 from moetrain.train import run
 from moetrain.train.checkpoint import list_complete, newest_intact
 
@@ -87,6 +92,41 @@ def test_a_failed_background_write_fails_the_run_with_its_error(job_args, tmp_pa
     with pytest.raises(OSError, match="checkpoint write of step 3 failed"):
         run.main(job_args(run_dir, checkpoint__async_save=True, train__eval_every=0))
     assert list_complete(run_dir / "checkpoints") == []
+
+
+def test_a_full_disk_in_a_background_write_is_the_one_line_of_a_synchronous_one(job_args, tmp_path, monkeypatch,
+                                                                                capsys):
+    run_dir = tmp_path / "run"
+    _fill_disk(monkeypatch, lambda p: "checkpoints" in p.parts)
+    argv = job_args(run_dir, train__steps=4, checkpoint__every=2, train__eval_every=0, checkpoint__async_save=True)
+    assert cli.main(["train", *argv]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "no space left on device writing the checkpoint" in line, line
+    assert str(run_dir / "checkpoints") in line and "No space left on device" in line, line
+    assert list_complete(run_dir / "checkpoints") == []
+    # Step 2's write failed in the background while steps 3 and 4 trained; step 4's save raised it.
+    assert max(r["step"] for r in _records_parse(run_dir)) == 4
+
+
+@pytest.mark.usefixtures("poison_step_3")
+def test_a_stop_on_a_nan_names_the_checkpoint_that_was_still_being_written(job_args, tmp_path, monkeypatch,
+                                                                           capsys):
+    real_save = ckpt.dcp.save
+
+    def slow_save(*args, **kwargs):  # step 2's background write is still in flight at step 3
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(2.0)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.dcp, "save", slow_save)
+    run_dir = tmp_path / "stop"
+    argv = job_args(run_dir, train__steps=4, checkpoint__every=2, train__eval_every=0, data__heldout_fraction=0,
+                    train__nan_policy="stop", checkpoint__async_save=True)
+    assert cli.main(["train", *argv]) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert "step 3: loss nan" in line and "newest complete checkpoint: step 2" in line, line
+    assert [r.step for r in list_complete(run_dir / "checkpoints")] == [2]
+    assert not any(p.name.startswith(".tmp-") for p in (run_dir / "checkpoints").iterdir())
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH next to this interpreter")

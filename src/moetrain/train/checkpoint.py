@@ -875,6 +875,7 @@ class Checkpointer:
         Collective in effect: every rank's background save takes part in the same collectives.
         """
         pending, self._in_flight = self._in_flight, None
+        self._failure_logged = False
         if pending is None:
             return None
         try:

@@ -299,6 +299,9 @@ def _stop_on_signal(trainer: Trainer, checkpointer: Checkpointer, metrics: Metri
 def _handle_nonfinite(trainer: Trainer, result: StepResult, metrics: MetricsWriter,
                       checkpointer: Checkpointer, consecutive_skips: int) -> None:
     what = f"step {trainer.step}: loss {result.loss} / grad norm {result.grad_norm} is not finite"
+    if trainer.cfg.train.nan_policy == "stop" or consecutive_skips >= trainer.cfg.train.max_consecutive_skips:
+        with no_space_left(checkpointer.dir, "checkpoint"):
+            checkpointer.wait()  # a save still in the background completes first: the line names it
     latest = checkpointer.latest()
     where = f"newest complete checkpoint: step {latest.step}" if latest else "no checkpoint was written"
     if trainer.cfg.train.nan_policy == "stop":
