@@ -1,7 +1,8 @@
 """Asynchronous checkpoint saves in one process: the same checkpoint as a synchronous save, the state of
 the step the save was requested at, one save in flight, failures raised on the training loop.
 
-References: a synchronous save of the same state (its files byte for byte), clones of the weights and
+References: a synchronous save of the same state (its files, the tensor files by content: a
+background save writes them with its own writer, DCP's writer writes the synchronous ones), clones of the weights and
 RNG state taken when the save was requested, and what is on disk (`list_complete`, `newest_intact`).
 The background write is held at a gate (a wrapper around DCP's save) so that the tests decide what
 happens while it is in flight instead of racing it.
@@ -205,3 +206,26 @@ def test_a_non_finite_state_stops_the_run_from_the_background_save(tmp_path):
     with pytest.raises(TrainingDiverged, match="refusing to save step 2"):
         saver.wait()
     assert ckpt.list_complete(tmp_path) == [] and not (tmp_path / ".tmp-step_00000002").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+def test_the_background_writer_writes_what_dcps_writer_writes(tmp_path, dtype):
+    gen = torch.Generator().manual_seed(0)
+    state = {"model": {"w": (torch.randn(3, 5, generator=gen) * 4).to(dtype), "scalar": torch.tensor(7.0).to(dtype),
+                       "empty": torch.zeros(0, 4, dtype=dtype), "wide": torch.randn(2, 9, generator=gen).to(dtype)},
+             "optimizer": {"state": {"w": {"step": torch.tensor(3.0)}}}}
+    contents = []
+    for name, writer in (("dcp", ckpt.HuggingFaceStorageWriter), ("background", ckpt._UnblockingSafetensorsWriter)):
+        (tmp_path / name).mkdir()
+        with ckpt._quiet_single_process():
+            ckpt.dcp.save(state, storage_writer=writer(str(tmp_path / name), save_distributed=True), no_dist=True)
+        (file,) = (tmp_path / name).glob("*.safetensors")
+        contents.append((file.name, _safetensors_content(file.read_bytes())))
+    assert contents[1] == contents[0]
+    loaded = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+              "optimizer": {"state": {"w": {"step": torch.tensor(0.0)}}}}
+    with ckpt._quiet_single_process():
+        ckpt.dcp.load(loaded, storage_reader=ckpt.HuggingFaceStorageReader(str(tmp_path / "background")), no_dist=True)
+    for key, value in state["model"].items():
+        assert torch.equal(loaded["model"][key], value), key
+    assert float(loaded["optimizer"]["state"]["w"]["step"]) == 3.0

@@ -61,7 +61,10 @@ most one save is in flight: the next save, the end of the run and a signal's sto
 and a failure in the background (a full disk, a non-finite state, a lost peer) is raised there,
 on the training loop of every rank, as the same error a synchronous save raises. Pruning happens
 only inside a save, after its rename, so it never races another save. This is DCP's thread-based
-`async_save` (stage, then `save` in a thread) with the completion steps in the same thread.
+`async_save` (stage, then `save` in a thread) with the completion steps in the same thread, and
+one change: the tensor files are written by `_UnblockingSafetensorsWriter` (the files of DCP's
+safetensors writer, written tensor by tensor) because DCP's writer serializes a whole file in one
+call that holds the GIL, stopping the training loop for as long.
 
 `Checkpointer` decides when a run saves (`maybe_save(step)`: every `checkpoint.every` steps and at
 the run's last step) and where it resumes from (`resume_point()`: per `checkpoint.resume` =
