@@ -378,6 +378,10 @@ class CheckpointConfig:
     signal_save_after_s: float = 0.0
     """On SIGTERM/SIGINT the run stops at the next step boundary and saves there when a
     save is due or the last save (or the run's start) is older than this many seconds."""
+    async_save: bool = False
+    """Write checkpoints in the background: the training loop pays only for copying the model and
+    optimizer state into host memory (kept for reuse: one more copy of that state per rank); the write,
+    hashing, manifest and rename run in a thread while training continues (one save in flight)."""
 
 
 @dataclass

@@ -1,19 +1,22 @@
-"""Fault hooks for tests: a rank that hangs, a write paused for a kill, a crash after a step.
+"""Fault hooks for tests: a rank that hangs, a write paused for a kill or failing, a crash after a step.
 
 Each hook does nothing unless its environment variable names this rank and step, so a
 user's run never meets one. Tests set the variables to reproduce a hung rank (collective
-timeout), a SIGKILL in the middle of a checkpoint write, and a crash between steps that a
-torchrun restart must recover from. This module only sleeps or exits; it decides nothing.
+timeout), a SIGKILL in the middle of a checkpoint write, a checkpoint write that fails (an I/O
+error once its tensor files are written), and a crash between steps that a torchrun restart must
+recover from. This module only sleeps, raises or exits; it decides nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
 
 HANG_ENV = "MOETRAIN_TEST_HANG_AT_STEP"  # "<rank>:<step>": sleep forever before computing that step
 PAUSE_ENV = "MOETRAIN_TEST_PAUSE_IN_CHECKPOINT_WRITE"  # "<step>": rank 0 sleeps inside that step's write
+FAIL_ENV = "MOETRAIN_TEST_FAIL_IN_CHECKPOINT_WRITE"  # "<step>": every rank's write of that step fails
 CRASH_STEP_ENV = "MOETRAIN_TEST_CRASH_AFTER_STEP"  # "<step>": rank 0 exits after that step ...
 CRASH_MARKER_ENV = "MOETRAIN_TEST_CRASH_MARKER"  # ... once: unless this file exists, which it then creates
 CRASH_EXIT_CODE = 17
@@ -31,6 +34,12 @@ def pause_in_checkpoint_write(step: int, tmp: Path) -> None:
         (tmp / "PAUSED").write_text("paused inside the checkpoint write for a kill test\n")
         while True:  # until the test kills this process
             time.sleep(1)
+
+
+def fail_in_checkpoint_write(step: int, tmp: Path) -> None:
+    """After `step`'s tensor files are written into `tmp` and before they are hashed: an I/O error."""
+    if os.environ.get(FAIL_ENV) == str(step):
+        raise OSError(errno.EIO, f"test fault: the checkpoint write of step {step} failed", str(tmp))
 
 
 def crash_after_step(step: int, rank: int) -> None:

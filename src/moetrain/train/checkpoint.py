@@ -45,13 +45,34 @@ The small state is checked before it is used: `trainer.json` must hold the step,
 per-rank entries of the types the trainer writes (an RNG state of the right size), `meta.json` a
 JSON object; anything else, however consistent with the manifest, is one ConfigError line.
 
+Asynchronous saves (`checkpoint.async_save`): the training loop captures the state of the step
+and returns; the rest of the save runs in a background thread. Captured on the loop: the small
+state (step, counters, every rank's loader position and RNG states, gathered and turned into JSON
+and tensor copies right there, so it is that step's state whatever the loop does next) and a copy
+of the model and optimizer tensors in host memory (DCP's `DefaultStager`: a device-to-host copy on
+a GPU, a memory copy on a CPU; its buffers are kept and reused by later saves). In the background,
+unchanged: the finiteness check, DCP's write of every rank's shards, the hashing, the manifest, the
+rename and the prune, in that order; the rename still comes only after every rank's files are
+written and hashed, so a crash at any point of a background save leaves a `.tmp-*` directory and
+the previous checkpoint intact. The background thread's collectives run on a process group of
+their own (gloo, what DCP's `async_save` requires too): a group orders its collectives by call,
+and the training loop's collectives on the default group would interleave with the save's. At
+most one save is in flight: the next save, the end of the run and a signal's stop wait for it,
+and a failure in the background (a full disk, a non-finite state, a lost peer) is raised there,
+on the training loop of every rank, as the same error a synchronous save raises. Pruning happens
+only inside a save, after its rename, so it never races another save. This is DCP's thread-based
+`async_save` (stage, then `save` in a thread) with the completion steps in the same thread, and
+one change: the tensor files are written by `_UnblockingSafetensorsWriter` (the files of DCP's
+safetensors writer, written tensor by tensor) because DCP's writer serializes a whole file in one
+call that holds the GIL, stopping the training loop for as long.
+
 `Checkpointer` decides when a run saves (`maybe_save(step)`: every `checkpoint.every` steps and at
 the run's last step) and where it resumes from (`resume_point()`: per `checkpoint.resume` =
 true/false/"auto", the newest intact checkpoint, after comparing the job's config with the
 checkpoint's). This module never reads a file it has not verified and never writes outside the
 checkpoint directory.
 
-Test hooks (`moetrain.runtime.faults`) pause inside a write or crash after a step on request.
+Test hooks (`moetrain.runtime.faults`) pause inside a write, fail a write or crash after a step on request.
 """
 
 from __future__ import annotations
@@ -61,29 +82,44 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import safetensors.torch
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint._hf_utils import (
+    DCP_VERSION_KEY,
+    FORMAT_KEY,
+    FORMAT_VALUE,
+    HF_DCP_VERSION,
+    _gen_file_name,
+)
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
 from moetrain.config import CheckpointConfig, JobConfig, from_dict
 from moetrain.durable import file_sha256, fsync_dir, write_durably
@@ -127,6 +163,12 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _ignore_single_process_warning() -> None:
+    # For background saves in one process: `warnings.catch_warnings` swaps the process-wide filters
+    # and is not safe from two threads, so the filter of `_quiet_single_process` is installed once.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def step_dir_name(step: int) -> str:
@@ -444,8 +486,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _all_finite(state: Any) -> bool:
-    """True when every floating-point tensor in `state` is finite on every rank."""
+def _locally_finite(state: Any) -> bool:
+    """True when every floating-point tensor of this rank's part of `state` is finite."""
     tensors = []
 
     def walk(obj: Any) -> None:
@@ -460,7 +502,39 @@ def _all_finite(state: Any) -> bool:
                 walk(value)
 
     walk(state)
-    return all_ranks_true(all(bool(torch.isfinite(t).all()) for t in tensors))
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class _Collectives:
+    """The save's collectives on one process group: the default one (None) or a background save's own.
+
+    `moetrain.parallel.collectives` works on the default group, which belongs to the training
+    loop's thread; a background save's thread uses a group of its own, so the two threads'
+    collectives cannot interleave.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+
+    def barrier(self) -> None:
+        if self.group is None:
+            barrier()
+        else:
+            dist.barrier(group=self.group)
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return all_gather_objects(obj)
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def all_true(self, flag: bool) -> bool:
+        if self.group is None:
+            return all_ranks_true(flag)
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(value.item())
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -487,6 +561,84 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     return state
 
 
+@dataclass
+class _Snapshot:
+    """One save as of the step it was requested at: every value the write needs, none that training changes."""
+
+    root: Path
+    step: int
+    tensors: dict[str, Any]  # DCP's state: the live tensors (a synchronous save) or their staged copy
+    small: Any  # rank 0: trainer.json's JSON (None on other ranks) ...
+    small_tensors: dict[str, torch.Tensor]  # ... and copies of the tensors it refers to
+    config: dict[str, Any] | None
+    meta: dict[str, Any]
+    keep_last: int
+    protect: tuple[int, ...]
+    damaged: tuple[int, ...]
+
+
+def _snapshot(checkpoint_dir: str | Path, step: int, tensors: dict[str, Any], trainer_state: dict[str, Any],
+              per_rank_state: dict[str, Any], keep_last: int, config: dict[str, Any] | None,
+              protect: tuple[int, ...], damaged: tuple[int, ...]) -> _Snapshot:
+    """Capture the small state now (collective: gathers every rank's `per_rank_state` to rank 0)."""
+    ranks_state = all_gather_objects(per_rank_state)
+    world = len(ranks_state)
+    small, small_tensors = None, {}
+    if rank_and_world()[0] == 0:
+        # _to_json copies every value (tensors cloned), so later training cannot change what is written.
+        small = _to_json({**trainer_state, "step": step, "world_size": world, "ranks": ranks_state}, small_tensors,
+                         "trainer")
+    # The thread count orders some float sums: a bit-identical resume runs with the same one.
+    meta = {"step": step, "world_size": world, "time": time.time(), "intra_op_threads": torch.get_num_threads()}
+    return _Snapshot(Path(checkpoint_dir), step, tensors, small, small_tensors,
+                     None if config is None else json.loads(json.dumps(config)), meta, keep_last, protect, damaged)
+
+
+def _write(snap: _Snapshot, comm: _Collectives,
+           writer_class: type[HuggingFaceStorageWriter] = HuggingFaceStorageWriter) -> CheckpointRef:
+    """Write `snap` as a complete checkpoint, then `prune` (collective on `comm`'s group)."""
+    root, step = snap.root, snap.step
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    if not comm.all_true(_locally_finite(snap.tensors)):
+        raise PoisonedStateError(f"refusing to save step {step}: the model or optimizer state holds NaN/inf")
+    rank, world = rank_and_world()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt at this same step
+        (tmp / TENSORS_DIR).mkdir(parents=True)
+    comm.barrier()
+    # save_distributed: every rank writes its own shards into its own file (none is gathered).
+    writer = writer_class(str(tmp / TENSORS_DIR), save_distributed=True)
+    dcp.save(snap.tensors, storage_writer=writer, process_group=comm.group, no_dist=not distributed())
+    faults.fail_in_checkpoint_write(step, tmp)
+    comm.barrier()
+    # Each rank hashes its share of the tensor files; rank 0 writes the manifest.
+    tensor_files = [f"{TENSORS_DIR}/{name}" for name in _files_under(tmp / TENSORS_DIR)]
+    hashed = comm.all_gather_objects(_manifest_entries(tmp, tensor_files[rank::world]))
+    if rank == 0:
+        (tmp / TRAINER_FILE).write_text(json.dumps(snap.small))
+        if snap.small_tensors:
+            safetensors.torch.save_file(snap.small_tensors, tmp / TRAINER_TENSORS_FILE)
+        if snap.config is not None:
+            (tmp / CONFIG_FILE).write_text(json.dumps(snap.config, indent=2))
+        (tmp / META_FILE).write_text(json.dumps(snap.meta))
+        entries = {name: entry for part in hashed for name, entry in part.items()}
+        small_files = [name for name in _files_under(tmp) if not name.startswith(f"{TENSORS_DIR}/")]
+        entries.update(_manifest_entries(tmp, small_files))
+        faults.pause_in_checkpoint_write(step, tmp)
+        write_durably(tmp / MANIFEST_FILE,
+                       json.dumps({"format": FORMAT, "algorithm": "sha256", "files": dict(sorted(entries.items()))},
+                                  indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        prune(root, snap.keep_last, step, snap.protect, snap.damaged)
+    comm.barrier()
+    return CheckpointRef(step, final)
+
+
 def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], per_rank_state: dict[str, Any], keep_last: int,
                     config: dict[str, Any] | None = None, protect: tuple[int, ...] = (),
@@ -499,53 +651,97 @@ def save_checkpoint(checkpoint_dir: str | Path, step: int, model: nn.Module, opt
     `protect`: steps `prune` must keep (the checkpoint the run resumed from); `damaged`: steps known
     to fail their manifest, which `prune` deletes first.
     """
-    root = Path(checkpoint_dir)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{step_dir_name(step)}"
-    state = _tensor_state(model, optimizer)
-    if not _all_finite(state):
-        raise PoisonedStateError(f"refusing to save step {step}: the model or optimizer state holds NaN/inf")
-    ranks_state = all_gather_objects(per_rank_state)
-    world = len(ranks_state)
-    rank = rank_and_world()[0]
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt at this same step
-        (tmp / TENSORS_DIR).mkdir(parents=True)
-    barrier()
-    # save_distributed: every rank writes its own shards into its own file (none is gathered).
-    writer = HuggingFaceStorageWriter(str(tmp / TENSORS_DIR), save_distributed=True)
+    snap = _snapshot(checkpoint_dir, step, _tensor_state(model, optimizer), trainer_state, per_rank_state,
+                     keep_last, config, protect, damaged)
     with _quiet_single_process():
-        dcp.save(state, storage_writer=writer, no_dist=not distributed())
-    barrier()
-    # Each rank hashes its share of the tensor files; rank 0 writes the manifest.
-    tensor_files = [f"{TENSORS_DIR}/{name}" for name in _files_under(tmp / TENSORS_DIR)]
-    hashed = all_gather_objects(_manifest_entries(tmp, tensor_files[rank::world]))
-    if rank == 0:
-        tensors: dict[str, torch.Tensor] = {}
-        small = _to_json({**trainer_state, "step": step, "world_size": world, "ranks": ranks_state}, tensors, "trainer")
-        (tmp / TRAINER_FILE).write_text(json.dumps(small))
-        if tensors:
-            safetensors.torch.save_file(tensors, tmp / TRAINER_TENSORS_FILE)
-        if config is not None:
-            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        # The thread count orders some float sums: a bit-identical resume runs with the same one.
-        (tmp / META_FILE).write_text(json.dumps({"step": step, "world_size": world, "time": time.time(),
-                                                 "intra_op_threads": torch.get_num_threads()}))
-        entries = {name: entry for part in hashed for name, entry in part.items()}
-        small_files = [name for name in _files_under(tmp) if not name.startswith(f"{TENSORS_DIR}/")]
-        entries.update(_manifest_entries(tmp, small_files))
-        faults.pause_in_checkpoint_write(step, tmp)
-        write_durably(tmp / MANIFEST_FILE,
-                       json.dumps({"format": FORMAT, "algorithm": "sha256", "files": dict(sorted(entries.items()))},
-                                  indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        prune(root, keep_last, step, protect, damaged)
-    barrier()
-    return CheckpointRef(step, final)
+        return _write(snap, _Collectives())
+
+
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
+
+
+class _UnblockingSafetensorsWriter(HuggingFaceStorageWriter):
+    """DCP's safetensors writer (one file per rank, the same name, header and tensor bytes) whose write lets other
+    threads run.
+
+    DCP's writer has `safetensors.torch.save` build the whole file as one bytes object, which holds
+    the GIL for the whole copy (about 0.76 s per 240 MB measured alone): from a background thread,
+    that stops the training loop. Here the header is built as safetensors builds it and each
+    tensor is written from its own memory; a file write releases the GIL. Used by background saves;
+    the files are compared with DCP's own by tests/unit/test_checkpoint_async.py.
+    """
+
+    def write_data(self, plan, planner) -> Future:
+        if any(item.type == WriteItemType.BYTE_IO for item in plan.items):
+            raise TypeError("a checkpoint's DCP state holds tensors only")  # what _tensor_state builds
+        futures: Future = Future()
+        if not plan.items:
+            futures.set_result([])
+            return futures
+        file_name = _gen_file_name(1, 1, plan.storage_data.get("shard_index"))
+        tensors = [(item, planner.resolve_data(item).detach().contiguous()) for item in plan.items]
+        header: dict[str, Any] = {}
+        offset = 0
+        for item, tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            header[item.index.fqn] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                                      "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        sharding = {item.index.fqn: {"saved_offsets": list(item.tensor_data.chunk.offsets)} for item, _ in tensors}
+        header["__metadata__"] = {DCP_SHARDING_KEY: json.dumps(sharding), DCP_VERSION_KEY: str(HF_DCP_VERSION),
+                                  FORMAT_KEY: FORMAT_VALUE}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
+        results = []
+        with open(Path(self.path) / file_name, "wb") as stream:
+            stream.write(len(encoded).to_bytes(8, "little"))
+            stream.write(encoded)
+            for item, tensor in tensors:
+                nbytes = tensor.numel() * tensor.element_size()
+                results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
+                                           storage_data=_StorageInfo(file_name, stream.tell(), nbytes)))
+                stream.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            stream.flush()
+            os.fsync(stream.fileno())
+        futures.set_result(results)
+        return futures
+
+
+class _BackgroundSave:
+    """One save in flight: `_write` of a staged snapshot in a thread; `wait` returns its checkpoint or raises."""
+
+    def __init__(self, snap: _Snapshot, comm: _Collectives):
+        self.step = snap.step
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._result: CheckpointRef | None = None
+        self._error: BaseException | None = None
+        # A daemon thread: a process that dies or exits on an error does not wait for a write whose
+        # checkpoint was never renamed, and what it leaves is a `.tmp-*` directory, never read.
+        self._thread = threading.Thread(target=self._run, args=(snap, comm), daemon=True,
+                                        name=f"moetrain-checkpoint-{snap.step}")
+        self._thread.start()
+
+    def _run(self, snap: _Snapshot, comm: _Collectives) -> None:
+        try:
+            self._result = _write(snap, comm, _UnblockingSafetensorsWriter)
+        except BaseException as err:  # DCP's CheckpointException derives from BaseException
+            self._error = err
+        finally:
+            self.finished = time.monotonic()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def failed(self) -> BaseException | None:
+        return self._error if self.done() else None
+
+    def wait(self) -> CheckpointRef:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 def prune(checkpoint_dir: str | Path, keep_last: int, written: int, protect: tuple[int, ...] = (),
@@ -662,13 +858,21 @@ class CheckpointState(Protocol):
 class Checkpointer:
     """When a run saves and where it resumes: a run directory's `checkpoints/` under `CheckpointConfig`."""
 
-    def __init__(self, checkpoint_dir: Path, cfg: CheckpointConfig, last_step: int, run_dir_name: str):
+    def __init__(self, checkpoint_dir: Path, cfg: CheckpointConfig, last_step: int, run_dir_name: str,
+                 collective_timeout_s: float | None = None):
         self.dir = Path(checkpoint_dir)
         self.cfg = cfg
         self.last_step = last_step
         self.run_dir_name = run_dir_name
         self.resumed_from: int | None = None  # never pruned while this run saves
         self.damaged: tuple[int, ...] = ()  # newer than the resume point: each failed its manifest
+        # Asynchronous saves: the background group's timeout (a lost peer ends a background save
+        # as it ends a step), the save in flight, the stager whose host buffers later saves reuse.
+        self.collective_timeout_s = collective_timeout_s
+        self._in_flight: _BackgroundSave | None = None
+        self._failure_logged = False
+        self._stager: DefaultStager | None = None
+        self._group: _Collectives | None = None
 
     def resume_point(self, job: JobConfig | None = None) -> CheckpointRef | None:
         """The checkpoint to resume from (verified, and its config checked against `job`), or None.
@@ -703,19 +907,103 @@ class Checkpointer:
         return self.cfg.enabled and (step % self.cfg.every == 0 or step == self.last_step)
 
     def maybe_save(self, step: int, state: CheckpointState, force: bool = False) -> CheckpointRef | None:
-        """Save `state` as step `step` when one is due or `force`d (collective: every rank calls it)."""
+        """Save `state` as step `step` when one is due or `force`d (collective: every rank calls it).
+
+        With `checkpoint.async_save` it returns once the state is captured, with the reference the
+        checkpoint will have when complete (`wait` says when it is); a save still in flight is
+        waited for first, and its failure is raised here.
+        """
         faults.crash_after_step(step, rank_and_world()[0])
+        self._log_background_failure()
         if not (force or self.due(step)):
             return None
+        self.wait()
+        protect = () if self.resumed_from is None else (self.resumed_from,)
+        if not self.cfg.async_save:
+            try:
+                saved = save_checkpoint(self.dir, step, state.model, state.optimizer, state.trainer_state(),
+                                        state.per_rank_state(), self.cfg.keep_last, state.cfg.to_dict(),
+                                        protect=protect, damaged=self.damaged)
+            except PoisonedStateError as err:
+                raise TrainingDiverged(str(err)) from None
+            self.damaged = ()  # pruned, or (the step just written) replaced by an intact one
+            return saved
+        snap = _snapshot(self.dir, step, {}, state.trainer_state(), state.per_rank_state(), self.cfg.keep_last,
+                         state.cfg.to_dict(), protect, self.damaged)
+        snap.tensors = self._staged(_tensor_state(state.model, state.optimizer))
+        self._in_flight = _BackgroundSave(snap, self._background_group())
+        return CheckpointRef(step, self.dir / step_dir_name(step))
+
+    def wait(self) -> CheckpointRef | None:
+        """Block until the save in flight (if any) is complete and return it; its failure is raised here.
+
+        Collective in effect: every rank's background save takes part in the same collectives.
+        """
+        pending, self._in_flight = self._in_flight, None
+        self._failure_logged = False
+        if pending is None:
+            return None
         try:
-            saved = save_checkpoint(self.dir, step, state.model, state.optimizer, state.trainer_state(),
-                                    state.per_rank_state(), self.cfg.keep_last, state.cfg.to_dict(),
-                                    protect=() if self.resumed_from is None else (self.resumed_from,),
-                                    damaged=self.damaged)
+            saved = pending.wait()
         except PoisonedStateError as err:
             raise TrainingDiverged(str(err)) from None
-        self.damaged = ()  # pruned, or (the step just written) replaced by an intact one
+        self.damaged = ()
+        if rank_and_world()[0] == 0 and pending.finished is not None:
+            log.info("checkpoint saved: %s (written in the background in %.2f s)", saved.path,
+                     pending.finished - pending.started)
         return saved
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Wait for the save in flight and release the staging buffers; `raise_errors=False` only logs a failure.
+
+        The run calls it before it lets go of the run directory and the process group: a save in
+        flight completes (or fails) first. On a path that is already failing, the background
+        save's failure is logged and the run's own error stays the one raised.
+        """
+        try:
+            self.wait()
+        except BaseException as err:  # DCP's CheckpointException derives from BaseException
+            if raise_errors:
+                raise
+            log.error("the checkpoint being written in the background failed too: %s",
+                      str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _staged(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """A copy of `tensors` in host memory (DTensors stay DTensors), into buffers kept for the next save."""
+        if self._stager is None:
+            # Synchronous staging (the copy is what the loop pays for) into kept buffers, pinned where
+            # a GPU copies into them; shared memory is only for DCP's process-based checkpointer.
+            pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        staged = self._stager.stage(tensors)
+        assert isinstance(staged, dict)
+        return staged
+
+    def _background_group(self) -> _Collectives:
+        """The background save's own process group (gloo, created once, collectively, on first use)."""
+        if self._group is None:
+            group = None
+            if distributed() and dist.get_world_size() > 1:
+                timeout = None if self.collective_timeout_s is None else timedelta(seconds=self.collective_timeout_s)
+                group = dist.new_group(backend="gloo", timeout=timeout)
+            else:
+                _ignore_single_process_warning()
+            self._group = _Collectives(group)
+        return self._group
+
+    def _log_background_failure(self) -> None:
+        # Said at once; raised on every rank at the next save or the end of the run, where every rank waits.
+        error = None if self._in_flight is None else self._in_flight.failed()
+        if error is not None and not self._failure_logged and rank_and_world()[0] == 0:
+            self._failure_logged = True
+            log.error("the background checkpoint of step %d failed (raised at the next save or the run's end): %s",
+                      self._in_flight.step, str(error).strip().splitlines()[0] if str(error).strip() else
+                      type(error).__name__)
 
     def latest(self) -> CheckpointRef | None:
         return latest_complete(self.dir)

@@ -79,6 +79,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     owns_process_group = not distributed()
     completed = False
     lock: WriterLock | None = None
+    checkpointer: Checkpointer | None = None
     phase = _Phase()
     try:
         rank, world, device = init_distributed(cfg.parallel)
@@ -88,7 +89,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         lock = WriterLock(run_dir)
         lock.acquire()  # before the checkpoint check: a concurrent run could be writing one
         checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
-                                    cfg.logging.run_dir)
+                                    cfg.logging.run_dir, collective_timeout_s=cfg.parallel.collective_timeout_s)
         resume_from = checkpointer.resume_point(cfg)
         if resume_from is not None:
             _refuse_schedule_change(resume_from, cfg)
@@ -111,6 +112,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             lock.undo_start()
         raise
     finally:
+        if checkpointer is not None:  # a background save completes before the lock and the group go
+            checkpointer.close(raise_errors=False)
         if lock is not None:
             lock.release()
         # Also when the Trainer could not be built (e.g. a mesh that does not fit the world).
@@ -236,7 +239,8 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                 with no_space_left(run_dir.checkpoints, "checkpoint"):
                     saved = checkpointer.maybe_save(trainer.step, trainer)
                 if saved is not None:
-                    log.info("checkpoint saved: %s", saved.path)
+                    log.info("checkpoint %s: %s", "being written in the background" if cfg.checkpoint.async_save
+                             else "saved", saved.path)
                     last_save_at = time.monotonic()
                 if trainer.step < last_step:
                     phase.where = f"the stop check after step {trainer.step}"
@@ -245,6 +249,9 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                         return _stop_on_signal(trainer, checkpointer, metrics, stop, save and saved is None,
                                                time.perf_counter() - run_start)
         bar.close()
+        phase.where = "the checkpoint being written in the background"
+        with no_space_left(run_dir.checkpoints, "checkpoint"):
+            checkpointer.wait()  # the last step's save is complete before the run says it is done
         wall_s = time.perf_counter() - run_start
         if trainer.step < cfg.train.steps:
             log.info("stopped at step %d of %d (train.stop_at_step); resume with --checkpoint.resume True",
@@ -265,9 +272,10 @@ def _stop_on_signal(trainer: Trainer, checkpointer: Checkpointer, metrics: Metri
     """End the run after a signal: save when agreed (and enabled), write the record, say one line."""
     cfg, step = trainer.cfg, trainer.step
     saved = None
-    if save and cfg.checkpoint.enabled:
-        with no_space_left(checkpointer.dir, "checkpoint"):
+    with no_space_left(checkpointer.dir, "checkpoint"):
+        if save and cfg.checkpoint.enabled:
             saved = checkpointer.maybe_save(step, trainer, force=True)
+        checkpointer.wait()  # this save, or one still in the background, is complete before the run stops
     latest = checkpointer.latest()
     if saved is not None:
         outcome = f"checkpoint {saved.path.name} saved"
@@ -292,6 +300,9 @@ def _stop_on_signal(trainer: Trainer, checkpointer: Checkpointer, metrics: Metri
 def _handle_nonfinite(trainer: Trainer, result: StepResult, metrics: MetricsWriter,
                       checkpointer: Checkpointer, consecutive_skips: int) -> None:
     what = f"step {trainer.step}: loss {result.loss} / grad norm {result.grad_norm} is not finite"
+    if trainer.cfg.train.nan_policy == "stop" or consecutive_skips >= trainer.cfg.train.max_consecutive_skips:
+        with no_space_left(checkpointer.dir, "checkpoint"):
+            checkpointer.wait()  # a save still in the background completes first: the line names it
     latest = checkpointer.latest()
     where = f"newest complete checkpoint: step {latest.step}" if latest else "no checkpoint was written"
     if trainer.cfg.train.nan_policy == "stop":
