@@ -10,6 +10,9 @@ The MoE layer (moe.py) decides *which* tokens go to which experts (routing.py); 
 - ``memory_efficient``: the SonicMoE-style autograd Function in `moe_function.py`, which saves
   only X, the pre-activation H, scores and indices.
 
+Whatever the impl, inference on CPU with few assignments (generation's decode steps, `FEW_ASSIGNMENTS`)
+runs only the experts that received tokens, one at a time (`_experts_few`).
+
 Optional expert biases (GPT-OSS): b1 [E, width of W1] is added to x_t W1_e and b2 [E, d] to the
 expert's output, before the score weighting: out[t] = sum scores[a] * (phi(x_t W1_e + b1_e) W2_e + b2_e).
 
@@ -42,6 +45,11 @@ from moetrain.model.moe_function import expert_of_rows, memory_efficient_experts
 from moetrain.model.routing import Routing
 
 IMPLS: tuple[str, ...] = ("loop", "grouped", "memory_efficient")
+
+# Inference on CPU with at most this many routed assignments (generation's one-token decode steps:
+# batch x top_k) skips the grouped layout: setting it up over all E experts (a split and an unbind
+# of every expert, the custom op's dispatch) costs several times the few GEMV-sized products.
+FEW_ASSIGNMENTS = 64
 
 
 def check_expert_shapes(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation,
@@ -112,6 +120,25 @@ def _experts_grouped(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Ten
     return _scatter_to_tokens(weighted_AD, routing.token_index, x_TD.shape[0])
 
 
+def _experts_few(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: Activation,
+                 b1_EN: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
+    """Inference only (no autograd): the experts that received assignments, one at a time, the rest skipped."""
+    acc_dtype = torch.float32 if x_TD.dtype in (torch.bfloat16, torch.float16) else x_TD.dtype
+    out_TD = torch.zeros(x_TD.shape, dtype=acc_dtype, device=x_TD.device)
+    first = 0
+    for expert, size in enumerate(routing.counts.tolist()):
+        if not size:
+            continue
+        tokens, scores = routing.token_index[first:first + size], routing.scores[first:first + size]
+        first += size
+        hidden = x_TD.index_select(0, tokens) @ w1_EDN[expert]
+        expert_out = activation_forward(hidden if b1_EN is None else hidden + b1_EN[expert], activation) @ w2_EFD[expert]
+        if b2_ED is not None:
+            expert_out = expert_out + b2_ED[expert]
+        out_TD.index_add_(0, tokens, expert_out.to(acc_dtype) * scores.to(acc_dtype).unsqueeze(1))
+    return out_TD.to(x_TD.dtype)
+
+
 def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation = "swiglu",
                    impl: str = "memory_efficient", backend: Backend | None = None, b1: Tensor | None = None,
                    b2: Tensor | None = None) -> Tensor:
@@ -130,6 +157,9 @@ def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activati
     # cast differentiably here, so every implementation sees one dtype.
     w1_EDN, w2_EFD = w1.to(x.dtype), w2.to(x.dtype)
     b1_EN, b2_ED = (None if b is None else b.to(x.dtype) for b in (b1, b2))
+    if (backend is None and x.device.type == "cpu" and routing.n_assignments <= FEW_ASSIGNMENTS
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+        return _experts_few(x, routing, w1_EDN, w2_EFD, activation, b1_EN, b2_ED)
     chosen = grouped_mm_backend(x.device, x.dtype, impl) if backend is None else backend
     if impl == "loop":
         return _experts_loop(x, routing, w1_EDN, w2_EFD, activation, b1_EN, b2_ED)

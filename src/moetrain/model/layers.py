@@ -188,7 +188,12 @@ class Attention(nn.Module):
         """`cache` (generation): store this forward's k/v and attend over every cached token instead of `plan`."""
         batch, seq, _ = x.shape
         q, k, v = self._project(x)
-        cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
+        def cos_sin() -> tuple[Tensor, Tensor]:
+            return rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
+
+        # Generation computes them once per forward for all layers of equal RoPE settings.
+        cos, sin = cos_sin() if cache is None else cache.per_forward(
+            ("rope", self.rotary_dim, self.rope_theta, id(self.rope_cfg)), cos_sin)
         q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
         with record_function("attention"):  # a label in profiler traces
             if cache is None:
