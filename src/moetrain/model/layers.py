@@ -112,6 +112,18 @@ def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "inter
     return torch.cat((apply_rope(x[..., :rotary], cos, sin, layout), x[..., rotary:]), dim=-1)
 
 
+def rope_rotation(positions: Tensor, head_dim: int, rotary_dim: int, theta: float, cfg: ModelConfig | None = None,
+                  layout: str = "interleaved", dtype: torch.dtype = torch.float32) -> Tensor:
+    """RoPE at `positions` [B, S] as matrices [B, S, head_dim, head_dim] in `dtype`: x @ R = apply_partial_rope(x).
+
+    RoPE is linear in each head's channels, so its matrix is the rotation of the identity's rows.
+    Generation's one-token steps use it: one matmul per q and k instead of a dozen elementwise ops.
+    """
+    cos, sin = rope_cos_sin(positions, rotary_dim, theta, cfg)
+    identity = torch.eye(head_dim, dtype=dtype, device=positions.device)
+    return apply_partial_rope(identity.expand(*positions.shape, head_dim, head_dim), cos, sin, layout)
+
+
 def rope_permutation(head_dim: int) -> Tensor:
     """Channel order taking a "half"-layout head to the "interleaved" layout: interleaved = half[perm].
 
@@ -188,13 +200,16 @@ class Attention(nn.Module):
         """`cache` (generation): store this forward's k/v and attend over every cached token instead of `plan`."""
         batch, seq, _ = x.shape
         q, k, v = self._project(x)
-        def cos_sin() -> tuple[Tensor, Tensor]:
-            return rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
-
-        # Generation computes them once per forward for all layers of equal RoPE settings.
-        cos, sin = cos_sin() if cache is None else cache.per_forward(
-            ("rope", self.rotary_dim, self.rope_theta, id(self.rope_cfg)), cos_sin)
-        q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
+        if cache is None or seq > 1:
+            cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
+            q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
+        else:  # a decode step: RoPE as one matrix, made once per step for all layers of equal RoPE settings
+            dtype = torch.promote_types(q.dtype, torch.float32)  # as apply_rope computes
+            rotation = cache.per_forward(
+                ("rope", self.head_dim, self.rotary_dim, self.rope_theta, self.rope_layout, id(self.rope_cfg), dtype),
+                lambda: rope_rotation(positions, self.head_dim, self.rotary_dim, self.rope_theta, self.rope_cfg,
+                                      self.rope_layout, dtype))
+            q, k = ((t.to(rotation.dtype) @ rotation).type_as(t) for t in (q, k))
         with record_function("attention"):  # a label in profiler traces
             if cache is None:
                 out = attend(q, k, v, plan, self.sinks, self.window)
