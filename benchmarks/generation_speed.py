@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -90,36 +91,46 @@ def main() -> None:
     prompts = [prompt + [tokenizer.encode(str(i)).tolist()[0]] * i for i in range(args.batch)]  # unequal lengths
     paths = {"A": dict(use_cache=False), "B": dict(use_cache=True)}
     times: dict[str, list[float]] = {"A": [], "B": []}
+    cpu_times: dict[str, list[float]] = {"A": [], "B": []}
     outputs: dict[str, list] = {}
+    load_before = os.getloadavg()
     for round_ in range(args.rounds):
         for label in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             out = generate_tokens(model, prompts, args.tokens, eos_id=None, device=args.device,
                                   max_context=cfg.data.seq_len, **paths[label])
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             times[label].append(time.perf_counter() - start)
+            cpu_times[label].append(time.process_time() - cpu_start)
             outputs.setdefault(label, out)
-            print(f"{label} ({'cache' if label == 'B' else 'recompute'}) {times[label][-1]:.2f} s", flush=True)
+            print(f"{label} ({'cache' if label == 'B' else 'recompute'}) {times[label][-1]:.2f} s wall, "
+                  f"{cpu_times[label][-1]:.2f} s CPU", flush=True)
     identical = outputs["A"] == outputs["B"]
     medians = {label: statistics.median(values) for label, values in times.items()}
+    cpu_medians = {label: statistics.median(values) for label, values in cpu_times.items()}
     result = {
         "config": str(Path(args.config).relative_to(HERE)) if Path(args.config).is_relative_to(HERE) else args.config,
         "new_tokens": args.tokens, "batch": args.batch, "rounds": args.rounds, "threads": args.threads,
         "device": args.device, "order": "A B B A ... (A = recompute, B = KV cache)",
         "seconds": times, "median_s": medians, "speedup": medians["A"] / medians["B"],
+        # CPU seconds of this process: what each path computed, less sensitive than wall time to
+        # the time other jobs take the core away (not to their pressure on the shared caches).
+        "cpu_seconds": cpu_times, "cpu_median_s": cpu_medians, "cpu_speedup": cpu_medians["A"] / cpu_medians["B"],
         "tokens_identical": identical, "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
         "note": "shared machine (other jobs running); timings are indicative",
     }
     if args.min_of:
         result["per_forward_minimum"] = per_forward_minimum(model, prompt, args.tokens, args.min_of, args.device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"speed-up {result['speedup']:.1f}x (median recompute {medians['A']:.2f} s / cache {medians['B']:.2f} s), "
-          f"tokens identical: {identical}")
+    print(f"speed-up {result['speedup']:.1f}x wall (median recompute {medians['A']:.2f} s / cache "
+          f"{medians['B']:.2f} s), {result['cpu_speedup']:.1f}x CPU time, tokens identical: {identical}; "
+          f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if args.min_of:
         print(f"min-of-{args.min_of} single forwards: estimated speed-up "
               f"{result['per_forward_minimum']['estimated_speedup']:.1f}x")

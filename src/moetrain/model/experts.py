@@ -125,17 +125,24 @@ def _experts_few(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor,
     """Inference only (no autograd): the experts that received assignments, one at a time, the rest skipped."""
     acc_dtype = torch.float32 if x_TD.dtype in (torch.bfloat16, torch.float16) else x_TD.dtype
     out_TD = torch.zeros(x_TD.shape, dtype=acc_dtype, device=x_TD.device)
+    one_token = x_TD.shape[0] == 1  # a batch-1 decode step: every assignment is token 0's, no gather or scatter
     first = 0
     for expert, size in enumerate(routing.counts.tolist()):
         if not size:
             continue
         tokens, scores = routing.token_index[first:first + size], routing.scores[first:first + size]
         first += size
-        hidden = x_TD.index_select(0, tokens) @ w1_EDN[expert]
-        expert_out = activation_forward(hidden if b1_EN is None else hidden + b1_EN[expert], activation) @ w2_EFD[expert]
+        hidden = (x_TD if one_token else x_TD.index_select(0, tokens)) @ w1_EDN[expert]
+        if b1_EN is not None:
+            hidden = hidden + b1_EN[expert]
+        expert_out = activation_forward(hidden, activation) @ w2_EFD[expert]
         if b2_ED is not None:
             expert_out = expert_out + b2_ED[expert]
-        out_TD.index_add_(0, tokens, expert_out.to(acc_dtype) * scores.to(acc_dtype).unsqueeze(1))
+        weighted = expert_out.to(acc_dtype) * scores.to(acc_dtype).unsqueeze(1)
+        if one_token:
+            out_TD += weighted
+        else:
+            out_TD.index_add_(0, tokens, weighted)
     return out_TD.to(x_TD.dtype)
 
 

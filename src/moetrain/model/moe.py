@@ -35,12 +35,11 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.profiler import record_function
 
 from moetrain.config import MoEConfig
 from moetrain.model.experts import routed_experts
 from moetrain.model.grouped_mm import Activation, ClampedSwiGLU
-from moetrain.model.layers import FeedForward
+from moetrain.model.layers import FeedForward, profiler_label
 from moetrain.model.routing import (
     balance_fractions,
     global_balance_share,
@@ -135,13 +134,13 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x_TD = x.reshape(-1, self.dim)
-        with record_function("router"):  # labels in profiler traces
+        with profiler_label("router"):  # labels in profiler traces
             logits_TE = self.router(x_TD)
             probs_TE, topk_idx_TK, gates_TK = self.route(logits_TE)
             routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
             if self.cfg.token_rounding_tile > 1:
                 routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
-        with record_function("experts"):
+        with profiler_label("experts"):
             out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.activation,
                                          self.cfg.impl, **self.experts.biases())
         if self.shared_expert is not None:
