@@ -18,7 +18,7 @@ A decode step is cheap by construction: the buffers are allocated once at full c
 in place, head-major ([B, H_kv, capacity, D], so attention reads each head's keys contiguously); a
 one-token step builds no causal mask (its query sees every earlier real slot: no mask at all
 without padding, a slice of the per-row real-slot mask made once per batch with it); and
-`per_forward` lets every layer share what depends only on the step (RoPE's cos/sin of its positions).
+`per_forward` lets every layer share what depends only on the step (RoPE's rotation matrices).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class KVCache:
         self.mask: Tensor | None = None  # [B, 1, S_new, length] bool for the current forward; None: every key
         self._set_rows()
         self._per_forward: dict = {}
+        self._per_cache: dict = {}
 
     def _set_rows(self) -> None:
         # Read once per batch (not per step): whether any row is padded, and each row's real slots.
@@ -96,11 +97,18 @@ class KVCache:
         return (query_slot - self.pad_B.unsqueeze(1)).clamp(min=0)
 
     def per_forward(self, key, compute: Callable[[], object]):
-        """`compute()` once per forward for every layer asking with an equal `key` (e.g. RoPE's cos/sin
-        of this forward's positions, the same in every layer of a model)."""
+        """`compute()` once per forward for every layer asking with an equal `key` (e.g. RoPE's rotation
+        at this forward's positions, the same in every layer of a model)."""
         if key not in self._per_forward:
             self._per_forward[key] = compute()
         return self._per_forward[key]
+
+    def per_cache(self, key, compute: Callable[[], object]):
+        """`compute()` once for this cache's whole life (one generation: the model does not change),
+        for what depends on neither the rows nor the step (e.g. RoPE's rotations at every slot)."""
+        if key not in self._per_cache:
+            self._per_cache[key] = compute()
+        return self._per_cache[key]
 
     def layer(self, layer_id: int) -> LayerCache:
         return LayerCache(self, layer_id)
@@ -114,9 +122,10 @@ class KVCache:
         if k.shape[1] != self.length - self.start:
             raise ModelError(f"layer {layer_id} wrote {k.shape[1]} tokens into a forward of "
                              f"{self.length - self.start} (call KVCache.advance once per forward)")
-        keys[:, :, self.start:self.length] = k.transpose(1, 2)
-        values[:, :, self.start:self.length] = v.transpose(1, 2)
-        return keys[:, :, :self.length], values[:, :, :self.length]
+        new_tokens = self.length - self.start
+        keys.narrow(2, self.start, new_tokens).copy_(k.transpose(1, 2))
+        values.narrow(2, self.start, new_tokens).copy_(v.transpose(1, 2))
+        return keys.narrow(2, 0, self.length), values.narrow(2, 0, self.length)
 
     def keep_rows(self, rows: Tensor) -> None:
         """Drop every row not in `rows` (indices), e.g. the finished ones, so later steps skip them."""
@@ -133,9 +142,17 @@ class LayerCache:
     def __init__(self, cache: KVCache, layer_id: int):
         self.cache, self.layer_id = cache, layer_id
 
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
     def per_forward(self, key, compute: Callable[[], object]):
         """`KVCache.per_forward`: computed once per forward, shared with the other layers."""
         return self.cache.per_forward(key, compute)
+
+    def per_cache(self, key, compute: Callable[[], object]):
+        """`KVCache.per_cache`: computed once per generation, shared with the other layers."""
+        return self.cache.per_cache(key, compute)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
                sinks: Tensor | None = None) -> Tensor:

@@ -136,6 +136,24 @@ def rope_rotation(positions: Tensor, head_dim: int, rotary_dim: int, theta: floa
     return apply_partial_rope(identity.expand(*positions.shape, head_dim, head_dim), cos, sin, layout)
 
 
+# A decode step takes its RoPE matrices from a table over every slot of the KV cache, made once per
+# generation, while the table stays under this many elements (16 MiB in float32); else it makes the
+# matrices of the step's positions once per step.
+ROPE_TABLE_ELEMENTS = 1 << 22
+
+
+def decode_rope_rotation(cache: LayerCache, positions: Tensor, head_dim: int, rotary_dim: int, theta: float,
+                         cfg: ModelConfig | None, layout: str, dtype: torch.dtype) -> Tensor:
+    """`rope_rotation` at a decode step's `positions` [B, 1], shared by every layer of equal RoPE settings."""
+    key = ("rope", head_dim, rotary_dim, theta, layout, id(cfg), dtype)
+    if cache.capacity * head_dim ** 2 > ROPE_TABLE_ELEMENTS:
+        return cache.per_forward(key, lambda: rope_rotation(positions, head_dim, rotary_dim, theta, cfg, layout,
+                                                            dtype))
+    slots = torch.arange(cache.capacity, device=positions.device).unsqueeze(0)
+    table = cache.per_cache(key, lambda: rope_rotation(slots, head_dim, rotary_dim, theta, cfg, layout, dtype)[0])
+    return cache.per_forward(key, lambda: table[positions])
+
+
 def rope_permutation(head_dim: int) -> Tensor:
     """Channel order taking a "half"-layout head to the "interleaved" layout: interleaved = half[perm].
 
@@ -215,13 +233,13 @@ class Attention(nn.Module):
         if cache is None or seq > 1:
             cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
             q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
-        else:  # a decode step: RoPE as one matrix, made once per step for all layers of equal RoPE settings
-            dtype = torch.promote_types(q.dtype, torch.float32)  # as apply_rope computes
-            rotation = cache.per_forward(
-                ("rope", self.head_dim, self.rotary_dim, self.rope_theta, self.rope_layout, id(self.rope_cfg), dtype),
-                lambda: rope_rotation(positions, self.head_dim, self.rotary_dim, self.rope_theta, self.rope_cfg,
-                                      self.rope_layout, dtype))
-            q, k = ((t.to(rotation.dtype) @ rotation).type_as(t) for t in (q, k))
+        else:  # a decode step: RoPE as one matrix per row (one bmm for q, one for k)
+            rotation = decode_rope_rotation(cache, positions, self.head_dim, self.rotary_dim, self.rope_theta,
+                                            self.rope_cfg, self.rope_layout,
+                                            torch.promote_types(q.dtype, torch.float32))  # as apply_rope computes
+            rotation_BDD = rotation.view(batch, self.head_dim, self.head_dim)
+            q, k = (torch.bmm(t.reshape(batch, -1, self.head_dim).to(rotation.dtype), rotation_BDD).view(t.shape)
+                    .type_as(t) for t in (q, k))
         with profiler_label("attention"):  # a label in profiler traces
             if cache is None:
                 out = attend(q, k, v, plan, self.sinks, self.window)
