@@ -49,7 +49,7 @@ IMPLS: tuple[str, ...] = ("loop", "grouped", "memory_efficient")
 # Inference on CPU with at most this many routed assignments (generation's one-token decode steps:
 # batch x top_k) skips the grouped layout: setting it up over all E experts (a split and an unbind
 # of every expert, the custom op's dispatch) costs several times the few GEMV-sized products.
-FEW_ASSIGNMENTS = 64
+FEW_ASSIGNMENTS = 16
 
 
 def check_expert_shapes(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation,
@@ -125,24 +125,27 @@ def _experts_few(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor,
     """Inference only (no autograd): the experts that received assignments, one at a time, the rest skipped."""
     acc_dtype = torch.float32 if x_TD.dtype in (torch.bfloat16, torch.float16) else x_TD.dtype
     out_TD = torch.zeros(x_TD.shape, dtype=acc_dtype, device=x_TD.device)
+    scores_A1 = routing.scores.to(acc_dtype).unsqueeze(1)
     one_token = x_TD.shape[0] == 1  # a batch-1 decode step: every assignment is token 0's, no gather or scatter
     first = 0
     for expert, size in enumerate(routing.counts.tolist()):
         if not size:
             continue
-        tokens, scores = routing.token_index[first:first + size], routing.scores[first:first + size]
+        rows = slice(first, first + size)
         first += size
+        tokens = None if one_token else routing.token_index[rows]
         hidden = (x_TD if one_token else x_TD.index_select(0, tokens)) @ w1_EDN[expert]
         if b1_EN is not None:
             hidden = hidden + b1_EN[expert]
         expert_out = activation_forward(hidden, activation) @ w2_EFD[expert]
         if b2_ED is not None:
             expert_out = expert_out + b2_ED[expert]
-        weighted = expert_out.to(acc_dtype) * scores.to(acc_dtype).unsqueeze(1)
+        if expert_out.dtype != acc_dtype:
+            expert_out = expert_out.to(acc_dtype)
         if one_token:
-            out_TD += weighted
+            out_TD.addcmul_(expert_out, scores_A1[rows])
         else:
-            out_TD.index_add_(0, tokens, weighted)
+            out_TD.index_add_(0, tokens, expert_out * scores_A1[rows])
     return out_TD.to(x_TD.dtype)
 
 
