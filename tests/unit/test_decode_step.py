@@ -1,22 +1,24 @@
 """The one-token decode step's own paths: few-assignment experts, RoPE as a matrix, the cache's decode mask.
 
-Generation's decode steps take paths no training forward takes: routed experts with few assignments
-run without the grouped layout (`experts._experts_few`), RoPE is applied as one matrix per row from
+Generation's decode steps take paths no training forward takes: an MoE layer with few tokens runs
+its experts straight from the top-k choice (`experts.few_token_experts`), RoPE is applied as one matrix per row from
 a table over the cache's slots or made per step (`layers.decode_rope_rotation`), and a one-token
 step builds no causal mask. Each is checked against an independent reference: the per-expert loop
-under autograd, `apply_partial_rope` itself, and the model's full forward of each row alone.
+and the MoE layer's normal (grouped) forward, `apply_partial_rope` itself, and the model's full
+forward of each row alone.
 """
 
 import pytest
 import torch
 
-import moetrain.model.experts as experts_module
 import moetrain.model.layers as layers_module
+import moetrain.model.moe as moe_module
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.experts import FEW_ASSIGNMENTS, routed_experts
+from moetrain.model.experts import FEW_ASSIGNMENTS, few_token_experts, routed_experts
 from moetrain.model.grouped_mm import ClampedSwiGLU
 from moetrain.model.kv_cache import KVCache
 from moetrain.model.layers import apply_partial_rope, rope_cos_sin, rope_rotation
+from moetrain.model.moe import MoE
 from moetrain.model.routing import routing_from_topk
 from moetrain.train.build import build_model
 
@@ -32,39 +34,78 @@ def expert_problem(tokens, activation, biases, n_experts=6, dim=10, inner=4, top
     b1 = torch.randn(n_experts, width, generator=gen, dtype=torch.float64) if biases else None
     b2 = torch.randn(n_experts, dim, generator=gen, dtype=torch.float64) if biases else None
     scores, idx = torch.randn(tokens, n_experts, generator=gen, dtype=torch.float64).softmax(-1).topk(top_k)
-    return x, routing_from_topk(idx, scores, n_experts), w1, w2, b1, b2
+    return x, idx, scores, w1, w2, b1, b2
 
 
 @pytest.mark.parametrize("tokens", [1, 3, FEW_ASSIGNMENTS // 2])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", CLAMPED], ids=["swiglu", "gelu", "clamped"])
 @pytest.mark.parametrize("biases", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("impl", ["memory_efficient", "grouped", "loop"])
-def test_few_assignments_without_autograd_equal_the_per_expert_loop(tokens, activation, biases, impl, monkeypatch):
-    x, routing, w1, w2, b1, b2 = expert_problem(tokens, activation, biases)
-    with torch.enable_grad():  # the reference: the plain per-expert loop under autograd (not the few path)
-        want = routed_experts(x, routing, w1.requires_grad_(), w2, activation, "loop", b1=b1, b2=b2).detach()
-    w1.requires_grad_(False)
-    calls = []
-    real_few = experts_module._experts_few
-    monkeypatch.setattr(experts_module, "_experts_few", lambda *a, **k: calls.append(1) or real_few(*a, **k))
-    with torch.no_grad():
-        got = routed_experts(x, routing, w1, w2, activation, impl, b1=b1, b2=b2)
-    assert calls == [1]  # the few path ran
+def test_few_token_experts_equal_the_per_expert_loop(tokens, activation, biases):
+    x, idx, scores, w1, w2, b1, b2 = expert_problem(tokens, activation, biases)
+    want = routed_experts(x, routing_from_topk(idx, scores, w1.shape[0]), w1, w2, activation, "loop", b1=b1, b2=b2)
+    got = few_token_experts(x, idx, scores, w1, w2, activation, b1, b2)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
-def test_the_few_path_is_only_for_inference_with_few_assignments(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the few-assignment path ran")
+MOE_VARIANTS = {
+    "qwen3-like": dict(),
+    "deepseek-like": dict(score_func="sigmoid", load_balance="aux_free", n_group=2, topk_group=1, n_experts=8,
+                          routed_scaling_factor=2.5, n_shared_experts=1, z_loss_coef=1e-3),
+    "gpt-oss-like": dict(router_bias=True, expert_proj_bias=True, activation="clamped_swiglu", swiglu_limit=0.5,
+                         renormalize=False),
+    "qwen2-like": dict(n_shared_experts=1, shared_expert_hidden=24, shared_expert_gate=True,
+                       aux_loss_scope="microbatch", impl="grouped"),
+}
 
-    monkeypatch.setattr(experts_module, "_experts_few", refuse)
-    x, routing, w1, w2, _, _ = expert_problem(FEW_ASSIGNMENTS // 2 + 1, "swiglu", False)  # 2 x that > FEW
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_a_moe_decode_step_equals_its_normal_forward(variant, tokens, monkeypatch):
+    """Outputs, expert counts, balance loss and z-loss: the few-token path against the grouped one."""
+    cfg = MoEConfig(**{"n_experts": 6, "top_k": 2, "expert_hidden": 12, **MOE_VARIANTS[variant]})
+    moe = MoE(16, cfg).double()
+    gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        routed_experts(x, routing, w1, w2, "swiglu", "memory_efficient")
-    x, routing, w1, w2, _, _ = expert_problem(1, "swiglu", False)
-    routed_experts(x, routing, w1.requires_grad_(), w2, "swiglu", "memory_efficient")  # autograd: grouped path
-    with torch.no_grad():  # an explicit backend is a request for that path
-        routed_experts(x, routing, w1, w2, "swiglu", "memory_efficient", backend="segment_loop")
+        for param in moe.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.3)
+        moe.expert_bias.copy_(torch.randn(cfg.n_experts, generator=gen) * 0.1)
+    moe.eval()
+    x = torch.randn(1, tokens, 16, generator=gen, dtype=torch.float64)
+    with torch.enable_grad():
+        want = moe(x).detach()  # autograd on: the normal path
+    want_counts, want_aux, want_z = moe.tokens_per_expert, moe.aux_loss, moe.router_z
+    calls = []
+    monkeypatch.setattr(moe_module, "few_token_experts", lambda *a, **k: calls.append(1) or few_token_experts(*a, **k))
+    with torch.no_grad():
+        got = moe(x)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert torch.equal(moe.tokens_per_expert, want_counts) and int(want_counts.sum()) == 2 * tokens
+    torch.testing.assert_close(moe.aux_loss, want_aux.detach(), atol=1e-12, rtol=0)
+    assert (moe.router_z is None) == (want_z is None)
+    if want_z is not None:
+        torch.testing.assert_close(moe.router_z, want_z.detach(), atol=1e-12, rtol=0)
+
+
+def test_the_few_token_path_is_only_for_inference_on_few_local_tokens(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the few-token path ran")
+
+    monkeypatch.setattr(moe_module, "few_token_experts", refuse)
+    moe = MoE(8, MoEConfig(n_experts=4, top_k=2, expert_hidden=6))
+    for param in moe.parameters():
+        torch.nn.init.normal_(param.data)
+    x = torch.randn(1, 1, 8)
+    moe(x)  # autograd on
+    with torch.no_grad():
+        moe.train()
+        moe(x)  # training mode (e.g. the routing pass counting a step's experts)
+        moe.eval()
+        moe(torch.randn(1, FEW_ASSIGNMENTS // 2 + 1, 8))  # too many tokens
+        calls = []
+        moe.expert_compute = lambda *a, **k: calls.append(1) or routed_experts(*a, **k)  # e.g. expert parallelism
+        moe(x)
+        assert calls == [1]
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "half"])

@@ -11,7 +11,7 @@ The MoE layer (moe.py) decides *which* tokens go to which experts (routing.py); 
   only X, the pre-activation H, scores and indices.
 
 Whatever the impl, inference on CPU with few assignments (generation's decode steps, `FEW_ASSIGNMENTS`)
-runs only the experts that received tokens, one at a time (`_experts_few`).
+runs each token's chosen experts one at a time straight from the top-k choice (`few_token_experts`).
 
 Optional expert biases (GPT-OSS): b1 [E, width of W1] is added to x_t W1_e and b2 [E, d] to the
 expert's output, before the score weighting: out[t] = sum scores[a] * (phi(x_t W1_e + b1_e) W2_e + b2_e).
@@ -47,8 +47,9 @@ from moetrain.model.routing import Routing
 IMPLS: tuple[str, ...] = ("loop", "grouped", "memory_efficient")
 
 # Inference on CPU with at most this many routed assignments (generation's one-token decode steps:
-# batch x top_k) skips the grouped layout: setting it up over all E experts (a split and an unbind
-# of every expert, the custom op's dispatch) costs several times the few GEMV-sized products.
+# batch x top_k) skips the grouped layout (`few_token_experts`, chosen by the MoE layer): sorting the
+# choice by expert and setting up the grouped GEMMs over all E experts (a split and an unbind of every
+# expert, the custom op's dispatch) costs several times the few GEMV-sized products.
 FEW_ASSIGNMENTS = 16
 
 
@@ -120,32 +121,28 @@ def _experts_grouped(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Ten
     return _scatter_to_tokens(weighted_AD, routing.token_index, x_TD.shape[0])
 
 
-def _experts_few(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: Activation,
-                 b1_EN: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
-    """Inference only (no autograd): the experts that received assignments, one at a time, the rest skipped."""
+def few_token_experts(x_TD: Tensor, topk_idx_TK: Tensor, gates_TK: Tensor, w1_EDN: Tensor, w2_EFD: Tensor,
+                      activation: Activation, b1: Tensor | None = None, b2: Tensor | None = None) -> Tensor:
+    """Inference on few tokens (no autograd): out[t] = sum_k gates[t, k] * expert_{idx[t, k]}(x_t), token by token.
+
+    The MoE layer's path for generation's decode steps (`FEW_ASSIGNMENTS`): straight from the top-k
+    choice, no grouping by expert; the same function as `routed_experts` of the top-k's `Routing`.
+    """
     acc_dtype = torch.float32 if x_TD.dtype in (torch.bfloat16, torch.float16) else x_TD.dtype
+    w1_EDN, w2_EFD = w1_EDN.to(x_TD.dtype), w2_EFD.to(x_TD.dtype)
+    b1_EN, b2_ED = (None if b is None else b.to(x_TD.dtype) for b in (b1, b2))
+    gates_TK = gates_TK.to(acc_dtype)
     out_TD = torch.zeros(x_TD.shape, dtype=acc_dtype, device=x_TD.device)
-    scores_A1 = routing.scores.to(acc_dtype).unsqueeze(1)
-    one_token = x_TD.shape[0] == 1  # a batch-1 decode step: every assignment is token 0's, no gather or scatter
-    first = 0
-    for expert, size in enumerate(routing.counts.tolist()):
-        if not size:
-            continue
-        rows = slice(first, first + size)
-        first += size
-        tokens = None if one_token else routing.token_index[rows]
-        hidden = (x_TD if one_token else x_TD.index_select(0, tokens)) @ w1_EDN[expert]
-        if b1_EN is not None:
-            hidden = hidden + b1_EN[expert]
-        expert_out = activation_forward(hidden, activation) @ w2_EFD[expert]
-        if b2_ED is not None:
-            expert_out = expert_out + b2_ED[expert]
-        if expert_out.dtype != acc_dtype:
-            expert_out = expert_out.to(acc_dtype)
-        if one_token:
-            out_TD.addcmul_(expert_out, scores_A1[rows])
-        else:
-            out_TD.index_add_(0, tokens, expert_out * scores_A1[rows])
+    for token, experts in enumerate(topk_idx_TK.tolist()):
+        x_1D = x_TD[token:token + 1]
+        for slot, expert in enumerate(experts):
+            hidden = x_1D @ w1_EDN[expert]
+            if b1_EN is not None:
+                hidden = hidden + b1_EN[expert]
+            expert_out = activation_forward(hidden, activation) @ w2_EFD[expert]
+            if b2_ED is not None:
+                expert_out = expert_out + b2_ED[expert]
+            out_TD[token:token + 1].addcmul_(expert_out.to(acc_dtype), gates_TK[token:token + 1, slot:slot + 1])
     return out_TD.to(x_TD.dtype)
 
 
@@ -167,9 +164,6 @@ def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activati
     # cast differentiably here, so every implementation sees one dtype.
     w1_EDN, w2_EFD = w1.to(x.dtype), w2.to(x.dtype)
     b1_EN, b2_ED = (None if b is None else b.to(x.dtype) for b in (b1, b2))
-    if (backend is None and x.device.type == "cpu" and routing.n_assignments <= FEW_ASSIGNMENTS
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
-        return _experts_few(x, routing, w1_EDN, w2_EFD, activation, b1_EN, b2_ED)
     chosen = grouped_mm_backend(x.device, x.dtype, impl) if backend is None else backend
     if impl == "loop":
         return _experts_loop(x, routing, w1_EDN, w2_EFD, activation, b1_EN, b2_ED)
