@@ -70,10 +70,12 @@ def _gen_settings(kwargs: dict[str, Any], default_max: int) -> tuple[list[str], 
     kwargs = dict(kwargs)
     until = kwargs.pop("until", None) or []
     until = [until] if isinstance(until, str) else list(until)
-    do_sample = bool(kwargs.pop("do_sample", False))
+    do_sample = kwargs.pop("do_sample", None)
     temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+    # As the hf backend hands them to `generate`: do_sample=False is greedy whatever the temperature;
+    # otherwise a positive temperature samples (and temperature 0 is greedy).
     settings = {"max_new_tokens": int(kwargs.pop("max_gen_toks", default_max)),
-                "temperature": temperature if do_sample or temperature > 0 else 0.0,
+                "temperature": 0.0 if do_sample is False else temperature,
                 "top_p": float(kwargs.pop("top_p", 1.0) or 1.0), "top_k": int(kwargs.pop("top_k", 0) or 0)}
     return until, settings
 

@@ -10,6 +10,9 @@ The MoE layer (moe.py) decides *which* tokens go to which experts (routing.py); 
 - ``memory_efficient``: the SonicMoE-style autograd Function in `moe_function.py`, which saves
   only X, the pre-activation H, scores and indices.
 
+Whatever the impl, inference on CPU with few assignments (generation's decode steps, `FEW_ASSIGNMENTS`)
+runs each token's chosen experts one at a time straight from the top-k choice (`few_token_experts`).
+
 Optional expert biases (GPT-OSS): b1 [E, width of W1] is added to x_t W1_e and b2 [E, d] to the
 expert's output, before the score weighting: out[t] = sum scores[a] * (phi(x_t W1_e + b1_e) W2_e + b2_e).
 
@@ -42,6 +45,12 @@ from moetrain.model.moe_function import expert_of_rows, memory_efficient_experts
 from moetrain.model.routing import Routing
 
 IMPLS: tuple[str, ...] = ("loop", "grouped", "memory_efficient")
+
+# Inference on CPU with at most this many routed assignments (generation's one-token decode steps:
+# batch x top_k) skips the grouped layout (`few_token_experts`, chosen by the MoE layer): sorting the
+# choice by expert and setting up the grouped GEMMs over all E experts (a split and an unbind of every
+# expert, the custom op's dispatch) costs several times the few GEMV-sized products.
+FEW_ASSIGNMENTS = 16
 
 
 def check_expert_shapes(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation,
@@ -110,6 +119,31 @@ def _experts_grouped(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Ten
         expert_out_AD = expert_out_AD + b2_ED.index_select(0, experts_A)
     weighted_AD = expert_out_AD * routing.scores.unsqueeze(1).to(expert_out_AD.dtype)
     return _scatter_to_tokens(weighted_AD, routing.token_index, x_TD.shape[0])
+
+
+def few_token_experts(x_TD: Tensor, topk_idx_TK: Tensor, gates_TK: Tensor, w1_EDN: Tensor, w2_EFD: Tensor,
+                      activation: Activation, b1: Tensor | None = None, b2: Tensor | None = None) -> Tensor:
+    """Inference on few tokens (no autograd): out[t] = sum_k gates[t, k] * expert_{idx[t, k]}(x_t), token by token.
+
+    The MoE layer's path for generation's decode steps (`FEW_ASSIGNMENTS`): straight from the top-k
+    choice, no grouping by expert; the same function as `routed_experts` of the top-k's `Routing`.
+    """
+    acc_dtype = torch.float32 if x_TD.dtype in (torch.bfloat16, torch.float16) else x_TD.dtype
+    w1_EDN, w2_EFD = w1_EDN.to(x_TD.dtype), w2_EFD.to(x_TD.dtype)
+    b1_EN, b2_ED = (None if b is None else b.to(x_TD.dtype) for b in (b1, b2))
+    gates_TK = gates_TK.to(acc_dtype)
+    out_TD = torch.zeros(x_TD.shape, dtype=acc_dtype, device=x_TD.device)
+    for token, experts in enumerate(topk_idx_TK.tolist()):
+        x_1D = x_TD[token:token + 1]
+        for slot, expert in enumerate(experts):
+            hidden = x_1D @ w1_EDN[expert]
+            if b1_EN is not None:
+                hidden = hidden + b1_EN[expert]
+            expert_out = activation_forward(hidden, activation) @ w2_EFD[expert]
+            if b2_ED is not None:
+                expert_out = expert_out + b2_ED[expert]
+            out_TD[token:token + 1].addcmul_(expert_out.to(acc_dtype), gates_TK[token:token + 1, slot:slot + 1])
+    return out_TD.to(x_TD.dtype)
 
 
 def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation = "swiglu",

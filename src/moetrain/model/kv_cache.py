@@ -13,11 +13,18 @@ Rows of different prompt lengths share one cache by left padding: row b's prompt
 `pad[b]`, the slots before it are never attended to, and a real token's RoPE position is its slot
 minus `pad[b]` (so positions are 0.. inside each prompt, exactly as when the row runs alone). Every
 row extends by the same number of slots per forward, so one slot range is written per step.
+
+A decode step is cheap by construction: the buffers are allocated once at full capacity and written
+in place, head-major ([B, H_kv, capacity, D], so attention reads each head's keys contiguously); a
+one-token step builds no causal mask (its query sees every earlier real slot: no mask at all
+without padding, a slice of the per-row real-slot mask made once per batch with it); and
+`per_forward` lets every layer share what depends only on the step (RoPE's rotation matrices).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +55,21 @@ class KVCache:
                       else pad.to(device=device, dtype=torch.long))
         if self.pad_B.shape != (batch,):
             raise ModelError(f"KV cache pad shape {tuple(self.pad_B.shape)} != (batch,) = ({batch},)")
-        self.keys: list[Tensor | None] = [None] * n_layers
+        self.keys: list[Tensor | None] = [None] * n_layers  # [B, H_kv, capacity, D]: a head's keys contiguous
         self.values: list[Tensor | None] = [None] * n_layers
         self.length = 0  # slots written by every layer so far
         self.start = 0  # the slot range [start, length) the current forward writes
-        self.mask: Tensor | None = None  # [B, 1, S_new, length] bool for the current forward
+        self.mask: Tensor | None = None  # [B, 1, S_new, length] bool for the current forward; None: every key
+        self._set_rows()
+        self._per_forward: dict = {}
+        self._per_cache: dict = {}
+
+    def _set_rows(self) -> None:
+        # Read once per batch (not per step): whether any row is padded, and each row's real slots.
+        self.most_padding = int(self.pad_B.max()) if self.batch else 0
+        self.padded = self.most_padding > 0
+        self.real_slot_BC = (torch.arange(self.capacity, device=self.pad_B.device) >= self.pad_B.unsqueeze(1)
+                             if self.padded else None)
 
     def advance(self, new_tokens: int) -> Tensor:
         """Reserve `new_tokens` slots for the forward about to run; returns their RoPE positions [B, S_new].
@@ -64,6 +81,11 @@ class KVCache:
                              f"adds {new_tokens}")
         device = self.pad_B.device
         self.start, self.length = self.length, self.length + new_tokens
+        self._per_forward = {}
+        if new_tokens == 1 and self.start >= self.most_padding:  # a decode step: one real query per row
+            # It sees every earlier slot of its row except the padding: no causal mask to build.
+            self.mask = None if not self.padded else self.real_slot_BC[:, None, None, :self.length]
+            return (self.start - self.pad_B).unsqueeze(1)
         query_slot = torch.arange(self.start, self.length, device=device)
         key_slot = torch.arange(self.length, device=device)
         causal = key_slot <= query_slot.unsqueeze(1)  # [S_new, L]
@@ -74,20 +96,36 @@ class KVCache:
         self.mask = ((causal & real_key.unsqueeze(1)) | itself).unsqueeze(1)
         return (query_slot - self.pad_B.unsqueeze(1)).clamp(min=0)
 
+    def per_forward(self, key, compute: Callable[[], object]):
+        """`compute()` once per forward for every layer asking with an equal `key` (e.g. RoPE's rotation
+        at this forward's positions, the same in every layer of a model)."""
+        if key not in self._per_forward:
+            self._per_forward[key] = compute()
+        return self._per_forward[key]
+
+    def per_cache(self, key, compute: Callable[[], object]):
+        """`compute()` once for this cache's whole life (one generation: the model does not change),
+        for what depends on neither the rows nor the step (e.g. RoPE's rotations at every slot)."""
+        if key not in self._per_cache:
+            self._per_cache[key] = compute()
+        return self._per_cache[key]
+
     def layer(self, layer_id: int) -> LayerCache:
         return LayerCache(self, layer_id)
 
     def _write(self, layer_id: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [B, S_new, H_kv, D] in place; returns every written slot's keys, values [B, H_kv, L, D]."""
         if self.keys[layer_id] is None:
-            self.keys[layer_id] = k.new_zeros(self.batch, self.capacity, *k.shape[2:])
-            self.values[layer_id] = v.new_zeros(self.batch, self.capacity, *v.shape[2:])
+            self.keys[layer_id] = k.new_zeros(self.batch, k.shape[2], self.capacity, k.shape[3])
+            self.values[layer_id] = v.new_zeros(self.batch, v.shape[2], self.capacity, v.shape[3])
         keys, values = self.keys[layer_id], self.values[layer_id]
         if k.shape[1] != self.length - self.start:
             raise ModelError(f"layer {layer_id} wrote {k.shape[1]} tokens into a forward of "
                              f"{self.length - self.start} (call KVCache.advance once per forward)")
-        keys[:, self.start:self.length] = k
-        values[:, self.start:self.length] = v
-        return keys[:, :self.length], values[:, :self.length]
+        new_tokens = self.length - self.start
+        keys.narrow(2, self.start, new_tokens).copy_(k.transpose(1, 2))
+        values.narrow(2, self.start, new_tokens).copy_(v.transpose(1, 2))
+        return keys.narrow(2, 0, self.length), values.narrow(2, 0, self.length)
 
     def keep_rows(self, rows: Tensor) -> None:
         """Drop every row not in `rows` (indices), e.g. the finished ones, so later steps skip them."""
@@ -95,6 +133,7 @@ class KVCache:
         self.batch = int(rows.numel())
         self.keys = [None if k is None else k[rows] for k in self.keys]
         self.values = [None if v is None else v[rows] for v in self.values]
+        self._set_rows()
 
 
 class LayerCache:
@@ -102,6 +141,18 @@ class LayerCache:
 
     def __init__(self, cache: KVCache, layer_id: int):
         self.cache, self.layer_id = cache, layer_id
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def per_forward(self, key, compute: Callable[[], object]):
+        """`KVCache.per_forward`: computed once per forward, shared with the other layers."""
+        return self.cache.per_forward(key, compute)
+
+    def per_cache(self, key, compute: Callable[[], object]):
+        """`KVCache.per_cache`: computed once per generation, shared with the other layers."""
+        return self.cache.per_cache(key, compute)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None,
                sinks: Tensor | None = None) -> Tensor:
@@ -111,21 +162,21 @@ class LayerCache:
         positions before each query (sliding-window attention); `sinks` [H], when given, adds one
         logit per head to every softmax's denominator that carries no value (attention sinks).
         """
-        keys, values = self.cache._write(self.layer_id, k, v)
+        keys, values = self.cache._write(self.layer_id, k, v)  # [B, H_kv, L, D(v)]
         mask = self.cache.mask
         if window is not None:
             query_slot = torch.arange(self.cache.start, self.cache.length, device=q.device)
             near = torch.arange(self.cache.length, device=q.device) > query_slot.unsqueeze(1) - window
-            mask = mask & near  # a query is always near itself
-        repeats = q.shape[2] // keys.shape[2]
+            mask = near if mask is None else mask & near  # a query is always near itself
+        repeats = q.shape[2] // keys.shape[1]
         if repeats > 1:  # each kv head serves `repeats` consecutive query heads, as attention.attend lays them out
-            keys, values = keys.repeat_interleave(repeats, dim=2), values.repeat_interleave(repeats, dim=2)
+            keys, values = keys.repeat_interleave(repeats, dim=1), values.repeat_interleave(repeats, dim=1)
         if sinks is None:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                                 attn_mask=mask)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
             return out.transpose(1, 2)
-        scores_BHQK = torch.einsum("bqhd,bkhd->bhqk", q, keys) * q.shape[-1] ** -0.5
-        scores_BHQK = scores_BHQK.masked_fill(~mask, float("-inf"))
+        scores_BHQK = torch.einsum("bqhd,bhkd->bhqk", q, keys) * q.shape[-1] ** -0.5
+        if mask is not None:
+            scores_BHQK = scores_BHQK.masked_fill(~mask, float("-inf"))
         sink_BHQ1 = sinks.to(scores_BHQK.dtype).view(1, -1, 1, 1).expand(*scores_BHQK.shape[:3], 1)
         probs_BHQK = torch.softmax(torch.cat([scores_BHQK, sink_BHQ1], dim=-1), dim=-1)[..., :-1]
-        return torch.einsum("bhqk,bkhd->bqhd", probs_BHQK.to(values.dtype), values)
+        return torch.einsum("bhqk,bhkd->bqhd", probs_BHQK.to(values.dtype), values)

@@ -15,6 +15,7 @@ distributed code.
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,17 @@ from moetrain.model.attention import AttentionPlan, attend
 from moetrain.model.kv_cache import LayerCache
 
 ROPE_LAYOUTS = ("interleaved", "half")
+
+
+def profiler_label(name: str) -> AbstractContextManager:
+    """`record_function(name)` while a profiler records (or under compile), else nothing.
+
+    Entering a record_function costs a dispatched op even with no profiler running, which is a
+    large share of a one-token decode step; the labels only matter in a trace.
+    """
+    if torch.compiler.is_compiling() or torch.autograd._profiler_enabled():
+        return record_function(name)
+    return nullcontext()
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -112,6 +124,36 @@ def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "inter
     return torch.cat((apply_rope(x[..., :rotary], cos, sin, layout), x[..., rotary:]), dim=-1)
 
 
+def rope_rotation(positions: Tensor, head_dim: int, rotary_dim: int, theta: float, cfg: ModelConfig | None = None,
+                  layout: str = "interleaved", dtype: torch.dtype = torch.float32) -> Tensor:
+    """RoPE at `positions` [B, S] as matrices [B, S, head_dim, head_dim] in `dtype`: x @ R = apply_partial_rope(x).
+
+    RoPE is linear in each head's channels, so its matrix is the rotation of the identity's rows.
+    Generation's one-token steps use it: one matmul per q and k instead of a dozen elementwise ops.
+    """
+    cos, sin = rope_cos_sin(positions, rotary_dim, theta, cfg)
+    identity = torch.eye(head_dim, dtype=dtype, device=positions.device)
+    return apply_partial_rope(identity.expand(*positions.shape, head_dim, head_dim), cos, sin, layout)
+
+
+# A decode step takes its RoPE matrices from a table over every slot of the KV cache, made once per
+# generation, while the table stays under this many elements (16 MiB in float32); else it makes the
+# matrices of the step's positions once per step.
+ROPE_TABLE_ELEMENTS = 1 << 22
+
+
+def decode_rope_rotation(cache: LayerCache, positions: Tensor, head_dim: int, rotary_dim: int, theta: float,
+                         cfg: ModelConfig | None, layout: str, dtype: torch.dtype) -> Tensor:
+    """`rope_rotation` at a decode step's `positions` [B, 1], shared by every layer of equal RoPE settings."""
+    key = ("rope", head_dim, rotary_dim, theta, layout, id(cfg), dtype)
+    if cache.capacity * head_dim ** 2 > ROPE_TABLE_ELEMENTS:
+        return cache.per_forward(key, lambda: rope_rotation(positions, head_dim, rotary_dim, theta, cfg, layout,
+                                                            dtype))
+    slots = torch.arange(cache.capacity, device=positions.device).unsqueeze(0)
+    table = cache.per_cache(key, lambda: rope_rotation(slots, head_dim, rotary_dim, theta, cfg, layout, dtype)[0])
+    return cache.per_forward(key, lambda: table[positions])
+
+
 def rope_permutation(head_dim: int) -> Tensor:
     """Channel order taking a "half"-layout head to the "interleaved" layout: interleaved = half[perm].
 
@@ -188,9 +230,17 @@ class Attention(nn.Module):
         """`cache` (generation): store this forward's k/v and attend over every cached token instead of `plan`."""
         batch, seq, _ = x.shape
         q, k, v = self._project(x)
-        cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
-        q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
-        with record_function("attention"):  # a label in profiler traces
+        if cache is None or seq > 1:
+            cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
+            q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
+        else:  # a decode step: RoPE as one matrix per row (one bmm for q, one for k)
+            rotation = decode_rope_rotation(cache, positions, self.head_dim, self.rotary_dim, self.rope_theta,
+                                            self.rope_cfg, self.rope_layout,
+                                            torch.promote_types(q.dtype, torch.float32))  # as apply_rope computes
+            rotation_BDD = rotation.view(batch, self.head_dim, self.head_dim)
+            q, k = (torch.bmm(t.reshape(batch, -1, self.head_dim).to(rotation.dtype), rotation_BDD).view(t.shape)
+                    .type_as(t) for t in (q, k))
+        with profiler_label("attention"):  # a label in profiler traces
             if cache is None:
                 out = attend(q, k, v, plan, self.sinks, self.window)
             else:

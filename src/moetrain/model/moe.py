@@ -35,12 +35,11 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.profiler import record_function
 
 from moetrain.config import MoEConfig
-from moetrain.model.experts import routed_experts
+from moetrain.model.experts import FEW_ASSIGNMENTS, few_token_experts, routed_experts
 from moetrain.model.grouped_mm import Activation, ClampedSwiGLU
-from moetrain.model.layers import FeedForward
+from moetrain.model.layers import FeedForward, profiler_label
 from moetrain.model.routing import (
     balance_fractions,
     global_balance_share,
@@ -136,28 +135,41 @@ class MoE(nn.Module):
             return None
         return global_balance_share(probs_TE, self.global_fraction.to(probs_TE.device), self.global_tokens)
 
+    def _few_tokens(self, x_TD: Tensor) -> bool:
+        """Whether this forward is a decode step of generation: inference on CPU, a few tokens, local experts."""
+        return (x_TD.shape[0] * self.cfg.top_k <= FEW_ASSIGNMENTS and x_TD.device.type == "cpu"
+                and not self.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and self.expert_compute is routed_experts and self.cfg.token_rounding_tile <= 1)
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x_TD = x.reshape(-1, self.dim)
-        with record_function("router"):  # labels in profiler traces
+        few = self._few_tokens(x_TD)  # then the experts run straight from the top-k choice (experts.py)
+        with profiler_label("router"):  # labels in profiler traces
             logits_TE = self.router(x_TD)
             probs_TE, topk_idx_TK, gates_TK = self.route(logits_TE)
         # Dispatch without expert parallelism: the permutation of the token copies into expert order (the
         # row gather and the weighted scatter-add run chunk by chunk inside the experts' op, under "experts").
-        with record_function("dispatch"):
-            routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
-            if self.cfg.token_rounding_tile > 1:
-                routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
-        with record_function("experts"):
-            out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.activation,
-                                         self.cfg.impl, **self.experts.biases())
-        with record_function("combine"):  # the routed experts' output joined with the shared expert's
+        with profiler_label("dispatch"):
+            if not few:
+                routing = routing_from_topk(topk_idx_TK, gates_TK.to(x_TD.dtype), self.cfg.n_experts)
+                if self.cfg.token_rounding_tile > 1:
+                    routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
+        with profiler_label("experts"):
+            if few:
+                out_TD = few_token_experts(x_TD, topk_idx_TK, gates_TK.to(x_TD.dtype), self.experts.w1,
+                                           self.experts.w2, self.activation, **self.experts.biases())
+            else:
+                out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.activation,
+                                             self.cfg.impl, **self.experts.biases())
+        with profiler_label("combine"):  # the routed experts' output joined with the shared expert's
             if self.shared_expert is not None:
                 shared_TD = self.shared_expert(x_TD)
                 if self.shared_expert_gate is not None:
                     shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
                 out_TD = out_TD + shared_TD
-        counts_E = routing.counts.detach()
+        counts_E = (torch.bincount(topk_idx_TK.reshape(-1), minlength=self.cfg.n_experts) if few
+                    else routing.counts.detach())
         self.tokens_per_expert = counts_E
         self.aux_loss = self._balance_loss(probs_TE, counts_E)
         self.router_z = router_z_loss(logits_TE) if self.cfg.z_loss_coef > 0 else None
