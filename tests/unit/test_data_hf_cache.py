@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_data_streaming import conversations
 
 from chat_fixtures import TEMPLATES, tokenizer_dir
-from test_data_streaming import conversations
 
 datasets = pytest.importorskip("datasets")
 

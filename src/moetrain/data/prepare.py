@@ -7,7 +7,18 @@ Inputs (any mix, each --input one of):
 - a `.jsonl` file: one document per line, the --text-field key (as data.source = 'jsonl');
 - a `.parquet`, `.json` or `.arrow` file: one document per row, read with `datasets.load_dataset`
   on the local file (nothing is downloaded; the `hf` extra);
+- `hf:NAME`: a dataset already in the local Hugging Face cache, one document per row of --hf-split
+  (--hf-config), reloaded by `datasets` offline (HF_HUB_OFFLINE): nothing is downloaded, and a
+  dataset that is not cached is one line naming it;
 - any other file: one document.
+
+--streaming reads .parquet / .json / .arrow files as an IterableDataset
+(`load_dataset(..., streaming=True)`) and plans and writes the shards as the records pass
+(`streamed_records`, `streamed_shards`): no reference per document, no copy of the input, memory
+bounded by the open shards and the jobs queued. Its shards are byte-identical to the map-style
+path's (the same names, split, cut and plan keys). Not the default: the map-style path plans
+everything, and refuses any foreign shard, before writing, and its workers read their rows in
+parallel.
 
 With --format chat every record (a .jsonl line or a row) holds a conversation, an OpenAI-style
 list of messages under --messages-field, rendered with the tokenizer directory's chat template
@@ -33,7 +44,7 @@ the inputs and options (not on --workers), and every shard is a job for the work
 A rerun skips every shard whose entry exists with the same plan key, so an interrupted
 prepare continues where it stopped; a shard of another plan in the output directory is an
 error, never overwritten. manifest.json is written last. Only a list of document
-references (O(documents)) and one shard's tokens per worker are held in memory.
+references (O(documents); none with --streaming) and one shard's tokens per worker are held in memory.
 
 --out must be a new or empty directory, or one that holds nothing but a prepare's own files
 (manifest.json of this format, train/ and heldout/ shard files): anything else (a checkpoint's
@@ -648,7 +659,8 @@ def _prepare_shard(job: tuple[str, str, int, list[DocRef] | PackedShard, dict[st
 
 # What a prepare's output directory may hold: its manifest (and the temporary name it is written
 # under), and per split the shard files, their entries and the temporary files of unfinished shards.
-_SPLIT_FILE = re.compile(r"^(shard_\d{5,}\.(tokens\.npy|offsets\.npy|mask\.npy|json)|\.shard_\d{5,}\.[a-z.]+\.tmp-\d+)$")
+_SPLIT_FILE = re.compile(r"^(shard_\d{5,}\.(tokens\.npy|offsets\.npy|mask\.npy|json)"
+                         r"|\.shard_\d{5,}\.[a-z.]+\.tmp-\d+)$")
 _TOP_FILE = re.compile(rf"^({re.escape(MANIFEST)}|\.{re.escape(MANIFEST)}\.tmp-\d+)$")
 
 
