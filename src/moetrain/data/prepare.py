@@ -262,9 +262,9 @@ def _streamed_rows(path: Path, field: str, prefix: str) -> Iterator[tuple[DocRef
     # Batches as Arrow tables, each column turned into Python values as the map-style Dataset's rows are
     # (to_pylist, then the features' own decoding: `datasets` stores lists of objects whose keys differ from
     # row to row as JSON strings, decoded on the way out), and the memory of each batch handed back: Arrow's
-    # default pool (mimalloc) keeps it otherwise. Measured on benchmarks/prepare_streaming.py's input (16 vs
-    # 128 MB), the peak resident set of the reading loop grew about 0.25 MB per MB read when rows came one at
-    # a time from the IterableDataset's own iterator, and stayed within noise this way.
+    # default pool (mimalloc) keeps it otherwise. Measured on benchmarks/prepare_streaming.py's input, this
+    # reading loop alone peaked at 387 and 390 MB for 16 and 128 MB of Parquet; rows one at a time from the
+    # IterableDataset's own iterator at 385 and 415 MB, and 191 vs 329 MB in plain pyarrow with pre-buffering.
     for table in stream.with_format("arrow").iter(batch_size=1024):
         values = table.column(field).to_pylist()
         for value in features.decode_column(values, field) if features is not None else values:
@@ -305,10 +305,11 @@ class PackedShard:
     """The records of one shard being gathered by a streaming prepare, packed into one buffer (pickled the way
     multiprocessing pickles a job; made and read in this prepare, never stored), and its plan key so far.
 
-    Why packed: a shard holds thousands of small objects (references, strings, messages) for as long as it
-    is open, and a held-out shard stays open across a long stretch of the input (1 document in 20); small
-    objects kept that long pin the allocator's arenas they sit in, and the resident set grew with the input
-    (measured: 395, 430, 483 MB peak for 16, 64, 128 MB of Parquet) though nothing else was kept."""
+    Why packed: an open shard would otherwise hold thousands of small objects (references, strings,
+    messages), and a held-out shard stays open across a long stretch of the input (1 document in 20); one
+    buffer per shard is what goes to a worker anyway. Measured, it did not change the peak resident set
+    at 16 to 128 MB of Parquet (see benchmarks/prepare_streaming.py: that peak still grows with the input,
+    natively, with Python's own allocations flat under tracemalloc)."""
 
     def __init__(self, seed: bytes):
         self.seed, self.digest = seed, hashlib.sha256(seed)
