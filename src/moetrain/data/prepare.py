@@ -264,7 +264,8 @@ def _streamed_rows(path: Path, field: str, prefix: str) -> Iterator[tuple[DocRef
     # row to row as JSON strings, decoded on the way out), and the memory of each batch handed back: Arrow's
     # default pool (mimalloc) keeps it otherwise. Measured on benchmarks/prepare_streaming.py's input, this
     # reading loop alone peaked at 387 and 390 MB for 16 and 128 MB of Parquet; rows one at a time from the
-    # IterableDataset's own iterator at 385 and 415 MB, and 191 vs 329 MB in plain pyarrow with pre-buffering.
+    # IterableDataset's own iterator at 376 and 425 MB for 16 and 64 MB; plain pyarrow with pre-buffering
+    # at 191 and 329 MB for 16 and 128 MB.
     for table in stream.with_format("arrow").iter(batch_size=1024):
         values = table.column(field).to_pylist()
         for value in features.decode_column(values, field) if features is not None else values:
