@@ -436,16 +436,15 @@ def _import_datasets(path: str) -> Any:
 @contextmanager
 def _hub_offline(datasets: Any) -> Iterator[None]:
     """Offline for the Hub, as HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1 make it: `datasets` then resolves a
-    name from its local cache and downloads nothing. The variables are read when `datasets` is imported, so
-    in a process that imported it before, its parsed flags are set for the duration instead."""
-    import huggingface_hub.constants
-
-    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    name from its local cache and downloads nothing (it checks this flag before any request). The variables
+    are read when `datasets` is imported, so in a process that imported it before, its parsed flag is set
+    for the duration instead."""
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
     try:
         yield
     finally:
-        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+        datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _load_cached(path: str, hf: tuple[str | None, str], streaming: bool = False) -> Any:
