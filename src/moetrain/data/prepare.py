@@ -7,7 +7,18 @@ Inputs (any mix, each --input one of):
 - a `.jsonl` file: one document per line, the --text-field key (as data.source = 'jsonl');
 - a `.parquet`, `.json` or `.arrow` file: one document per row, read with `datasets.load_dataset`
   on the local file (nothing is downloaded; the `hf` extra);
+- `hf:NAME`: a dataset already in the local Hugging Face cache, one document per row of --hf-split
+  (--hf-config), reloaded by `datasets` offline (HF_HUB_OFFLINE): nothing is downloaded, and a
+  dataset that is not cached is one line naming it;
 - any other file: one document.
+
+--streaming reads .parquet / .json / .arrow files as an IterableDataset
+(`load_dataset(..., streaming=True)`) and plans and writes the shards as the records pass
+(`streamed_records`, `streamed_shards`): no reference per document, no copy of the input, memory
+bounded by the open shards and the jobs queued. Its shards are byte-identical to the map-style
+path's (the same names, split, cut and plan keys). Not the default: the map-style path plans
+everything, and refuses any foreign shard, before writing, and its workers read their rows in
+parallel.
 
 With --format chat every record (a .jsonl line or a row) holds a conversation, an OpenAI-style
 list of messages under --messages-field, rendered with the tokenizer directory's chat template
@@ -33,7 +44,7 @@ the inputs and options (not on --workers), and every shard is a job for the work
 A rerun skips every shard whose entry exists with the same plan key, so an interrupted
 prepare continues where it stopped; a shard of another plan in the output directory is an
 error, never overwritten. manifest.json is written last. Only a list of document
-references (O(documents)) and one shard's tokens per worker are held in memory.
+references (O(documents); none with --streaming) and one shard's tokens per worker are held in memory.
 
 --out must be a new or empty directory, or one that holds nothing but a prepare's own files
 (manifest.json of this format, train/ and heldout/ shard files): anything else (a checkpoint's
@@ -44,16 +55,19 @@ the path; what was finished stays, and a rerun continues from it.
 
 from __future__ import annotations
 
+import array
 import errno
 import hashlib
 import json
 import math
 import multiprocessing
 import os
+import pickle
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +132,15 @@ class PrepareArgs:
     # --format chat: a Jinja chat template file used instead of the tokenizer directory's (train with the same
     # --data.chat-template).
     chat_template: str | None = None
+    # Read .parquet / .json / .arrow inputs with `datasets.load_dataset(..., streaming=True)` and write each shard
+    # as its records stream by: memory bounded by a few shards, not the input (for inputs larger than RAM or
+    # disk). The shards are byte-identical to a prepare without it; .jsonl, text, saved and hf: inputs are read
+    # as without it, a reference per document made as it is reached instead of all of them first.
+    streaming: bool = False
+    # hf:NAME inputs: the configuration (subset) of the cached dataset (the only one cached when not given).
+    hf_config: str | None = None
+    # hf:NAME inputs: the split to read.
+    hf_split: str = "train"
     # No progress bar.
     quiet: bool = False
 
@@ -137,56 +160,225 @@ def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def _jsonl_refs(path: Path, prefix: str) -> list[DocRef]:
-    refs, position = [], 0
+def _jsonl_refs(path: Path, prefix: str) -> Iterator[DocRef]:
+    position = 0
     with open(path, "rb") as handle:
         for line_no, line in enumerate(handle, start=1):
             if line.strip():
-                refs.append(DocRef(f"{prefix}{path.name}:{line_no:09d}", "line", str(path), position, len(line)))
+                yield DocRef(f"{prefix}{path.name}:{line_no:09d}", "line", str(path), position, len(line))
             position += len(line)
-    return refs
 
 
 # File suffixes read as datasets (a row per document) and the `datasets.load_dataset` builder for each.
 DATASET_FILES = {".parquet": "parquet", ".json": "json", ".arrow": "arrow"}
 
 
-def _dataset_refs(path: Path, text_field: str, prefix: str) -> list[DocRef]:
-    dataset = _load_dataset(str(path), text_field)
-    data_bytes = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*.arrow"))
-    per_row = max(1, data_bytes // max(1, len(dataset)))
-    return [DocRef(f"{prefix}{i:012d}", "row", str(path), i, per_row) for i in range(len(dataset))]
+# An input naming a dataset in the local Hugging Face cache (`hf:NAME`), read offline.
+HF_PREFIX = "hf:"
 
 
-def document_refs(inputs: list[str], glob: str, text_field: str, skip_bad: bool = False) -> list[DocRef]:
+def _row_bytes(path: str, n_rows: int, dataset: Any = None) -> int:
+    """The size estimate of one row (the input's bytes over its rows), for cutting shards: a function of the
+    input alone, so a streaming prepare (which knows the rows only as they pass) cuts where this one does."""
+    if path.startswith(HF_PREFIX):  # the Arrow files of the cache entry
+        data_bytes = sum(os.path.getsize(f["filename"]) for f in dataset.cache_files)
+    else:
+        data_bytes = Path(path).stat().st_size if Path(path).is_file() else sum(
+            f.stat().st_size for f in Path(path).rglob("*.arrow"))
+    return max(1, data_bytes // max(1, n_rows))
+
+
+def _dataset_refs(path: str, text_field: str, prefix: str, hf: tuple[str | None, str]) -> Iterator[DocRef]:
+    path = path if path.startswith(HF_PREFIX) else str(Path(path))  # the name the plan always had
+    dataset = _load_dataset(path, text_field, hf)
+    per_row = _row_bytes(path, len(dataset), dataset)
+    return (DocRef(f"{prefix}{i:012d}", "row", path, i, per_row) for i in range(len(dataset)))
+
+
+def _is_row_input(spec: str) -> bool:
+    path = Path(spec)
+    return spec.startswith(HF_PREFIX) or (path.is_dir() and _is_saved_dataset(path)) or (
+        path.is_file() and path.suffix in DATASET_FILES)
+
+
+def _input_refs(spec: str, prefix: str, glob: str, text_field: str, skip_bad: bool,
+                hf: tuple[str | None, str]) -> Iterator[DocRef]:
+    """One input's documents: rows and .jsonl lines in their order (so by name), files in any order."""
+    if spec.startswith(HF_PREFIX) or _is_row_input(spec):
+        return _dataset_refs(spec, text_field, prefix, hf)
+    if spec == "stdlib":
+        root, files = stdlib_files()
+    else:
+        path = Path(spec)
+        if path.is_file() and path.suffix == ".jsonl":
+            return _jsonl_refs(path, prefix)
+        if path.is_file():
+            root, files = path.parent, [path]
+        elif path.is_dir():
+            root, files = path, files_under(path, glob)
+        else:
+            raise ConfigError(f"--input {spec!r} is neither a file, a directory nor 'stdlib'")
+    return (DocRef(prefix + f.relative_to(root).as_posix(), "file", str(f), 0, f.stat().st_size) for f in files
+            if utf8_name(f.relative_to(root).as_posix(), skip_bad))
+
+
+def document_refs(inputs: list[str], glob: str, text_field: str, skip_bad: bool = False,
+                  hf: tuple[str | None, str] = (None, "train")) -> list[DocRef]:
     """Every input's documents, sorted by name (file names that are not UTF-8: an error, or skipped)."""
     refs: list[DocRef] = []
     for index, spec in enumerate(inputs):
-        prefix = f"{index}:" if len(inputs) > 1 else ""
-        if spec == "stdlib":
-            root, files = stdlib_files()
-        else:
-            path = Path(spec)
-            if path.is_dir() and _is_saved_dataset(path):
-                refs += _dataset_refs(path, text_field, prefix)
-                continue
-            if path.is_file() and path.suffix in DATASET_FILES:
-                refs += _dataset_refs(path, text_field, prefix)
-                continue
-            if path.is_file() and path.suffix == ".jsonl":
-                refs += _jsonl_refs(path, prefix)
-                continue
-            if path.is_file():
-                root, files = path.parent, [path]
-            elif path.is_dir():
-                root, files = path, files_under(path, glob)
-            else:
-                raise ConfigError(f"--input {spec!r} is neither a file, a directory nor 'stdlib'")
-        refs += [DocRef(prefix + f.relative_to(root).as_posix(), "file", str(f), 0, f.stat().st_size) for f in files
-                 if utf8_name(f.relative_to(root).as_posix(), skip_bad)]
+        refs += _input_refs(spec, f"{index}:" if len(inputs) > 1 else "", glob, text_field, skip_bad, hf)
     if not refs:
         raise ConfigError(f"--input {' '.join(inputs)} holds no documents")
     return sorted(refs, key=lambda r: r.name)
+
+
+def _json_array(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
+def _streamed_rows(path: Path, field: str, prefix: str) -> Iterator[tuple[DocRef, Any]]:
+    """(reference, value) of each row of a .parquet / .json / .arrow file, read with `datasets.load_dataset(...,
+    streaming=True)`: an IterableDataset, a batch of rows in memory at a time. The references are those the
+    map-style path makes (row index; the input's bytes over its rows), so the plan and the shards are the same."""
+    if path.suffix == ".json" and _json_array(path):
+        raise ConfigError(f"--streaming: {path} is one JSON array, which `datasets` reads whole into memory; "
+                          "write it as JSON Lines (an object per line) or Parquet, or prepare without --streaming")
+    stream = _load_dataset(str(path), field, streaming=True).select_columns([field])
+    if path.suffix == ".parquet":  # the footer's row count: nothing read twice
+        import pyarrow.parquet
+
+        n_rows = pyarrow.parquet.ParquetFile(path).metadata.num_rows
+    else:  # a first pass, as Arrow tables (no Python objects), to count the rows the shard plan divides by
+        n_rows = sum(table.num_rows for table in stream.with_format("arrow").iter(batch_size=8192))
+    per_row = _row_bytes(str(path), n_rows)
+    import pyarrow
+
+    pool = pyarrow.default_memory_pool()
+    index = -1
+    features = stream.features
+    # Batches as Arrow tables, each column turned into Python values as the map-style Dataset's rows are
+    # (to_pylist, then the features' own decoding: `datasets` stores lists of objects whose keys differ from
+    # row to row as JSON strings, decoded on the way out), and the memory of each batch handed back: Arrow's
+    # default pool (mimalloc) keeps it otherwise. Measured on benchmarks/prepare_streaming.py's input, this
+    # reading loop alone peaked at 387 and 390 MB for 16 and 128 MB of Parquet; rows one at a time from the
+    # IterableDataset's own iterator at 376 and 425 MB for 16 and 64 MB; plain pyarrow with pre-buffering
+    # at 191 and 329 MB for 16 and 128 MB.
+    for table in stream.with_format("arrow").iter(batch_size=1024):
+        values = table.column(field).to_pylist()
+        for value in features.decode_column(values, field) if features is not None else values:
+            index += 1
+            yield DocRef(f"{prefix}{index:012d}", "row", str(path), index, per_row), value
+        del table
+        pool.release_unused()
+    if index + 1 != n_rows:
+        raise ConfigError(f"--input {str(path)!r} held {n_rows} rows when counted and {index + 1} when read: "
+                          "it changed during the prepare; run it again")
+
+
+def streamed_records(inputs: list[str], glob: str, field: str, skip_bad: bool,
+                     hf: tuple[str | None, str]) -> Iterator[tuple[DocRef, Any]]:
+    """--streaming: every input's documents in name order (the order `document_refs` sorts them into), each
+    with its value where it was read from a stream (else _UNREAD: a worker reads it from the reference), made
+    as they are reached: no list of all documents, no copy of an input."""
+    prefixes = [f"{index}:" if len(inputs) > 1 else "" for index in range(len(inputs))]
+    last = None
+    for index in sorted(range(len(inputs)), key=lambda i: prefixes[i]):  # names of input i all start prefixes[i]
+        spec, path = inputs[index], Path(inputs[index])
+        if not spec.startswith(HF_PREFIX) and path.is_file() and path.suffix in DATASET_FILES:
+            records: Iterator[tuple[DocRef, Any]] = _streamed_rows(path, field, prefixes[index])
+        else:  # .jsonl lines by byte range, memory-mapped Arrow rows by index, files by name
+            refs = _input_refs(spec, prefixes[index], glob, field, skip_bad, hf)
+            if not (spec.startswith(HF_PREFIX) or _is_row_input(spec) or path.suffix == ".jsonl"):
+                refs = iter(sorted(refs, key=lambda r: r.name))
+            records = ((ref, _UNREAD) for ref in refs)
+        for ref, value in records:
+            if last is not None and ref.name <= last:
+                raise ConfigError(f"--streaming: document {ref.name!r} comes after {last!r} in --input {spec!r}, "
+                                  "not in name order; prepare without --streaming")
+            last = ref.name
+            yield ref, value
+
+
+class PackedShard:
+    """The records of one shard being gathered by a streaming prepare, packed into one buffer (pickled the way
+    multiprocessing pickles a job; made and read in this prepare, never stored), and its plan key so far.
+
+    Why packed: an open shard would otherwise hold thousands of small objects (references, strings,
+    messages), and a held-out shard stays open across a long stretch of the input (1 document in 20); one
+    buffer per shard is what goes to a worker anyway. Measured, it did not change the peak resident set
+    at 16 to 128 MB of Parquet (see benchmarks/prepare_streaming.py: that peak still grows with the input,
+    natively, with Python's own allocations flat under tracemalloc)."""
+
+    def __init__(self, seed: bytes):
+        self.seed, self.digest = seed, hashlib.sha256(seed)
+        self.blob, self.ends, self.bytes, self.count = bytearray(), array.array("q"), 0, 0
+
+    def add(self, ref: DocRef, value: Any) -> None:
+        self.digest.update(_plan_line(ref))
+        unread = value is _UNREAD
+        self.blob += pickle.dumps((ref.name, ref.kind, ref.path, ref.start, ref.length, unread,
+                                   None if unread else value), protocol=pickle.HIGHEST_PROTOCOL)
+        self.ends.append(len(self.blob))
+        self.bytes += ref.length
+        self.count += 1
+
+    def plan_key(self) -> str:
+        return self.digest.hexdigest()
+
+    def __getstate__(self) -> dict[str, Any]:  # to a worker: the records (a hash object does not pickle)
+        return {k: v for k, v in self.__dict__.items() if k != "digest"}
+
+    def records(self) -> tuple[list[DocRef], list[Any]]:
+        """(references, values: _UNREAD where the worker reads the record itself)."""
+        refs, values, start = [], [], 0
+        for end in self.ends:
+            name, kind, path, first, length, unread, value = pickle.loads(self.blob[start:end])
+            refs.append(DocRef(name, kind, path, first, length))
+            values.append(_UNREAD if unread else value)
+            start = end
+        return refs, values
+
+    def pop(self) -> tuple[DocRef, Any]:
+        """Take the last record out (the plan key is recomputed from the rest)."""
+        refs, values = self.records()
+        rest = PackedShard(self.seed)
+        for ref, value in zip(refs[:-1], values[:-1]):
+            rest.add(ref, value)
+        self.__dict__.update(rest.__dict__)
+        return refs[-1], values[-1]
+
+
+def streamed_shards(records: Iterator[tuple[DocRef, Any]], heldout_fraction: float, shard_bytes: int,
+                    seed: bytes) -> Iterator[tuple[str, int, PackedShard]]:
+    """(split, index, records) of each shard as soon as it is complete: `split_refs` then `cut_shards` done
+    in one pass, holding one open shard per split (a shard closes when the next document of its split finds
+    it full, or at the end, where the tiny-corpus rule can still move the last training document to the
+    held-out split). `seed` starts each shard's plan key (`plan_seed`)."""
+    open_shards = {split: PackedShard(seed) for split in SPLITS}
+    count, seen = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+    for ref, value in records:
+        split = "heldout" if is_heldout(ref.name, heldout_fraction) else "train"
+        if open_shards[split].count and open_shards[split].bytes >= shard_bytes:
+            yield split, count[split], open_shards[split]
+            count[split] += 1
+            open_shards[split] = PackedShard(seed)
+        open_shards[split].add(ref, value)
+        seen[split] += 1
+    if not seen["train"] and not seen["heldout"]:
+        raise ConfigError("--input holds no documents")
+    if heldout_fraction > 0 and not seen["heldout"]:  # as split_refs: hold out the last document
+        open_shards["heldout"].add(*open_shards["train"].pop())
+        seen["train"] -= 1
+        seen["heldout"] = 1
+    if not seen["train"]:
+        raise ConfigError(f"--heldout-fraction {heldout_fraction} leaves no training documents out of "
+                          f"{seen['heldout']}")
+    for split in SPLITS:
+        if open_shards[split].count:
+            yield split, count[split], open_shards[split]
 
 
 def split_refs(refs: list[DocRef], heldout_fraction: float) -> dict[str, list[DocRef]]:
@@ -212,11 +404,19 @@ def cut_shards(refs: list[DocRef], shard_bytes: int) -> list[list[DocRef]]:
     return shards
 
 
+def plan_seed(identity: dict[str, Any], options: dict[str, Any]) -> bytes:
+    return json.dumps([identity, options], sort_keys=True).encode()
+
+
+def _plan_line(ref: DocRef) -> bytes:
+    return f"{ref.name}\0{ref.kind}\0{ref.path}\0{ref.start}\0{ref.length}\n".encode()
+
+
 def plan_key(refs: list[DocRef], identity: dict[str, Any], options: dict[str, Any]) -> str:
     """What decides a shard's contents: its documents (names, places, sizes), the tokenizer and the text options."""
-    digest = hashlib.sha256(json.dumps([identity, options], sort_keys=True).encode())
+    digest = hashlib.sha256(plan_seed(identity, options))
     for ref in refs:
-        digest.update(f"{ref.name}\0{ref.kind}\0{ref.path}\0{ref.start}\0{ref.length}\n".encode())
+        digest.update(_plan_line(ref))
     return digest.hexdigest()
 
 
@@ -224,15 +424,75 @@ def plan_key(refs: list[DocRef], identity: dict[str, Any], options: dict[str, An
 _WORKER: dict[str, Any] = {}
 
 
-def _load_dataset(path: str, text_field: str) -> Any:
+def _import_datasets(path: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"--input {path!r} is a saved dataset, which needs the `datasets` package; install "
+        raise ConfigError(f"--input {path!r} is read with the `datasets` package; install "
                           "the extra `pip install moetrain[hf]`") from None
+    return datasets
+
+
+@contextmanager
+def _hub_offline(datasets: Any) -> Iterator[None]:
+    """Offline for the Hub, as HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1 make it: `datasets` then resolves a
+    name from its local cache and downloads nothing (it checks this flag before any request). The variables
+    are read when `datasets` is imported, so in a process that imported it before, its parsed flag is set
+    for the duration instead."""
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved
+
+
+def _load_cached(path: str, hf: tuple[str | None, str], streaming: bool = False) -> Any:
+    """`hf:NAME`: the dataset of that name in the local Hugging Face cache (HF_HOME / HF_DATASETS_CACHE),
+    reloaded offline by `datasets.load_dataset(NAME, CONFIG, split=SPLIT)` as it reloads any cached dataset."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # (for a `datasets` imported from here on)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    datasets = _import_datasets(path)
+    name, (config, split) = path[len(HF_PREFIX):], hf
+    where = f"--input {path!r}" + (f" (--hf-config {config!r})" if config else "") + f" --hf-split {split!r}"
+    if not name or Path(name).exists():
+        raise ConfigError(f"{where}: {'no dataset name given' if not name else repr(name) + ' is also a local path'}"
+                          "; give hf:NAME of a dataset in the local Hugging Face cache, or the local path itself")
+    try:
+        with _hub_offline(datasets):
+            return datasets.load_dataset(name, config, split=split, streaming=streaming)
+    except ConnectionError:  # offline and not cached: what `datasets` raises after looking in the cache
+        raise ConfigError(f"{where}: dataset {name!r} is not in the local Hugging Face cache "
+                          f"({datasets.config.HF_DATASETS_CACHE}); nothing is downloaded: load it once with "
+                          "network access (or set HF_HOME / HF_DATASETS_CACHE to where it is)") from None
+    except Exception as err:  # noqa: BLE001 - a wrong config or split, a damaged cache entry: many types
+        lines = "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+        raise ConfigError(f"{where}: dataset {name!r} cannot be read from the local Hugging Face cache "
+                          f"({type(err).__name__}: {lines})") from None
+
+
+def _load_dataset(path: str, text_field: str, hf: tuple[str | None, str] = (None, "train"),
+                  streaming: bool = False) -> Any:
+    """The dataset of a row input (map-style, memory-mapped Arrow; an IterableDataset when `streaming`),
+    checked to hold `text_field`."""
+    if path.startswith(HF_PREFIX):
+        dataset = _load_cached(path, hf, streaming)
+        if text_field not in (dataset.column_names or []):
+            raise ConfigError(f"--text-field / --messages-field {text_field!r} is not a column of {path!r} "
+                              f"(columns: {dataset.column_names})")
+        return dataset
+    datasets = _import_datasets(path)
     suffix = Path(path).suffix
     try:
-        if Path(path).is_file() and suffix in DATASET_FILES:
+        if streaming and Path(path).is_file() and suffix in DATASET_FILES:
+            options: dict[str, Any] = {}
+            if suffix == ".parquet":  # no pre-buffering: it keeps each file's column chunks read so far
+                import pyarrow.dataset
+
+                options["fragment_scan_options"] = pyarrow.dataset.ParquetFragmentScanOptions(pre_buffer=False)
+            dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=str(path), split="train",
+                                            streaming=True, **options)
+        elif Path(path).is_file() and suffix in DATASET_FILES:
             dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=str(path), split="train")
         else:
             dataset = datasets.load_from_disk(path)
@@ -243,20 +503,33 @@ def _load_dataset(path: str, text_field: str) -> Any:
         if "train" not in dataset:
             raise ConfigError(f"--input {path!r} is a DatasetDict without a 'train' split")
         dataset = dataset["train"]
-    if text_field not in dataset.column_names:
+    if dataset.column_names is not None and text_field not in dataset.column_names:
         raise ConfigError(f"--text-field / --messages-field {text_field!r} is not a column of {path!r} "
                           f"(columns: {dataset.column_names})")
     return dataset
 
 
-def _read_text(ref: DocRef, text_field: str, skip_bad: bool) -> str | None:
+# A record's value not read yet (the worker reads it from its DocRef), as opposed to one streamed in with it.
+_UNREAD: Any = object()
+
+
+def _row_value(ref: DocRef, field: str, hf: tuple[str | None, str]) -> Any:
+    key = ("dataset", ref.path)
+    if key not in _WORKER:
+        _WORKER[key] = _load_dataset(ref.path, field, hf)
+    return _WORKER[key][ref.start][field]
+
+
+def _hf_options(options: dict[str, Any]) -> tuple[str | None, str]:
+    return options.get("hf_config"), options.get("hf_split", "train")
+
+
+def _read_text(ref: DocRef, text_field: str, skip_bad: bool, value: Any = _UNREAD,
+               hf: tuple[str | None, str] = (None, "train")) -> str | None:
     problem = ""
     try:
         if ref.kind == "row":
-            key = ("dataset", ref.path)
-            if key not in _WORKER:
-                _WORKER[key] = _load_dataset(ref.path, text_field)
-            value = _WORKER[key][ref.start][text_field]
+            value = _row_value(ref, text_field, hf) if value is _UNREAD else value
             return value if isinstance(value, str) else None
         with open(ref.path, "rb") as handle:
             handle.seek(ref.start)
@@ -287,13 +560,11 @@ def _where(ref: DocRef) -> str:
     return f"{ref.path} row {ref.start}" if ref.kind == "row" else ref.path
 
 
-def _read_messages(ref: DocRef, field: str) -> Any:
+def _read_messages(ref: DocRef, field: str, value: Any = _UNREAD,
+                   hf: tuple[str | None, str] = (None, "train")) -> Any:
     """The --messages-field value of one record (raises ConversationError when it has none)."""
     if ref.kind == "row":
-        key = ("dataset", ref.path)
-        if key not in _WORKER:
-            _WORKER[key] = _load_dataset(ref.path, field)
-        return _WORKER[key][ref.start][field]
+        return _row_value(ref, field, hf) if value is _UNREAD else value
     if ref.kind != "line":
         raise ConversationError("--format chat reads .jsonl, .json, .parquet, .arrow files or saved datasets, "
                                 "not a whole file as one conversation")
@@ -317,17 +588,17 @@ def _chat_template(options: dict[str, Any]) -> ChatTemplate:
 
 
 def _prepare_chat_shard(out: str, split: str, index: int, refs: list[DocRef], options: dict[str, Any],
-                        tokenizer: Tokenizer) -> dict[str, Any]:
+                        tokenizer: Tokenizer, values: list[Any]) -> dict[str, Any]:
     """Worker, --format chat: render, tokenize and mask each conversation of one shard; write it with its mask."""
     template, dtype = _chat_template(options), token_dtype(tokenizer.vocab_size)
     pieces, masks, lengths, names = [], [], [], []
     histogram = np.zeros(256, dtype=np.int64)
     skipped = 0
-    for ref in refs:
+    for ref, value in zip(refs, values):
         try:
+            messages = _read_messages(ref, options["messages_field"], value, _hf_options(options))
             ids, mask, assistant_text = encode_conversation(template, tokenizer.encode_with_offsets,  # type: ignore[attr-defined]
-                                                            _read_messages(ref, options["messages_field"]),
-                                                            options["messages_field"])
+                                                            messages, options["messages_field"])
         except ConversationError as err:
             if not options["skip_bad_files"]:
                 raise ConfigError(f"{_where(ref)}: this conversation cannot be used: {err}; fix or remove it, "
@@ -357,20 +628,21 @@ def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
     return tokenizer.encode(text).numpy()
 
 
-def _prepare_shard(job: tuple[str, str, int, list[DocRef], dict[str, Any]]) -> dict[str, Any]:
-    """Worker: read, tokenize and write one shard; return its entry."""
-    out, split, index, refs, options = job
+def _prepare_shard(job: tuple[str, str, int, list[DocRef] | PackedShard, dict[str, Any]]) -> dict[str, Any]:
+    """Worker: read (or take, when they streamed in with the job), tokenize and write one shard; return its entry."""
+    out, split, index, shard, options = job
+    refs, values = shard.records() if isinstance(shard, PackedShard) else (shard, [_UNREAD] * len(shard))
     key = ("tokenizer", options["tokenizer"])  # per spec: one process may prepare with several tokenizers
     if key not in _WORKER:
         _WORKER[key] = build_tokenizer(options["tokenizer"])
     tokenizer = _WORKER[key]
     if options.get("format") == "chat":
-        return _prepare_chat_shard(out, split, index, refs, options, tokenizer)
+        return _prepare_chat_shard(out, split, index, refs, options, tokenizer, values)
     dtype = token_dtype(tokenizer.vocab_size)
     pieces, lengths, names = [], [], []
     histogram = np.zeros(256, dtype=np.int64)
-    for ref in refs:
-        text = _read_text(ref, options["text_field"], options["skip_bad_files"])
+    for ref, value in zip(refs, values):
+        text = _read_text(ref, options["text_field"], options["skip_bad_files"], value, _hf_options(options))
         if not text:
             continue  # empty documents are dropped, as the trainer drops them
         ids = _encode(tokenizer, text)
@@ -388,7 +660,8 @@ def _prepare_shard(job: tuple[str, str, int, list[DocRef], dict[str, Any]]) -> d
 
 # What a prepare's output directory may hold: its manifest (and the temporary name it is written
 # under), and per split the shard files, their entries and the temporary files of unfinished shards.
-_SPLIT_FILE = re.compile(r"^(shard_\d{5,}\.(tokens\.npy|offsets\.npy|json)|\.shard_\d{5,}\.[a-z.]+\.tmp-\d+)$")
+_SPLIT_FILE = re.compile(r"^(shard_\d{5,}\.(tokens\.npy|offsets\.npy|mask\.npy|json)"
+                         r"|\.shard_\d{5,}\.[a-z.]+\.tmp-\d+)$")
 _TOP_FILE = re.compile(rf"^({re.escape(MANIFEST)}|\.{re.escape(MANIFEST)}\.tmp-\d+)$")
 
 
@@ -463,6 +736,31 @@ def _writes_to(out: Path) -> Iterator[None]:
                           "choose a writable directory") from None
 
 
+def _run_jobs(jobs: Iterable[tuple], workers: int, finished: Callable[[dict[str, Any]], None]) -> None:
+    """Run each job (in `workers` processes when > 1), handing every entry to `finished`. At most 2 jobs per
+    worker are queued at a time, so a streaming prepare holds a bounded number of shards' records in memory
+    (a Pool's imap would draw the whole job iterator into its queue)."""
+    if workers <= 1:
+        for job in jobs:
+            finished(_prepare_shard(job))
+        return
+    # fork: the workers start in milliseconds and inherit the imports; spawn would re-import torch.
+    pool = multiprocessing.get_context("fork").Pool(workers)
+    pending: deque[Any] = deque()
+    try:
+        for job in jobs:
+            pending.append(pool.apply_async(_prepare_shard, (job,)))
+            while pending and (len(pending) >= 2 * workers or pending[0].ready()):
+                finished(pending.popleft().get())
+        while pending:
+            finished(pending.popleft().get())
+        pool.close()
+        pool.join()
+    except BaseException:
+        pool.terminate()
+        raise
+
+
 def prepare(args: PrepareArgs) -> dict[str, Any]:
     """Prepare args.input into args.out; return the manifest."""
     if args.workers < 1:
@@ -492,7 +790,7 @@ def _prepare(args: PrepareArgs) -> dict[str, Any]:
         chat = {"template_sha256": template.sha256, "messages_field": args.messages_field,
                 "chat_template": args.chat_template, "generation_markers": template.has_generation_markers}
     field = args.messages_field if chat else args.text_field
-    refs = document_refs(args.input, args.glob, field, args.skip_bad_files)
+    hf = (args.hf_config, args.hf_split)
     text_options: dict[str, Any] = {"text_field": args.text_field, "skip_bad_files": args.skip_bad_files}
     framing = "template" if chat else args.framing
     if not chat and not frames_with_bos(args.tokenizer, tokenizer, args.framing):
@@ -500,57 +798,72 @@ def _prepare(args: PrepareArgs) -> dict[str, Any]:
     if chat:  # (only then, so the plan of a text prepare, and a rerun over its shards, stays what it was)
         text_options.update(format="chat", messages_field=args.messages_field,
                             chat_template_sha256=chat["template_sha256"], chat_template=args.chat_template)
-    jobs, entries = [], {}
-    for split, split_list in split_refs(refs, args.heldout_fraction).items():
-        for index, shard_refs in enumerate(cut_shards(split_list, int(args.shard_mb * 1e6))):
-            key = plan_key(shard_refs, identity, text_options)
-            entry_path = out / f"{shard_stem(split, index)}.json"
-            entry = read_shard_entry(entry_path)
-            if entry is None:
-                jobs.append((str(out), split, index, shard_refs,
-                             {**text_options, "tokenizer": args.tokenizer, "plan": key}))
-            elif entry.get("plan") != key:
-                raise ConfigError(f"{entry_path} is a finished shard of other inputs or options; finished shards "
-                                  "are never rewritten: use another --out or remove that directory")
-            else:
-                entries[(split, index)] = entry
-    planned = {(job[1], job[2]) for job in jobs} | set(entries)
-    for split in SPLITS:
-        for stale in sorted((out / split).glob("shard_*.json")) if (out / split).is_dir() else []:
-            if (split, int(stale.stem.split("_")[1])) not in planned:
-                raise ConfigError(f"{stale} is a finished shard of other inputs or options; use another --out "
-                                  "or remove that directory")
+    if any(spec.startswith(HF_PREFIX) for spec in args.input):  # (only then, as above)
+        text_options.update(hf_config=args.hf_config, hf_split=args.hf_split)
+    shard_bytes = int(args.shard_mb * 1e6)
+    entries: dict[tuple[str, int], dict[str, Any]] = {}
+    planned: set[tuple[str, int]] = set()
+    new_shards: list[tuple[str, int]] = []
+
+    def job_of(split: str, index: int, shard_refs: list[DocRef] | PackedShard) -> tuple | None:
+        """The job preparing this shard, or None when it is finished already (a rerun) with the same plan."""
+        key = shard_refs.plan_key() if isinstance(shard_refs, PackedShard) else plan_key(shard_refs, identity,
+                                                                                          text_options)
+        entry_path = out / f"{shard_stem(split, index)}.json"
+        entry = read_shard_entry(entry_path)
+        planned.add((split, index))
+        if entry is None:
+            new_shards.append((split, index))
+            return (str(out), split, index, shard_refs, {**text_options, "tokenizer": args.tokenizer, "plan": key})
+        if entry.get("plan") != key:
+            raise ConfigError(f"{entry_path} is a finished shard of other inputs or options; finished shards "
+                              "are never rewritten: use another --out or remove that directory")
+        entries[(split, index)] = entry
+        return None
+
+    def check_no_stale() -> None:
+        for split in SPLITS:
+            for stale in sorted((out / split).glob("shard_*.json")) if (out / split).is_dir() else []:
+                if (split, int(stale.stem.split("_")[1])) not in planned:
+                    raise ConfigError(f"{stale} is a finished shard of other inputs or options; use another "
+                                      "--out or remove that directory")
+
+    if args.streaming:  # planned as the records stream by; a foreign shard is found when its index is reached
+        shards = streamed_shards(streamed_records(args.input, args.glob, field, args.skip_bad_files, hf),
+                                 args.heldout_fraction, shard_bytes, plan_seed(identity, text_options))
+        jobs: Iterable[tuple] = (job for job in (job_of(*shard) for shard in shards) if job is not None)
+        n_jobs = None
+    else:  # planned whole before anything is written
+        refs = document_refs(args.input, args.glob, field, args.skip_bad_files, hf)
+        jobs = [job for split, split_list in split_refs(refs, args.heldout_fraction).items()
+                for index, shard_refs in enumerate(cut_shards(split_list, shard_bytes))
+                if (job := job_of(split, index, shard_refs)) is not None]
+        check_no_stale()
+        n_jobs = len(jobs)
+        if entries:
+            log.info("%d of %d shards already finished in %s; preparing the rest", len(entries), len(planned), out)
     out.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:  # files cut short by an interrupted run: never complete, never renamed, only in the way
         for partial in (out / split).glob(".shard_*.tmp-*") if (out / split).is_dir() else []:
             partial.unlink()
-    if entries:
-        log.info("%d of %d shards already finished in %s; preparing the rest", len(entries), len(planned), out)
     started = time.perf_counter()
-    bar = tqdm.tqdm(total=len(jobs), unit="shard", disable=args.quiet or not jobs, dynamic_ncols=True)
+    bar = tqdm.tqdm(total=n_jobs, unit="shard", disable=args.quiet or n_jobs == 0, dynamic_ncols=True)
     tokens_done = 0
+
+    def finished(entry: dict[str, Any]) -> None:
+        nonlocal tokens_done
+        entries[(entry["split"], entry["index"])] = entry
+        tokens_done += entry["n_tokens"]
+        bar.update(1)
+        bar.set_postfix_str(f"{tokens_done / max(time.perf_counter() - started, 1e-9) / 1e6:.2f}M tokens/s")
+
     try:
-        if args.workers == 1 or len(jobs) <= 1:
-            results = map(_prepare_shard, jobs)
-            pool = None
-        else:
-            # fork: the workers start in milliseconds and inherit the imports; spawn would re-import torch.
-            pool = multiprocessing.get_context("fork").Pool(min(args.workers, len(jobs)))
-            results = pool.imap_unordered(_prepare_shard, jobs)
-        for entry in results:
-            entries[(entry["split"], entry["index"])] = entry
-            tokens_done += entry["n_tokens"]
-            bar.update(1)
-            bar.set_postfix_str(f"{tokens_done / max(time.perf_counter() - started, 1e-9) / 1e6:.2f}M tokens/s")
-        if pool is not None:
-            pool.close()
-            pool.join()
-    except BaseException:
-        if pool is not None:
-            pool.terminate()
-        raise
+        _run_jobs(jobs, 1 if n_jobs is not None and n_jobs <= 1 else min(args.workers, n_jobs or args.workers),
+                  finished)
     finally:
         bar.close()
+    if args.streaming:
+        check_no_stale()
     seconds = time.perf_counter() - started
     if chat:
         chat["skipped_documents"] = sum(e.get("skipped_documents", 0) for e in entries.values())
@@ -559,13 +872,13 @@ def _prepare(args: PrepareArgs) -> dict[str, Any]:
     manifest = write_manifest(out, args.tokenizer, identity, token_dtype(tokenizer.vocab_size),
                               args.heldout_fraction, list(entries.values()), text_field=args.text_field,
                               inputs=list(args.input), framing=framing, **({"chat": chat} if chat else {}))
-    new_tokens = sum(entries[(job[1], job[2])]["n_tokens"] for job in jobs)
+    new_tokens = sum(entries[shard]["n_tokens"] for shard in new_shards)
     if chat:
         log.info("conversations: %d + %d assistant tokens to learn from (train + held-out); %d conversations "
                  "skipped", chat["loss_tokens"]["train"], chat["loss_tokens"]["heldout"], chat["skipped_documents"])
     log.info("prepared %s: %d train + %d held-out documents, %d + %d tokens (%s), %d shards (%d new, %.1fs, "
              "%.2fM tokens/s)", out, manifest["train_documents"], manifest["heldout_documents"],
-             manifest["train_tokens"], manifest["heldout_tokens"], manifest["dtype"], len(entries), len(jobs),
+             manifest["train_tokens"], manifest["heldout_tokens"], manifest["dtype"], len(entries), len(new_shards),
              seconds, new_tokens / max(seconds, 1e-9) / 1e6)
     return manifest
 
