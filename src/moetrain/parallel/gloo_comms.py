@@ -1,0 +1,112 @@
+"""FSDP2's all-gather and reduce-scatter on gloo, built from broadcasts and point-to-point sends.
+
+On a CPU (gloo) process group FSDP2 calls `all_gather_into_tensor` and `reduce_scatter_tensor`
+once per unit gather and gradient reduction. Gloo runs both far slower than the same bytes moved
+by its broadcast and send/recv: on 4 ranks of one 2-core host, a 151 MB (one Qwen3-MoE debug
+layer) all-gather cost 0.21-0.23 CPU-s per rank (mostly kernel time) and 1.2-1.6 s of wall time,
+one broadcast per shard 0.05-0.06 CPU-s and 0.33 s; the reduce-scatter 0.21 CPU-s against 0.07
+for one send/recv per pair and a local sum (benchmarks/multirank_overhead.py, docs/design/
+performance.md "Several ranks"). The bytes each rank sends and receives are the same
+((world - 1) / world of the buffer); only gloo's handling of them differs.
+
+`BroadcastAllGather` and `PointToPointReduceScatter` implement FSDP2's custom-comm interfaces
+(`FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`). The all-gather is exact (each
+shard is copied, never combined). The reduce-scatter sums each rank's chunk from every rank in rank
+order 0, 1, ..., world - 1 in the reduce dtype: the same sum as gloo's, associated in a fixed order,
+so it is deterministic and identical from run to run. Reductions other than SUM (FSDP never asks for
+them here: `moetrain.parallel.shard` forces SUM) fall back to gloo's own reduce-scatter.
+
+This module moves FSDP's buffers; it must not change which values are gathered or reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+
+class _Works(dist.Work):
+    """One Work for several: FSDP waits on the all-gather's single Work before its copy-out."""
+
+    def __init__(self, works: list[dist.Work]):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 (the signature FSDP calls)
+        for work in self._works:
+            work.wait()
+        return True
+
+
+class _EmptyAlloc:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class BroadcastAllGather(_EmptyAlloc, AllGather):
+    """All-gather as one broadcast per rank's shard, each from its owner, into the output's slots.
+
+    FSDP's copy-in has already written this rank's shard into its slot of `output_tensor`
+    (`input_tensor` is that slot), so the own broadcast sends in place and nothing is copied.
+    """
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        world, rank = group.size(), group.rank()
+        slots = output_tensor.view(world, -1)
+        if input_tensor.data_ptr() != slots[rank].data_ptr():
+            slots[rank].copy_(input_tensor)
+        works = [dist.broadcast(slots[src], group=group, group_src=src, async_op=True) for src in range(world)]
+        work = _Works(works)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+class PointToPointReduceScatter(_EmptyAlloc, ReduceScatter):
+    """Reduce-scatter (SUM) as one send and one receive per pair of ranks, then a local sum in rank order.
+
+    Rank r sends chunk d of its input to rank d and receives chunk r of every other rank's input
+    into a temporary of (world - 1) chunks; its output is chunk r of rank 0 + ... + rank world - 1.
+    """
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:
+        if op != dist.ReduceOp.SUM:
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        world, rank = group.size(), group.rank()
+        chunks = input_tensor.view(world, -1)
+        received = torch.empty((world - 1, chunks.shape[1]), dtype=input_tensor.dtype, device=input_tensor.device)
+        peers = [peer for peer in range(world) if peer != rank]
+        ops = []
+        for step in range(1, world):  # a ring of offsets: every rank sends and receives once per step
+            dst, src = (rank + step) % world, (rank - step) % world
+            ops.append(dist.P2POp(dist.isend, chunks[dst], group=group, group_peer=dst))
+            ops.append(dist.P2POp(dist.irecv, received[peers.index(src)], group=group, group_peer=src))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        parts = [chunks[rank] if peer == rank else received[peers.index(peer)] for peer in range(world)]
+        output = output_tensor.view(-1)
+        output.copy_(parts[0])
+        for part in parts[1:]:
+            output.add_(part)
+        return None
+
+
+def use_gloo_comms(unit: FSDPModule) -> bool:
+    """Install both comms on an FSDP unit when the process group is gloo; whether it did.
+
+    Units with several parameter groups (expert weights on their own mesh under EP) keep FSDP's
+    default: FSDP refuses one custom comm for several meshes.
+    """
+    if dist.get_backend() != "gloo" or len(unit._get_fsdp_state()._fsdp_param_groups) != 1:
+        return False
+    unit.set_custom_all_gather(BroadcastAllGather())
+    unit.set_custom_reduce_scatter(PointToPointReduceScatter())
+    return True
