@@ -66,22 +66,29 @@ def _counting_mode():
             name = f"{func.namespace}.{func._schema.name.split('::')[-1]}"
             row = self.ops[name]
             row["calls"] += 1
-            mutated = [a for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-            if func.namespace == COLLECTIVE_NAMESPACE:
-                flat, _ = tree_flatten((args, kwargs))
-                row["written"] += sum(t.nbytes for t in flat if isinstance(t, torch.Tensor))
-                return out
-            if mutated:
-                values = [kwargs.get(a.name, args[i] if i < len(args) else None)
-                          for i, a in enumerate(func._schema.arguments) if a in mutated]
-                flat, _ = tree_flatten(values)
-                row["written"] += sum(t.nbytes for t in flat if isinstance(t, torch.Tensor))
-            elif not func.is_view:  # a view writes and allocates nothing
-                flat, _ = tree_flatten(out)
-                nbytes = sum(t.nbytes for t in flat if isinstance(t, torch.Tensor))
+            schema_args = func._schema.arguments
+            mutated = [kwargs.get(a.name, args[i] if i < len(args) else None) for i, a in enumerate(schema_args)
+                       if a.alias_info is not None and a.alias_info.is_write]
+            if name == "fsdp.all_gather_copy_in":  # copies the shard into the (already allocated) gather buffer
+                row["written"] += _unique_bytes(args[0])
+            elif mutated:  # in place or out=: the bytes written into existing tensors
+                row["written"] += _unique_bytes(mutated)
+            elif func.namespace == COLLECTIVE_NAMESPACE:  # a send: the bytes it hands to gloo
+                row["written"] += _unique_bytes((args, kwargs))
+            elif not func.is_view:  # a fresh output; a view writes and allocates nothing
+                nbytes = _unique_bytes(out)
                 row["written"] += nbytes
                 row["allocated"] += nbytes
             return out
+
+    def _unique_bytes(value) -> int:
+        """Bytes of the tensors in `value`, a tensor aliasing another's storage counted once (the largest)."""
+        largest: dict[int, int] = {}
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                largest[key] = max(largest.get(key, 0), t.nbytes)
+        return sum(largest.values())
 
     return ByteCounter()
 
