@@ -86,7 +86,10 @@ def _counting_mode():
         largest: dict[int, int] = {}
         for t in tree_flatten(value)[0]:
             if isinstance(t, torch.Tensor):
-                key = t.untyped_storage().data_ptr()
+                try:
+                    key = t.untyped_storage().data_ptr()
+                except RuntimeError:  # a storage FSDP has freed (resized to 0) or an opaque one
+                    key = id(t)
                 largest[key] = max(largest.get(key, 0), t.nbytes)
         return sum(largest.values())
 
