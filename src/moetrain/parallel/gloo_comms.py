@@ -51,11 +51,13 @@ class HostBufferPool:
     mapped pages cost about 0.04 CPU-s per 150 MB on this machine against 0.01 for a reused buffer.
     `take` hands out a view of a pooled buffer of the same numel and dtype that nothing references
     any more (its storage's only owners are the pool and the check itself), else a new one, pooled
-    while fewer than `per_size` of that size exist. A buffer is never handed out while FSDP, gloo
-    (an in-flight Work holds its tensors) or autograd still holds any view of it.
+    while fewer than `per_size` of that size exist (2: a gather in flight while the previous one is
+    copied out, or a reduction beside the next gather; more would sit idle at the step's peak).
+    A buffer is never handed out while FSDP, gloo (an in-flight Work holds its tensors) or autograd
+    still holds any view of it.
     """
 
-    def __init__(self, per_size: int = 3):
+    def __init__(self, per_size: int = 2):
         self.per_size = per_size
         self._buffers: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
 
@@ -107,8 +109,8 @@ class PointToPointReduceScatter(_PooledAlloc, ReduceScatter):
 
     Rank r sends chunk d of its input to rank d and receives chunk r of every other rank's input
     into a temporary of (world - 1) chunks; its output is chunk r of rank 0 + ... + rank world - 1.
-    The input and the temporary come from the pool; the output does not, since it becomes the
-    sharded gradient and lives until the optimizer step.
+    The input comes from the pool; the output does not, since it becomes the sharded gradient and
+    lives until the optimizer step.
     """
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
@@ -130,8 +132,9 @@ class PointToPointReduceScatter(_PooledAlloc, ReduceScatter):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         world, rank = group.size(), group.rank()
         chunks = input_tensor.view(world, -1)
-        received = self.pool.take((world - 1) * chunks.shape[1], input_tensor.dtype,
-                                  input_tensor.device).view(world - 1, -1)
+        # Not pooled: a pooled receive buffer stayed allocated beside the pooled gathers and raised the
+        # peak RSS per rank by 108 MiB (qwen3_moe_debug, FSDP 4, benchmarks/multirank_overhead.py).
+        received = torch.empty((world - 1, chunks.shape[1]), dtype=input_tensor.dtype, device=input_tensor.device)
         peers = [peer for peer in range(world) if peer != rank]
         ops = []
         for step in range(1, world):  # a ring of offsets: every rank sends and receives once per step
