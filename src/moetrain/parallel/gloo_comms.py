@@ -2,12 +2,12 @@
 
 On a CPU (gloo) process group FSDP2 calls `all_gather_into_tensor` and `reduce_scatter_tensor`
 once per unit gather and gradient reduction. Gloo runs both far slower than the same bytes moved
-by its broadcast and send/recv: on 4 ranks of one 2-core host, a 151 MB (one Qwen3-MoE debug
-layer) all-gather cost 0.21-0.23 CPU-s per rank (mostly kernel time) and 1.2-1.6 s of wall time,
-one broadcast per shard 0.05-0.06 CPU-s and 0.33 s; the reduce-scatter 0.21 CPU-s against 0.07
-for one send/recv per pair and a local sum (benchmarks/multirank_overhead.py, docs/design/
-performance.md "Several ranks"). The bytes each rank sends and receives are the same
-((world - 1) / world of the buffer); only gloo's handling of them differs.
+by its broadcast and send/recv: on 4 ranks of one busy 2-core host, per 151 MB (one Qwen3-MoE debug
+layer) call, the all-gather cost 0.13-0.23 CPU-s per rank (mostly kernel time) and 1.0-1.6 s of
+wall time, one broadcast per shard 0.05-0.06 CPU-s and 0.3-0.5 s; the reduce-scatter 0.21 CPU-s
+against 0.07-0.08 for one send/recv per pair and a local sum (benchmarks/gloo_collectives.py and
+its earlier drafts, three runs; docs/design/performance.md, "Several ranks"). The bytes each rank
+sends and receives are the same ((world - 1) / world of the buffer); only gloo's handling differs.
 
 `BroadcastAllGather` and `PointToPointReduceScatter` implement FSDP2's custom-comm interfaces
 (`FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`). The all-gather is exact (each
