@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, s in enumerate(stats):
                 print(f"{seed} | {name} | {i} | {s['router_w_std']:.4f} | {s['logit_std']:.3f} | {s['max_prob']:.4f} "
                       f"| {s['entropy']:.4f} | {s['load_cv']:.2f} | {s['idle']} | {s['max_load']}")
-        ratios = ", ".join(f"{cfg.train.lr / float(moe.router.weight.detach().std()):.2f}" for moe in model.moe_layers())
+        stds = [float(moe.router.weight.detach().std()) for moe in model.moe_layers()]
+        ratios = ", ".join(f"{cfg.train.lr / std:.2f}" for std in stds)
         print(f"{seed} | peak lr {cfg.train.lr:g} / router weight std, per MoE layer: {ratios}")
     return 0
 
