@@ -57,7 +57,8 @@ class MoEConfig:
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax over all experts, or an independent sigmoid per expert (DeepSeek-V3)."""
     renormalize: bool = True
-    """Rescale the selected experts' scores to sum to 1 (Hugging Face's norm_topk_prob)."""
+    """Rescale the selected experts' scores to sum to 1 (Hugging Face's norm_topk_prob). Refused with
+    top_k = 1, where every gate would be 1 and the router would get no gradient from the LM loss."""
     activation: Literal["swiglu", "gelu", "clamped_swiglu"] = "swiglu"
     """The experts' activation: silu(gate)·up; exact GELU; or GPT-OSS's clamped SwiGLU
     (clamp(up, ±swiglu_limit) + 1) · g · sigmoid(swiglu_alpha · g) with g = min(gate, swiglu_limit)."""
