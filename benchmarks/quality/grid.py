@@ -16,6 +16,10 @@ Rows (the default MoE: first layer dense FFN 512, three MoE layers of 16 experts
   bal_aux_free, bal_none                      default architecture, other balancing
   bal_aux_mb_acc4, bal_aux_global_acc4        microbatch 1 x grad_accum 4 (same tokens per step), so
                                               "per microbatch" (512 tokens) and "global batch" (2048) differ
+  gran_8x1x256_renorm (diagnostic)            top-1 with renormalized gates: every gate is 1, so the router
+                                              learns from the aux loss only; moetrain's config validation
+                                              now refuses it, so the grid no longer runs it and reports
+                                              runs measured before the refusal when the output has them
 
 Resumable: a run whose metrics.jsonl holds a "final" record is not run again; the summary, table and
 figures are rebuilt from whatever runs have finished, so a partial grid still gives a table.
@@ -57,6 +61,9 @@ class Row:
     microbatch_size: int = 4
     """Held-out evaluation reads eval_batches x microbatch_size evenly spaced sequences, so a row with
     smaller microbatches evaluates more batches to score the same sequences as every other row."""
+    refused: str = ""
+    """Why moetrain now refuses this row's config (it is not run; runs measured before the refusal,
+    e.g. from an older checkout, are still read and reported as the evidence for it)."""
 
 
 def _moe(n_experts: int, top_k: int, hidden: int, shared: int = 0, renormalize: bool | None = None) -> tuple[str, ...]:
@@ -103,7 +110,8 @@ def rows(base: JobConfig) -> list[Row]:
         Row("bal_aux_global_acc4", "balancing", "global-batch aux loss, 1x4 accumulation",
             acc4 + ("--model.moe.aux_loss_scope", "global_batch"), 1),
         Row("gran_8x1x256_renorm", "diagnostic", "8 experts, top-1, renormalized gate = 1 (router: aux loss only)",
-            _moe(8, 1, 256, renormalize=True)),
+            _moe(8, 1, 256, renormalize=True),
+            refused="config validation refuses model.moe.top_k = 1 with model.moe.renormalize = True"),
     ]
 
 
@@ -190,9 +198,13 @@ def summarize(grid_rows: list[Row], base: JobConfig, seeds: list[int], runs: Pat
               steps: int) -> dict:
     summary = {"rows": []}
     for row in grid_rows:
-        cfg = apply_overrides(base, list(row.overrides))
+        # A refused row's sizes are those of its config with the refused option flipped (renormalize
+        # changes no parameter count or FLOP).
+        overrides = [("False" if row.refused and o == "True" else o) for o in row.overrides]
+        cfg = apply_overrides(base, overrides)
         params = count_params(cfg.model)
         entry = {"name": row.name, "group": row.group, "label": row.label, "overrides": list(row.overrides),
+                 **({"refused": row.refused} if row.refused else {}),
                  "params_total": params["total"], "params_active": params["active"],
                  "flops_per_token": flops_per_token(cfg.model, seq_len), "seeds": {}}
         for seed in seeds:
@@ -238,7 +250,8 @@ def table(summary: dict) -> str:
     for e in summary["rows"]:
         seeds = e["seeds"]
         per_seed = " / ".join(f"{s['heldout_bpb']:.3f}" for _, s in sorted(seeds.items()))
-        bpb = (f"{e['heldout_bpb_mean']:.3f} ± {e['heldout_bpb_spread'] / 2:.3f}" if seeds else "not run")
+        bpb = (f"{e['heldout_bpb_mean']:.3f} ± {e['heldout_bpb_spread'] / 2:.3f}" if seeds
+               else "refused" if e.get("refused") else "not run")
         delta = " / ".join(f"{d:+.3f}" for _, d in sorted(e.get("delta_vs_default_per_seed", {}).items()))
         lines.append(f"| {e['label']} | {e['group']} | {e['params_total'] / 1e6:.2f} M / "
                      f"{e['params_active'] / 1e6:.2f} M | {e['flops_per_token'] / 1e6:.1f} | {bpb} | {len(seeds)} "
@@ -362,7 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     seq_len = 64 if args.quick else base.data.seq_len
     if not args.report_only:
         # Row-major: both seeds of a row run side by side (same cost, so they finish together).
-        tasks = [(row, seed) for row in grid_rows for seed in args.seeds]
+        tasks = [(row, seed) for row in grid_rows for seed in args.seeds if not row.refused]
+        for row in grid_rows:
+            if row.refused:
+                print(f"{row.name}: not run ({row.refused})", flush=True)
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = [pool.submit(run_one, row, seed, args.steps,
                                    schedule_args(row, args.steps, args.eval_every, args.eval_batches, seed, args.quick),

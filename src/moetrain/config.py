@@ -57,7 +57,8 @@ class MoEConfig:
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax over all experts, or an independent sigmoid per expert (DeepSeek-V3)."""
     renormalize: bool = True
-    """Rescale the selected experts' scores to sum to 1 (Hugging Face's norm_topk_prob)."""
+    """Rescale the selected experts' scores to sum to 1 (Hugging Face's norm_topk_prob). Refused with
+    top_k = 1, where every gate would be 1 and the router would get no gradient from the LM loss."""
     activation: Literal["swiglu", "gelu", "clamped_swiglu"] = "swiglu"
     """The experts' activation: silu(gate)·up; exact GELU; or GPT-OSS's clamped SwiGLU
     (clamp(up, ±swiglu_limit) + 1) · g · sigmoid(swiglu_alpha · g) with g = min(gate, swiglu_limit)."""
@@ -530,6 +531,10 @@ def _validate(cfg: JobConfig) -> None:
         _check(moe.swiglu_limit > 0, "model.moe.swiglu_limit", moe.swiglu_limit, "must be > 0")
     _check(moe.top_k <= moe.n_experts, "model.moe.top_k", moe.top_k,
            f"must be <= model.moe.n_experts = {moe.n_experts}")
+    # One renormalised gate is g / g = 1 whatever the router says: the LM loss would never train it.
+    _check(not (moe.top_k == 1 and moe.renormalize and m.n_dense_layers < m.n_layers), "model.moe.renormalize",
+           moe.renormalize, "with model.moe.top_k = 1 every gate is exactly 1, so the router gets no gradient from "
+           "the language-model loss; set model.moe.renormalize = False (Switch's gate) or model.moe.top_k >= 2")
     _check(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len, f"must be <= model.max_seq_len = {m.max_seq_len}")
     if d.token_budget is not None:
         _check(d.batching == "token_budget", "data.token_budget", d.token_budget,

@@ -64,3 +64,20 @@ def test_unknown_row_is_refused(tmp_path):
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "unknown rows ['no_such_row']" in done.stderr
+
+
+def test_a_refused_row_is_not_run_and_is_reported_as_refused(tmp_path):
+    # top-1 with renormalized gates is refused by config validation: the grid must not start it
+    # (the run would exit 2) and must still build its report, naming the refusal.
+    out = tmp_path / "quality"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--rows", "gran_8x1x256_renorm"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gran_8x1x256_renorm: not run (config validation refuses model.moe.top_k = 1" in done.stdout
+    assert not any((out / "runs").iterdir())
+    (row,) = json.loads((out / "summary.json").read_text())["rows"]
+    assert row["seeds"] == {} and "model.moe.renormalize = True" in row["refused"]
+    assert row["params_total"] > row["params_active"] > 0
+    assert "| refused |" in (out / "table.md").read_text()
