@@ -1,4 +1,4 @@
-"""Where one `bench train` step's time goes, by op kind: GEMMs, elementwise, casts, softmax/attention, gather/scatter/sort.
+"""Where one `bench train` step's time goes, by op kind: GEMMs, elementwise, casts, attention, gather/scatter.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bf16_step_profile.py [--dtype bfloat16] [--threads 2]
         [--steps 1] [--out benchmarks/results/bf16_step_profile.txt]
@@ -82,8 +82,8 @@ def main(argv: list[str]) -> None:
         by_kind[kind_of(evt.key)] += self_s
         rows.append((self_s, evt.key, evt.count // n_steps))
     total = sum(by_kind.values())
-    lines = [f"{cfg.parallel.param_dtype}, {torch.get_num_threads()} threads, {trainer.tokens_per_rank_step} tokens/step:"
-             f" step {wall:.3f} s under the profiler, aten self time {total:.3f} s"]
+    lines = [f"{cfg.parallel.param_dtype}, {torch.get_num_threads()} threads, {trainer.tokens_per_rank_step} "
+             f"tokens/step: step {wall:.3f} s under the profiler, aten self time {total:.3f} s"]
     for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {kind:22s} {seconds:8.3f} s  {100 * seconds / total:5.1f}%")
     lines.append("top ops (self s/step, calls/step):")

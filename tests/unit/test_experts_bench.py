@@ -86,3 +86,12 @@ def test_qwen3_moe_debug_preset_is_one_layer_of_that_config():
     assert (opts.hidden, opts.intermediate, opts.n_experts, opts.top_k, opts.activation) == (
         model["dim"], moe["expert_hidden"], moe["n_experts"], moe["top_k"], moe.get("activation", "swiglu"))
     assert opts.tokens == 2 * config["data"]["seq_len"]  # the microbatch: 2 x 512 tokens
+
+
+def test_bench_cpu_clock_and_its_bad_values(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench_moe.main([*TINY, "--no-backend-comparison", "--clock", "cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["clock"] == "cpu" and report["gemm_peak_flops_per_s"] > 0
+    with pytest.raises(ConfigError, match="--clock = 'sundial' is invalid: valid: wall, cpu"):
+        bench_moe.main([*TINY, "--clock", "sundial"])
