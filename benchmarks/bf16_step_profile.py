@@ -42,6 +42,8 @@ KINDS = (
 
 def kind_of(name: str) -> str:
     op = name.removeprefix("aten::")
+    if "scaled_dot_product" in op:
+        return "attention"
     for kind, ops in KINDS:
         if op in ops or any(op.startswith(o + "_") and o in ("_foreach",) for o in ops):
             return kind
