@@ -43,7 +43,7 @@ def worker() -> None:
         routing.scores = routing.scores.detach().requires_grad_()
         backend = grouped_mm_backend(x.device, dtype, "memory_efficient")
 
-        def step():
+        def step(x=x, routing=routing, w1=w1, w2=w2, backend=backend):
             out = memory_efficient_experts(x, routing, w1, w2, "swiglu", backend)
             out.backward(torch.ones_like(out))
 
