@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,34 @@ def test_bench_bad_options_are_config_errors(capsys):
     assert cli_main(["bench", "moe", "--top_k", "99"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--top_k = 99" in err[0]
+
+
+def test_bench_reports_the_layer_against_the_same_dtype_gemm_peak(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench_moe.main([*TINY, "--no-backend-comparison", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    # closed form: forward 2 A d (2n) + 2 A n d for SwiGLU, backward twice that; A = tokens * top_k
+    assignments, hidden, inner = 64 * 2, 32, 8
+    assert report["layer_gemm_flops"] == 3 * (2 * assignments * hidden * 2 * inner + 2 * assignments * inner * hidden)
+    assert report["gemm_peak_flops_per_s"] > 0
+    for r in report["results"]:
+        assert r["gemm_flops_per_s"] == pytest.approx(report["layer_gemm_flops"] / (r["fwd_bwd_ms"] / 1e3))
+        assert r["fraction_of_gemm_peak"] == pytest.approx(r["gemm_flops_per_s"] / report["gemm_peak_flops_per_s"])
+
+
+def test_qwen3_moe_debug_preset_is_one_layer_of_that_config():
+    config = tomllib.loads((Path(__file__).parents[2] / "configs/qwen3_moe_debug.toml").read_text())
+    model, moe = config["model"], config["model"]["moe"]
+    opts = bench_moe.parse_options(["--preset", "qwen3_moe_debug"])
+    assert (opts.hidden, opts.intermediate, opts.n_experts, opts.top_k, opts.activation) == (
+        model["dim"], moe["expert_hidden"], moe["n_experts"], moe["top_k"], moe.get("activation", "swiglu"))
+    assert opts.tokens == 2 * config["data"]["seq_len"]  # the microbatch: 2 x 512 tokens
+
+
+def test_bench_cpu_clock_and_its_bad_values(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench_moe.main([*TINY, "--no-backend-comparison", "--clock", "cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["clock"] == "cpu" and report["gemm_peak_flops_per_s"] > 0
+    with pytest.raises(ConfigError, match="--clock = 'sundial' is invalid: valid: wall, cpu"):
+        bench_moe.main([*TINY, "--clock", "sundial"])

@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.model.experts import routed_experts
-from moetrain.model.moe_function import ExpertChunk, MemoryEfficientExperts, memory_efficient_experts, plan_chunks
+from moetrain.model.moe_function import (
+    ExpertChunk,
+    MemoryEfficientExperts,
+    _scale_rows,
+    _swiglu_backward,
+    memory_efficient_experts,
+    plan_chunks,
+)
 from moetrain.model.routing import routing_from_topk
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: round-to-nearest relative error <= 2^-8
@@ -146,3 +153,69 @@ def test_chunk_size_does_not_change_results(chunk_rows):
     got = (out, *torch.autograd.grad(out, (x, scores, w1, w2), grad_out))
     for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("rows_dtype, scores_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                      (torch.float32, torch.bfloat16), (torch.float16, torch.float16)])
+def test_scale_rows_is_bitwise_the_float32_product_rounded_once(rows_dtype, scores_dtype):
+    """The one-pass scaling must round exactly as multiplying in float32 and rounding once does."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(37, 61, generator=gen).to(rows_dtype)
+    scores = torch.rand(37, generator=gen).to(scores_dtype)
+    want = (rows.float() * scores.float().unsqueeze(1)).to(rows_dtype)
+    assert torch.equal(_scale_rows(rows, scores), want)
+    in_place = rows.clone()
+    assert torch.equal(_scale_rows(in_place, scores, out=in_place), want) and torch.equal(in_place, want)
+
+
+def _swiglu_backward_reference(hidden, grad_act_unscaled, scores):
+    """dS, S*A and dH by float64 autograd through A = silu(gate) * up, the definition."""
+    hidden = hidden.double().clone().requires_grad_()  # a new leaf: the input stays as it is
+    gate, up = hidden.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    weighted = act * scores.double().unsqueeze(1)
+    (grad_hidden,) = torch.autograd.grad(weighted, hidden, grad_act_unscaled.double())
+    return (grad_act_unscaled.double() * act).sum(1), weighted.detach(), grad_hidden
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_swiglu_backward_matches_autograd(dtype):
+    gen = torch.Generator().manual_seed(4)
+    hidden = (torch.randn(50, 2 * 24, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    grad_act = torch.randn(50, 24, generator=gen, dtype=torch.float64).to(dtype)
+    scores = torch.rand(50, generator=gen, dtype=torch.float64).to(dtype)
+    grad_s, weighted, grad_hidden = _swiglu_backward(hidden, grad_act, scores, True, True, True)
+    want = _swiglu_backward_reference(hidden, grad_act, scores)
+    assert grad_s.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)  # the reduction stays float32
+    assert weighted.dtype == grad_hidden.dtype == dtype
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2 * BF16_UNIT_ROUNDOFF}[dtype]
+    for got, ref in zip((grad_s, weighted, grad_hidden), want, strict=True):
+        assert rel_err(got, ref) <= tol
+    # only what is asked for is computed
+    assert _swiglu_backward(hidden, grad_act, scores, False, False, True)[:2] == (None, None)
+    assert _swiglu_backward(hidden, grad_act, scores, True, False, False)[1:] == (None, None)
+
+
+def test_backward_writes_no_gradient_for_the_saved_pre_activation():
+    """H is an operator output only so it can be saved: its (zero) gradient must not be materialised."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w1, w2, grad_out, scores, idx = make_problem(32, 16, 8, 4, 2, "swiglu", torch.float32)
+    x, w1, w2, scores = (t.requires_grad_() for t in (x, w1, w2, scores))
+    out = routed_experts(x, routing_from_topk(idx, scores, 4), w1, w2, "swiglu", "memory_efficient")
+    h_shape = (32 * 2, 2 * 8)
+
+    class ZeroFills(TorchDispatchMode):
+        shapes: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.fill_.Scalar, torch.ops.aten.zeros.default, torch.ops.aten.zero_.default,
+                        torch.ops.aten.zeros_like.default, torch.ops.aten.new_zeros.default):
+                ZeroFills.shapes.append(tuple(result.shape))
+            return result
+
+    with ZeroFills():
+        out.backward(grad_out)
+    assert h_shape not in ZeroFills.shapes
+    assert x.grad is not None and w1.grad is not None

@@ -37,6 +37,7 @@ from moetrain.errors import ConfigError
 from moetrain.model.experts import IMPLS, routed_experts
 from moetrain.model.grouped_mm import ACTIVATIONS, BACKENDS, grouped_mm_backend
 from moetrain.model.routing import Routing, routing_from_topk
+from moetrain.observe.peak_flops import measure_gemm_flops
 
 matplotlib.use("Agg")  # the sweep plot goes to a file only; never needs a display
 
@@ -65,11 +66,16 @@ class BenchConfig:
     threads: int = 0
     # Grouped GEMM backend for the main table; "auto" = moetrain's per-device choice.
     backend: str = "auto"
+    # What times a pass and the GEMM peak: "wall" (perf_counter) or "cpu" (the process's CPU time,
+    # CPU only), which on a shared, oversubscribed machine measures the work instead of the queue.
+    clock: str = "wall"
 
 
 PRESETS: dict[str, dict[str, Any]] = {
     "fine": dict(hidden=512, intermediate=128, n_experts=64, top_k=8, tokens=4096),
     "coarse": dict(hidden=1024, intermediate=512, n_experts=8, top_k=2, tokens=4096),
+    # The routed experts of one configs/qwen3_moe_debug.toml layer on one 2 x 512-token microbatch.
+    "qwen3_moe_debug": dict(hidden=256, intermediate=768, n_experts=64, top_k=8, tokens=1024),
 }
 
 
@@ -88,6 +94,8 @@ def _validate(cfg: BenchConfig) -> None:
     check(cfg.dtype in ("float32", "bfloat16", "float64"), "dtype", "valid: float32, bfloat16, float64")
     check(cfg.backend in ("auto", *BACKENDS), "backend", f"valid: auto, {', '.join(BACKENDS)}")
     check(cfg.device in ("cpu", "cuda"), "device", "valid: cpu, cuda")
+    check(cfg.clock in ("wall", "cpu") and not (cfg.clock == "cpu" and cfg.device != "cpu"), "clock",
+          "valid: wall, cpu (cpu only with --device cpu)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device = 'cuda' is invalid: no CUDA device is available here; use cpu")
 
@@ -152,6 +160,15 @@ def formula_bytes(cfg: BenchConfig) -> int:
             + assignments * 8 + cfg.n_experts * 8)
 
 
+def layer_flops(cfg: BenchConfig) -> float:
+    """The routed experts' GEMM FLOPs per forward+backward: 3 x (2 A d (width of W1) + 2 A n d), A = tokens x top_k.
+
+    The backward's two GEMMs per projection (input and weight gradient) are twice the forward's.
+    """
+    width = 2 * cfg.intermediate if cfg.activation == "swiglu" else cfg.intermediate
+    return 3.0 * 2 * cfg.tokens * cfg.top_k * cfg.hidden * (width + cfg.intermediate)
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -160,11 +177,12 @@ def _sync(device: str) -> None:
 def _fwd_bwd_once(inputs: Inputs, cfg: BenchConfig, impl: str, backend: str) -> float:
     for tensor in (inputs.x, inputs.routing.scores, inputs.w1, inputs.w2):
         tensor.grad = None
+    timer = time.perf_counter if cfg.clock == "wall" else time.process_time
     _sync(cfg.device)
-    start = time.perf_counter()
+    start = timer()
     _forward(inputs, cfg, impl, backend).backward(inputs.grad_out)
     _sync(cfg.device)
-    return (time.perf_counter() - start) * 1e3
+    return (timer() - start) * 1e3
 
 
 def time_variants(inputs: Inputs, cfg: BenchConfig, variants: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
@@ -193,6 +211,11 @@ def run_preset(cfg: BenchConfig, compare_backends: bool) -> dict[str, Any]:
         variants += [(impl, other) for impl in ("grouped", "memory_efficient") for other in BACKENDS
                      if other != chosen[impl]]
     times = time_variants(inputs, cfg, variants)
+    # The same-dtype GEMM peak the MFU of `bench train` uses (a 1024^2 product, best of 8, this
+    # process's threads), taken right after the timings so both see the same machine.
+    peak = (measure_gemm_flops(DTYPES[cfg.dtype], cfg.device, torch.get_num_threads(), clock=cfg.clock)
+            if cfg.device == "cpu" else None)
+    flops = layer_flops(cfg)
     results = []
     grouped_bytes = saved_bytes(inputs, cfg, "grouped", chosen["grouped"])
     grouped_ms = times[("grouped", chosen["grouped"])]
@@ -206,14 +229,18 @@ def run_preset(cfg: BenchConfig, compare_backends: bool) -> dict[str, Any]:
             "fwd_bwd_ms": times[(impl, chosen[impl])],
             "saved_ratio_to_grouped": nbytes / grouped_bytes,
             "time_ratio_to_grouped": times[(impl, chosen[impl])] / grouped_ms,
+            "gemm_flops_per_s": flops / (times[(impl, chosen[impl])] / 1e3),
         }
+        if peak is not None:
+            entry["fraction_of_gemm_peak"] = entry["gemm_flops_per_s"] / peak
         if impl == "memory_efficient":
             entry["formula_bytes"] = formula_bytes(cfg)
             entry["saved_over_formula"] = nbytes / entry["formula_bytes"]
         results.append(entry)
     report: dict[str, Any] = {"config": dataclasses.asdict(cfg), "results": results,
                               "chosen_backends": {impl: chosen[impl] for impl in ("grouped", "memory_efficient")},
-                              "torch": torch.__version__, "threads": torch.get_num_threads()}
+                              "torch": torch.__version__, "threads": torch.get_num_threads(),
+                              "layer_gemm_flops": flops, "gemm_peak_flops_per_s": peak}
     if compare_backends:
         report["backend_comparison"] = [
             {"impl": impl, "backend": backend, "fwd_bwd_ms": ms, "time_ratio_to_chosen_grouped": ms / grouped_ms,
@@ -269,10 +296,18 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"{'impl':18s} {'backend':18s} {'saved MiB':>10s} {'x grouped':>9s} {'fwd+bwd ms':>11s} {'x grouped':>9s}"]
+    lines = [f"{'impl':18s} {'backend':18s} {'saved MiB':>10s} {'x grouped':>9s} {'fwd+bwd ms':>11s} {'x grouped':>9s}"
+             f" {'GFLOP/s':>8s} {'of peak':>8s}"]
     for r in report["results"]:
+        of_peak = f"{100 * r['fraction_of_gemm_peak']:7.1f}%" if "fraction_of_gemm_peak" in r else f"{'-':>8s}"
         lines.append(f"{r['impl']:18s} {r['backend']:18s} {r['saved_mib']:10.2f} {r['saved_ratio_to_grouped']:9.3f} "
-                     f"{r['fwd_bwd_ms']:11.2f} {r['time_ratio_to_grouped']:9.3f}")
+                     f"{r['fwd_bwd_ms']:11.2f} {r['time_ratio_to_grouped']:9.3f} {r['gemm_flops_per_s'] / 1e9:8.1f} "
+                     f"{of_peak}")
+    if report.get("gemm_peak_flops_per_s"):
+        lines.append(f"GEMM peak ({report['config']['dtype']}, 1024^2, {report['threads']} thread(s), same run, "
+                     f"{report['config']['clock']} clock): "
+                     f"{report['gemm_peak_flops_per_s'] / 1e9:.1f} GFLOP/s; the layer's GEMMs: "
+                     f"{report['layer_gemm_flops'] / 1e9:.2f} GFLOP per forward+backward")
     mem = next(r for r in report["results"] if r["impl"] == "memory_efficient")
     lines.append(f"memory_efficient formula: {mem['formula_bytes'] / 2**20:.2f} MiB "
                  f"(measured / formula = {mem['saved_over_formula']:.4f})")
@@ -306,7 +341,7 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
 class MoeBenchOptions(BenchConfig):
     """Expert implementations side by side: saved bytes for backward and fwd+bwd time, same inputs."""
 
-    # fine or coarse: the defaults of tokens, hidden, intermediate, n_experts and top_k. Read
+    # fine, coarse or qwen3_moe_debug: the defaults of tokens, hidden, intermediate, n_experts and top_k. Read
     # before the other options, because the preset decides the defaults they override.
     preset: str = "fine"
     json: Path | None = None  # write the results as JSON here
@@ -344,7 +379,8 @@ def main(argv: list[str]) -> int:
     report = {"preset": opts.preset, **report}
     print(f"moetrain bench moe --preset {opts.preset}: tokens={cfg.tokens} hidden={cfg.hidden} "
           f"intermediate={cfg.intermediate} experts={cfg.n_experts} top_k={cfg.top_k} {cfg.activation} {cfg.dtype} "
-          f"{cfg.device} threads={torch.get_num_threads()} (median of {cfg.repeats} after {cfg.warmup} warm-up)")
+          f"{cfg.device} threads={torch.get_num_threads()} clock={cfg.clock} "
+          f"(median of {cfg.repeats} after {cfg.warmup} warm-up)")
     print(format_table(report))
     if opts.sweep:
         rows = run_sweep(cfg, timed=not opts.sweep_bytes_only)

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -54,10 +55,55 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def _scale_rows(rows: Tensor, scores: Tensor) -> Tensor:
-    """rows * scores[:, None], multiplied in the accumulate dtype and rounded once to rows' dtype."""
-    acc = _accumulate_dtype(rows.dtype)
-    return (rows.to(acc) * scores.to(acc).unsqueeze(1)).to(rows.dtype)
+def _scale_rows(rows: Tensor, scores: Tensor, out: Tensor | None = None) -> Tensor:
+    """rows * scores[:, None], multiplied in the accumulate dtype and rounded once to rows' dtype.
+
+    One pass, no float32 temporaries: ATen's CPU kernels for a bf16/fp16 product (and for a mixed
+    product written to a low-precision result) compute each element in float32 and round once,
+    which is bit for bit `(rows.float() * scores.float()).to(rows.dtype)` (tested) at a third of the
+    memory traffic. `out` may be `rows` itself (in place).
+    """
+    return torch.mul(rows, scores.unsqueeze(1), out=rows.new_empty(rows.shape) if out is None else out)
+
+
+def _weighted_activation(hidden: Tensor, scores: Tensor, activation: Activation) -> Tensor:
+    """S * phi(H) rounded as `_scale_rows(activation_forward(H), S)` is, in fewer passes for SwiGLU."""
+    if activation != "swiglu":
+        return _scale_rows(activation_forward(hidden, activation), scores)
+    gate, up = hidden.chunk(2, dim=-1)
+    act = F.silu(gate)
+    act.mul_(up)  # the same one rounding as `silu(gate) * up`, without a second temporary
+    return _scale_rows(act, scores, out=act)
+
+
+def _swiglu_backward(hidden: Tensor, grad_act_unscaled: Tensor, scores: Tensor, need_scores: bool,
+                     need_weighted_act: bool, need_hidden: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The SwiGLU part of the backward, sharing one float32 sigmoid: (dS [R] float32, S·A for dW2, dH).
+
+    With gate g, up u, dA' = dO W2^T and A = silu(g) u, all in float32 (the accumulate dtype):
+    dS = <dA', A>, S·A (rounded once), dA = S dA', dH = [dA u silu'(g) | dA silu(g)] rounded once.
+    The unfused path rounded A, S dA' and silu(g) to the low-precision dtype on the way; here only the
+    results are rounded, so the values are at least as accurate (the bf16 error bound test).
+    """
+    acc = _accumulate_dtype(hidden.dtype)
+    gate, up = hidden.to(acc).chunk(2, dim=-1)  # views of one float32 copy (no copy at all in float32)
+    silu = F.silu(gate)
+    grad_scores = weighted_act = grad_hidden = None
+    if need_scores or need_weighted_act:
+        act = silu * up
+        if need_scores:
+            grad_scores = (grad_act_unscaled.to(acc) * act).sum(dim=1)
+        if need_weighted_act:
+            weighted_act = _scale_rows(act, scores, out=hidden.new_empty(act.shape))
+        del act
+    if need_hidden:
+        grad_act = grad_act_unscaled.to(acc) * scores.to(acc).unsqueeze(1)  # dA = S dA', unrounded
+        grad_hidden = hidden.new_empty(hidden.shape)
+        width = gate.shape[1]
+        torch.mul(grad_act, silu, out=grad_hidden[:, width:])  # d up = dA silu(g)
+        grad_act.mul_(up)  # dA u, in place
+        torch.ops.aten.silu_backward.grad_input(grad_act, gate, grad_input=grad_hidden[:, :width])
+    return grad_scores, weighted_act, grad_hidden
 
 
 # On CPU the experts are processed in chunks of consecutive experts holding about this many routed
@@ -124,7 +170,7 @@ def _forward(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Ten
         if b1 is not None:  # in place: H is saved with its bias
             hidden_c += b1.index_select(0, experts_of_rows[rows])
         # Scaling A (rows x n) by S before W2 is cheaper than scaling Y (rows x d), equal by linearity.
-        weighted_act = _scale_rows(activation_forward(hidden_c, activation), scores[rows])
+        weighted_act = _weighted_activation(hidden_c, scores[rows], activation)
         out_rows = grouped_mm(weighted_act, w2[experts], counts_c, backend, counts_host_c).to(acc)
         if b2 is not None:  # S · b2_e per row
             out_rows += _scale_rows(b2.index_select(0, experts_of_rows[rows]), scores[rows]).to(acc)
@@ -162,22 +208,30 @@ def _backward(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token
         # dA' = dO W2^T (a transposed view of W2, no copy)
         grad_act_unscaled = grouped_mm(grad_out_rows, w2[experts].transpose(1, 2), counts_c, backend,
                                        counts_host_c)
-        act = activation_forward(hidden_c, activation)  # recomputed from H, never saved
         expert_rows = None if experts_of_rows is None else experts_of_rows[rows]
+        need_hidden = need_x or need_w1 or need_b1
+        if activation == "swiglu":  # A recomputed from H (never saved), one float32 sigmoid for everything
+            grad_s, weighted_act, grad_hidden = _swiglu_backward(hidden_c, grad_act_unscaled, scores_c, need_scores,
+                                                                 need_w2, need_hidden)
+        else:
+            act = activation_forward(hidden_c, activation)  # recomputed from H, never saved
+            grad_s = (grad_act_unscaled.to(acc) * act.to(acc)).sum(dim=1) if need_scores else None
+            weighted_act = _scale_rows(act, scores_c) if need_w2 else None
+            del act
+            grad_hidden = (activation_backward(hidden_c, _scale_rows(grad_act_unscaled, scores_c), activation)
+                           if need_hidden else None)
+        del grad_act_unscaled
         if need_scores:  # dS = <dA', A> (+ <dO, b2_e>), reduced in float32 for low-precision inputs
-            grad_s = (grad_act_unscaled.to(acc) * act.to(acc)).sum(dim=1)
             if b2 is not None:
                 grad_s += (grad_out_rows.to(acc) * b2.index_select(0, expert_rows).to(acc)).sum(dim=1)
             grad_scores[rows] = grad_s.to(scores.dtype)
         if need_w2:  # dW2_e = (S A)^T dO
-            grouped_mm_weight_grad(_scale_rows(act, scores_c), grad_out_rows, counts_c, backend, counts_host_c,
+            grouped_mm_weight_grad(weighted_act, grad_out_rows, counts_c, backend, counts_host_c,
                                    out=grad_w2[experts])
         if need_b2:  # db2_e = sum over the expert's rows of S dO
             grad_b2.index_add_(0, expert_rows, _scale_rows(grad_out_rows, scores_c).to(acc))
-        del grad_out_rows, act
-        if need_x or need_w1 or need_b1:
-            grad_hidden = activation_backward(hidden_c, _scale_rows(grad_act_unscaled, scores_c), activation)
-            del grad_act_unscaled
+        del grad_out_rows, weighted_act
+        if need_hidden:
             if need_b1:  # db1_e = sum over the expert's rows of dH
                 grad_b1.index_add_(0, expert_rows, grad_hidden.to(acc))
             if need_w1:  # dW1_e = X[token]^T dH, X gathered again
@@ -273,6 +327,9 @@ def _experts_backward_op_fake(grad_out, x, hidden, scores, token_index, counts, 
 
 def _experts_op_setup_context(ctx, inputs, output):
     x, scores, w1, w2, token_index, counts, b1, b2, activation, alpha, limit, backend, chunk_rows = inputs
+    # H is an output only so that it can be saved; nothing downstream uses it, so its gradient is
+    # None. Materialised, it would be a zero tokens*top_k x width tensor written every backward.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, output[1], scores, token_index, counts, w1, w2, b1, b2)
     ctx.args = (activation, alpha, limit, backend, chunk_rows)
 
@@ -280,6 +337,8 @@ def _experts_op_setup_context(ctx, inputs, output):
 def _experts_op_backward(ctx, grad_out, grad_hidden):
     # H is an internal output (saved for backward, never used downstream), so grad_hidden is None.
     x, hidden, scores, token_index, counts, w1, w2, b1, b2 = ctx.saved_tensors
+    if grad_out is None:  # not materialised (see setup_context): the output took no gradient
+        grad_out = torch.zeros_like(x)
     inputs_need = ctx.needs_input_grad
     needs = [inputs_need[0], inputs_need[1], inputs_need[2], inputs_need[3], inputs_need[6] and b1 is not None,
              inputs_need[7] and b2 is not None]
