@@ -75,7 +75,7 @@ def corpus(tmp_path) -> Path:
 
 def test_four_rank_run_is_memory_flat_after_warmup(corpus, tmp_path):
     run_dir = tmp_path / "run"
-    # With the allocator settings every rank of a torchrun job gets (huge pages for large tensors).
+    # With the allocator settings every rank of a torchrun job gets.
     run_on_ranks(train, 4, job_argv(corpus, run_dir), timeout=240, rank_env=rank_environment(4))
     slopes = rss_slopes(run_dir)
     assert len(slopes) == 4

@@ -1,5 +1,5 @@
 """Host-memory settings: heap reuse for one-process jobs only (several ranks on a host ran out of
-memory with it), huge pages for large tensors on the ranks of multi-rank jobs."""
+memory with it); huge pages for large tensors only when the user asks (they made a rank's RSS grow)."""
 
 from __future__ import annotations
 
@@ -52,24 +52,26 @@ print(sum(any(lo <= t.data_ptr() < hi and hg for lo, hi, hg in advised) for t in
 """
 
 
-@pytest.mark.parametrize("world_size, expected", [("1", False), ("2", True), ("4", True)])
-def test_only_multi_rank_jobs_ask_for_huge_pages(world_size, expected):
+@pytest.mark.parametrize("world_size, expected", [("1", None), ("2", "0"), ("4", "0")])
+def test_multi_rank_jobs_keep_huge_pages_off_by_default(world_size, expected):
     environ = {"WORLD_SIZE": world_size}
-    assert allocator.huge_pages_for_large_tensors(environ) is expected
-    assert environ.get(allocator.TORCH_THP_VARIABLE) == ("1" if expected else None)
+    assert allocator.huge_pages_for_large_tensors(environ) is False
+    assert environ.get(allocator.TORCH_THP_VARIABLE) == expected
 
 
 def test_a_value_the_user_set_wins():
-    environ = {"WORLD_SIZE": "4", allocator.TORCH_THP_VARIABLE: "0"}
-    assert allocator.huge_pages_for_large_tensors(environ) is False
-    assert environ[allocator.TORCH_THP_VARIABLE] == "0"
+    environ = {"WORLD_SIZE": "4", allocator.TORCH_THP_VARIABLE: "1"}
+    assert allocator.huge_pages_for_large_tensors(environ) is True
+    assert environ[allocator.TORCH_THP_VARIABLE] == "1"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps to read mappings from")
-@pytest.mark.parametrize("world_size, advised", [("1", 0), ("4", 8)])
-def test_torch_asks_the_kernel_for_huge_pages_when_set_before_it_loads(world_size, advised):
+@pytest.mark.parametrize("world_size, user_value, advised", [("1", None, 0), ("4", None, 0), ("4", "1", 8)])
+def test_torch_asks_the_kernel_for_huge_pages_when_set_before_it_loads(world_size, user_value, advised):
     env = {k: v for k, v in os.environ.items() if k != allocator.TORCH_THP_VARIABLE}
     env["WORLD_SIZE"] = world_size
+    if user_value is not None:
+        env[allocator.TORCH_THP_VARIABLE] = user_value
     out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_PROBE], env=env, capture_output=True, text=True,
                          check=True, timeout=120)
     assert int(out.stdout.split()[-1]) == advised

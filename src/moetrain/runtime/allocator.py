@@ -16,15 +16,15 @@ memory, killed by the OOM killer on a 24 GiB machine, where the same job without
 peaked at 2.5 GB per rank (benchmarks/step_time_ab.py, side by side). Only on glibc (Linux);
 elsewhere it does nothing.
 
-Several ranks get transparent huge pages instead (`huge_pages_for_large_tensors`): torch's CPU
-allocator, when THP_MEM_ALLOC_ENABLE=1 is in the environment before torch is loaded, aligns
-tensors of 2 MiB and more to 2 MiB and asks the kernel for huge pages for them (madvise), so a
-fresh 150 MiB all-gather buffer costs 75 page faults instead of 38 400. FSDP2 allocates and frees
-each layer's all-gather, unsharded-parameter and reduce-scatter buffers at every use, and gloo
-copies through them: on 4 gloo ranks of qwen3_moe_debug (128-token rows) the step took 26 s
-instead of 41 s with the same peak RSS per rank (2.55 vs 2.54 GB; docs/performance.md). On one
-process it gave nothing on top of the heap reuse above and raised peak RSS (qwen3_moe_debug
-5.8 -> 6.5 GB), so one process keeps the glibc setting alone. A value the user set wins.
+Several ranks keep torch's allocator as it is: huge pages stay off (THP_MEM_ALLOC_ENABLE=0 unless
+the user set it). With THP_MEM_ALLOC_ENABLE=1, torch aligns tensors of 2 MiB and more to 2 MiB and
+madvises them for transparent huge pages, so a fresh 150 MiB FSDP buffer costs 75 page faults
+instead of 38 400; on 4 gloo ranks of qwen3_moe_debug (128-token rows) that once made a step 26 s
+instead of 41 s. But each rank's resident set then kept growing: tiny_moe on 2 ranks grew from
+0.96 to 1.65 GB per rank over 45 steps, while the same job without huge pages stayed at 0.77-0.80 GB
+(docs/design/performance.md, "Huge pages"). FSDP's communication buffers are now reused on gloo
+(parallel/gloo_comms.py), which removes most of the fresh-page cost huge pages paid for. A value
+the user set wins, so huge pages remain one variable away.
 
 This module sets process-wide allocator options; it must not import torch (the environment
 variable is read when torch loads), allocate tensors or change what is computed.
@@ -47,13 +47,12 @@ def rank_environment(world_size: int, environ: Mapping[str, str] = os.environ) -
     """The allocator variables a rank of a `world_size` job runs with (a value already set wins)."""
     if world_size <= 1:
         return {}
-    return {TORCH_THP_VARIABLE: environ.get(TORCH_THP_VARIABLE, "1")}
+    return {TORCH_THP_VARIABLE: environ.get(TORCH_THP_VARIABLE, "0")}
 
 
 def huge_pages_for_large_tensors(environ: MutableMapping[str, str] = os.environ) -> bool:
-    """On a rank of a multi-rank job (torchrun's WORLD_SIZE > 1), turn torch's huge-page allocation on.
-
-    Must run before torch is imported. Returns whether it is on; an explicit user value is kept.
+    """On a rank of a multi-rank job (torchrun's WORLD_SIZE > 1), pin torch's huge-page allocation (off
+    unless the user set THP_MEM_ALLOC_ENABLE). Must run before torch is imported. Returns whether it is on.
     """
     environ.update(rank_environment(int(environ.get("WORLD_SIZE", "1")), environ))
     return environ.get(TORCH_THP_VARIABLE) == "1"
