@@ -19,7 +19,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.toml")
 SMALL = ["--config", TINY, "--data.seq_len", "64", "--train.microbatch_size", "2", "--model.n_layers", "3"]
 
 
-def _saved_for_backward_bytes(cfg) -> int:
+def saved_for_backward_bytes(cfg) -> int:
     """Bytes of the distinct non-parameter storages autograd saves in one forward + loss."""
     torch.manual_seed(0)
     model = Transformer(cfg.model)
@@ -45,7 +45,7 @@ def _saved_for_backward_bytes(cfg) -> int:
                                    ["--model.moe.top_k", "4", "--model.n_kv_heads", "2"]])
 def test_activation_estimate_is_a_close_lower_bound_of_what_autograd_saves(extra):
     cfg = parse_job_args([*SMALL, *extra])
-    measured = _saved_for_backward_bytes(cfg)
+    measured = saved_for_backward_bytes(cfg)
     estimated = estimate_training_memory(cfg).activations
     assert 0.5 * measured <= estimated <= measured, (estimated, measured)
 

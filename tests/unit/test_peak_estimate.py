@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_memory_estimate import saved_for_backward_bytes
 
 from moetrain import cli
 from moetrain.config import parse_job_args
@@ -15,32 +16,10 @@ from moetrain.model.memory_estimate import HEAP_SLACK, estimate_peak
 from moetrain.model.transformer import Transformer
 from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.train import estimate as estimate_command
-from moetrain.train.loss import token_loss_sum
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--config", str(ROOT / "configs" / "tiny_moe.toml"), "--data.seq_len", "128", "--train.microbatch_size", "2"]
 QWEN3 = ["--config", str(ROOT / "configs" / "qwen3_moe_debug.toml"), "--data.seq_len", "128", "--model.n_layers", "2"]
-
-
-def _saved_bytes(cfg) -> int:
-    """Distinct non-parameter storages autograd saves in one forward + loss (rows of two documents each)."""
-    torch.manual_seed(0)
-    model = Transformer(cfg.model)
-    model.init_weights(seed=0)
-    batch, seq = cfg.train.microbatch_size, cfg.data.seq_len
-    tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq))
-    documents = (torch.arange(seq) >= seq // 3).long().expand(batch, seq)
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in parameters:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        token_loss_sum(model(tokens, document_ids=documents), tokens)
-    return sum(saved.values())
 
 
 @pytest.mark.parametrize("argv", [
@@ -53,7 +32,7 @@ def test_saved_activations_are_within_ten_percent_of_what_autograd_keeps(argv):
     peak = estimate_peak(cfg)
     # The loss keeps one float32 copy of the logits; the other two in `logits` are the backward's.
     estimated = peak.activations + peak.logits // 3
-    measured = _saved_bytes(cfg)
+    measured = saved_for_backward_bytes(cfg)
     assert abs(estimated / measured - 1) < 0.10, (estimated, measured)
 
 
