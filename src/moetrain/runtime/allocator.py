@@ -22,7 +22,7 @@ madvises them for transparent huge pages, so a fresh 150 MiB FSDP buffer costs 7
 instead of 38 400; on 4 gloo ranks of qwen3_moe_debug (128-token rows) that once made a step 26 s
 instead of 41 s. But each rank's resident set then kept growing: tiny_moe on 2 ranks grew from
 0.96 to 1.65 GB per rank over 45 steps, while the same job without huge pages stayed at 0.77-0.80 GB
-(docs/design/performance.md, "Huge pages"). FSDP's communication buffers are now reused on gloo
+(docs/design/performance.md, "Fresh pages on every rank"). FSDP's communication buffers are now reused on gloo
 (parallel/gloo_comms.py), which removes most of the fresh-page cost huge pages paid for. A value
 the user set wins, so huge pages remain one variable away.
 
