@@ -55,14 +55,13 @@ the path; what was finished stays, and a rerun continues from it.
 
 from __future__ import annotations
 
-import array
+import enum
 import errno
 import hashlib
 import json
 import math
 import multiprocessing
 import os
-import pickle
 import re
 import shutil
 import time
@@ -303,27 +302,24 @@ def streamed_records(inputs: list[str], glob: str, field: str, skip_bad: bool,
 
 
 class PackedShard:
-    """The records of one shard being gathered by a streaming prepare, packed into one buffer (pickled the way
-    multiprocessing pickles a job; made and read in this prepare, never stored), and its plan key so far.
-
-    Why packed: an open shard would otherwise hold thousands of small objects (references, strings,
-    messages), and a held-out shard stays open across a long stretch of the input (1 document in 20); one
-    buffer per shard is what goes to a worker anyway. Measured, it did not change the peak resident set
-    at 16 to 128 MB of Parquet (see benchmarks/prepare_streaming.py: that peak still grows with the input,
-    natively, with Python's own allocations flat under tracemalloc)."""
+    """The records of one shard being gathered by a streaming prepare (references and the values that streamed
+    in with them), and its plan key so far. Held in memory only; it reaches a worker as a job argument."""
 
     def __init__(self, seed: bytes):
         self.seed, self.digest = seed, hashlib.sha256(seed)
-        self.blob, self.ends, self.bytes, self.count = bytearray(), array.array("q"), 0, 0
+        self.refs: list[DocRef] = []
+        self.values: list[Any] = []
+        self.bytes = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.refs)
 
     def add(self, ref: DocRef, value: Any) -> None:
         self.digest.update(_plan_line(ref))
-        unread = value is _UNREAD
-        self.blob += pickle.dumps((ref.name, ref.kind, ref.path, ref.start, ref.length, unread,
-                                   None if unread else value), protocol=pickle.HIGHEST_PROTOCOL)
-        self.ends.append(len(self.blob))
+        self.refs.append(ref)
+        self.values.append(value)
         self.bytes += ref.length
-        self.count += 1
 
     def plan_key(self) -> str:
         return self.digest.hexdigest()
@@ -333,22 +329,16 @@ class PackedShard:
 
     def records(self) -> tuple[list[DocRef], list[Any]]:
         """(references, values: _UNREAD where the worker reads the record itself)."""
-        refs, values, start = [], [], 0
-        for end in self.ends:
-            name, kind, path, first, length, unread, value = pickle.loads(self.blob[start:end])
-            refs.append(DocRef(name, kind, path, first, length))
-            values.append(_UNREAD if unread else value)
-            start = end
-        return refs, values
+        return list(self.refs), list(self.values)
 
     def pop(self) -> tuple[DocRef, Any]:
         """Take the last record out (the plan key is recomputed from the rest)."""
-        refs, values = self.records()
-        rest = PackedShard(self.seed)
-        for ref, value in zip(refs[:-1], values[:-1]):
-            rest.add(ref, value)
-        self.__dict__.update(rest.__dict__)
-        return refs[-1], values[-1]
+        ref, value = self.refs.pop(), self.values.pop()
+        self.bytes -= ref.length
+        self.digest = hashlib.sha256(self.seed)
+        for kept in self.refs:
+            self.digest.update(_plan_line(kept))
+        return ref, value
 
 
 def streamed_shards(records: Iterator[tuple[DocRef, Any]], heldout_fraction: float, shard_bytes: int,
@@ -509,8 +499,14 @@ def _load_dataset(path: str, text_field: str, hf: tuple[str | None, str] = (None
     return dataset
 
 
-# A record's value not read yet (the worker reads it from its DocRef), as opposed to one streamed in with it.
-_UNREAD: Any = object()
+class _Unread(enum.Enum):
+    """A record's value not read yet (the worker reads it from its DocRef), as opposed to one streamed in with
+    it. An enum member, so it stays the same object when a job is sent to a worker process."""
+
+    UNREAD = 0
+
+
+_UNREAD: Any = _Unread.UNREAD
 
 
 def _row_value(ref: DocRef, field: str, hf: tuple[str | None, str]) -> Any:
