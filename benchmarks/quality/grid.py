@@ -265,6 +265,13 @@ def table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save_figure(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def figures(summary: dict, out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -297,11 +304,7 @@ def figures(summary: dict, out: Path) -> list[Path]:
     ax_eval.set_ylim(min(evals_all) - pad, max(evals_all) + pad)
     ax_eval.legend(fontsize=7)
     fig.suptitle("moetrain quality grid: solid seed 0, dashed seed 1")
-    fig.tight_layout()
-    path = out / "curves.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(save_figure(plt, fig, out / "curves.png"))
     # 2. Headline: final held-out bpb against training FLOPs per token, with the seed spread.
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for e in done:
@@ -315,11 +318,7 @@ def figures(summary: dict, out: Path) -> list[Path]:
            ylabel="final held-out bits per byte (min-max over seeds)", title="quality vs compute per token")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "bpb_vs_flops.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(save_figure(plt, fig, out / "bpb_vs_flops.png"))
     # 3. Balancing: expert-load CV and idle experts over training.
     moe_rows = [e for e in done if any("load_cv_curve" in s for s in e["seeds"].values())]
     if moe_rows:
@@ -338,11 +337,7 @@ def figures(summary: dict, out: Path) -> list[Path]:
         for ax in (ax_cv, ax_idle):
             ax.grid(alpha=0.3)
         ax_cv.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "expert_load.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(plt, fig, out / "expert_load.png"))
     return written
 
 
