@@ -16,6 +16,7 @@ Rows (the default MoE: first layer dense FFN 512, three MoE layers of 16 experts
   bal_aux_free, bal_none                      default architecture, other balancing
   bal_aux_mb_acc4, bal_aux_global_acc4        microbatch 1 x grad_accum 4 (same tokens per step), so
                                               "per microbatch" (512 tokens) and "global batch" (2048) differ
+  bal_aux_free_fast                           aux-loss-free bias at rate 1e-2 instead of the default 1e-3
   gran_8x1x256_renorm (diagnostic)            top-1 with renormalized gates: every gate is 1, so the router
                                               learns from the aux loss only; moetrain's config validation
                                               now refuses it, so the grid no longer runs it and reports
@@ -109,6 +110,10 @@ def rows(base: JobConfig) -> list[Row]:
         Row("bal_aux_mb_acc4", "balancing", "aux loss per microbatch, 1x4 accumulation", acc4, 1),
         Row("bal_aux_global_acc4", "balancing", "global-batch aux loss, 1x4 accumulation",
             acc4 + ("--model.moe.aux_loss_scope", "global_batch"), 1),
+        # The aux-free bias moves by at most its rate per step, so undoing a warm-up collapse (a score
+        # gap near 1) takes about 1 / rate steps: 1e-3 needs longer than the run, 1e-2 does not.
+        Row("bal_aux_free_fast", "balancing", "aux-loss-free bias, rate 1e-2",
+            ("--model.moe.load_balance", "aux_free", "--model.moe.bias_update_rate", "0.01")),
         Row("gran_8x1x256_renorm", "diagnostic", "8 experts, top-1, renormalized gate = 1 (router: aux loss only)",
             _moe(8, 1, 256, renormalize=True),
             refused="config validation refuses model.moe.top_k = 1 with model.moe.renormalize = True"),
