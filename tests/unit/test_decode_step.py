@@ -173,3 +173,27 @@ def test_dropping_rows_updates_the_decode_mask():
         full = model(torch.tensor([prompts[0] + [4, 20]]))[0]
     torch.testing.assert_close(first[0], full[5], atol=1e-10, rtol=0)
     torch.testing.assert_close(second, full[6], atol=1e-10, rtol=0)
+
+
+def test_a_forward_with_a_cache_records_no_balance_statistics():
+    """Generation never reads them, so its MoE layers skip the counts, balance loss and z-loss; the same
+    forward without a cache (e.g. the routing pass of a global-batch balance loss) still records them."""
+    model = small_model()
+    tokens = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        model(tokens)
+        assert all(moe.tokens_per_expert is not None and moe.aux_loss is not None for moe in model.moe_layers())
+        model(tokens[:, :1])  # one token, no cache: the few-token path, statistics as before
+        assert all(int(moe.tokens_per_expert.sum()) == moe.cfg.top_k for moe in model.moe_layers())
+        cache = KVCache(len(model.layers), 1, 6)
+        model(tokens, cache=cache)
+        model(tokens[:, :1], cache=cache)
+    for moe in model.moe_layers():
+        assert moe.tokens_per_expert is None and moe.aux_loss is None and moe.router_z is None
+    assert model.tokens_per_expert() is None and float(model.aux_loss()) == 0.0
+
+
+def test_few_token_experts_of_no_tokens_is_empty():
+    x, idx, scores, w1, w2, _, _ = expert_problem(2, "swiglu", False)
+    out = few_token_experts(x[:0], idx[:0], scores[:0], w1, w2, "swiglu")
+    assert out.shape == (0, x.shape[1]) and out.dtype == x.dtype

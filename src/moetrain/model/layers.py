@@ -146,12 +146,16 @@ def decode_rope_rotation(cache: LayerCache, positions: Tensor, head_dim: int, ro
                          cfg: ModelConfig | None, layout: str, dtype: torch.dtype) -> Tensor:
     """`rope_rotation` at a decode step's `positions` [B, 1], shared by every layer of equal RoPE settings."""
     key = ("rope", head_dim, rotary_dim, theta, layout, id(cfg), dtype)
-    if cache.capacity * head_dim ** 2 > ROPE_TABLE_ELEMENTS:
-        return cache.per_forward(key, lambda: rope_rotation(positions, head_dim, rotary_dim, theta, cfg, layout,
-                                                            dtype))
-    slots = torch.arange(cache.capacity, device=positions.device).unsqueeze(0)
-    table = cache.per_cache(key, lambda: rope_rotation(slots, head_dim, rotary_dim, theta, cfg, layout, dtype)[0])
-    return cache.per_forward(key, lambda: table[positions])
+
+    def at_positions() -> Tensor:  # the first layer of a forward asks; the others reuse its answer
+        if cache.capacity * head_dim ** 2 > ROPE_TABLE_ELEMENTS:
+            return rope_rotation(positions, head_dim, rotary_dim, theta, cfg, layout, dtype)
+        table = cache.per_cache(key, lambda: rope_rotation(
+            torch.arange(cache.capacity, device=positions.device).unsqueeze(0), head_dim, rotary_dim, theta, cfg,
+            layout, dtype)[0])
+        return table.index_select(0, positions.reshape(-1)).view(*positions.shape, head_dim, head_dim)
+
+    return cache.per_forward(key, at_positions)
 
 
 def rope_permutation(head_dim: int) -> Tensor:
@@ -233,13 +237,17 @@ class Attention(nn.Module):
         if cache is None or seq > 1:
             cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
             q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
-        else:  # a decode step: RoPE as one matrix per row (one bmm for q, one for k)
+        else:  # a decode step: RoPE as one matrix per row, applied to q's and k's heads by one bmm
             rotation = decode_rope_rotation(cache, positions, self.head_dim, self.rotary_dim, self.rope_theta,
                                             self.rope_cfg, self.rope_layout,
                                             torch.promote_types(q.dtype, torch.float32))  # as apply_rope computes
-            rotation_BDD = rotation.view(batch, self.head_dim, self.head_dim)
-            q, k = (torch.bmm(t.reshape(batch, -1, self.head_dim).to(rotation.dtype), rotation_BDD).view(t.shape)
-                    .type_as(t) for t in (q, k))
+            qk = torch.cat((q, k), dim=2).view(batch, -1, self.head_dim)
+            if qk.dtype != rotation.dtype:
+                qk = qk.to(rotation.dtype)
+            qk = torch.bmm(qk, rotation.view(batch, self.head_dim, self.head_dim))
+            if qk.dtype != q.dtype:
+                qk = qk.to(q.dtype)
+            q, k = qk.view(batch, 1, -1, self.head_dim).split((self.n_heads, self.n_kv_heads), dim=2)
         with profiler_label("attention"):  # a label in profiler traces
             if cache is None:
                 out = attend(q, k, v, plan, self.sinks, self.window)

@@ -136,7 +136,10 @@ def generate_tokens(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_
                 logits_BV = torch.cat([model(torch.tensor([(prompts[b] + new_tokens[b])[-max_context:]],
                                                           dtype=torch.long, device=device))[:, -1].float()
                                        for b in active])
-            chosen = [next_token(row, temperature, top_p, generator, top_k) for row in logits_BV.cpu()]
+            if temperature == 0:  # greedy: every row's argmax (next_token's choice) in one call
+                chosen = logits_BV.argmax(dim=-1).tolist()
+            else:
+                chosen = [next_token(row, temperature, top_p, generator, top_k) for row in logits_BV.cpu()]
             if broadcast:
                 chosen_B = torch.tensor(chosen, dtype=torch.long, device=device)
                 dist.broadcast(chosen_B, src=0)
