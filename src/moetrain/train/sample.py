@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import tyro
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetrain.args import parse_typed_args
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
@@ -128,7 +129,9 @@ def generate_tokens(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_
             use_cache = False
         if use_cache and longest <= max_context and max_new_tokens > 0:
             tokens_BS, pad_B = _left_padded(prompts, device)
-            cache = KVCache(len(model.layers), batch, longest + max_new_tokens, pad=pad_B, device=device)
+            sharded = any(isinstance(p, DTensor) for p in model.parameters())  # no copies of full weights then
+            cache = KVCache(len(model.layers), batch, longest + max_new_tokens, pad=pad_B, device=device,
+                            copy_weights=not sharded)
             logits_BV = model(tokens_BS, cache=cache)[:, -1].float()
         for step in range(max_new_tokens):
             if cache is None or longest + step > max_context:  # re-run each row's (windowed) context
