@@ -188,3 +188,15 @@ def test_an_attention_module_without_a_cache_argument_falls_back_to_rerunning():
         layer.attention = NoCache(layer.attention)
     assert not accepts_cache(model.layers[0].attention)
     assert generate_tokens(model, PROMPTS, 8) == expected
+
+
+def test_training_after_cached_generation_works():
+    """The cached generation runs in inference mode: nothing it leaves on the model (the rerun fallback's
+    MoE statistics past max_context) may break the next training step's forward and backward."""
+    model = model_of("moe").train()
+    generate_tokens(model, PROMPTS, 20, max_context=16)  # cached, then rerunning the window
+    assert model.training
+    logits = model(torch.tensor(PROMPTS[2][:8]).unsqueeze(0))
+    loss = logits.logsumexp(-1).mean() + model.aux_loss()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
