@@ -151,7 +151,7 @@ def test_decode_steps_equal_the_full_forward_of_each_row(table, padded, monkeypa
         for i in range(4):
             steps.append(model(extra[:, i:i + 1], cache=cache)[:, 0])
             assert cache.mask is None if not padded else cache.mask.shape == (2, 1, 1, longest + i + 1)
-        assert cache._per_cache if table else not cache._per_cache
+        assert any(key[0] == "rope" for key in cache._per_cache) == table
         for b, prompt in enumerate(prompts):
             full = model(torch.tensor([prompt + extra[b].tolist()]))[0]
             for i in range(4):
@@ -173,3 +173,64 @@ def test_dropping_rows_updates_the_decode_mask():
         full = model(torch.tensor([prompts[0] + [4, 20]]))[0]
     torch.testing.assert_close(first[0], full[5], atol=1e-10, rtol=0)
     torch.testing.assert_close(second, full[6], atol=1e-10, rtol=0)
+
+
+def test_a_forward_with_a_cache_records_no_balance_statistics():
+    """Generation never reads them, so its MoE layers skip the counts, balance loss and z-loss; the same
+    forward without a cache (e.g. the routing pass of a global-batch balance loss) still records them."""
+    model = small_model()
+    tokens = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        model(tokens)
+        assert all(moe.tokens_per_expert is not None and moe.aux_loss is not None for moe in model.moe_layers())
+        model(tokens[:, :1])  # one token, no cache: the few-token path, statistics as before
+        assert all(int(moe.tokens_per_expert.sum()) == moe.cfg.top_k for moe in model.moe_layers())
+        cache = KVCache(len(model.layers), 1, 6)
+        model(tokens, cache=cache)
+        model(tokens[:, :1], cache=cache)
+    for moe in model.moe_layers():
+        assert moe.tokens_per_expert is None and moe.aux_loss is None and moe.router_z is None
+    assert model.tokens_per_expert() is None and float(model.aux_loss()) == 0.0
+
+
+def test_few_token_experts_of_no_tokens_is_empty():
+    x, idx, scores, w1, w2, _, _ = expert_problem(2, "swiglu", False)
+    out = few_token_experts(x[:0], idx[:0], scores[:0], w1, w2, "swiglu")
+    assert out.shape == (0, x.shape[1]) and out.dtype == x.dtype
+
+
+PROJECTIONS = {
+    "per-head-norm": dict(qk_norm="per_head"),
+    "per-head-norm-one-kv-head-biased": dict(qk_norm="per_head", n_kv_heads=1, attention_bias="qkv"),
+    "full-norm-clipped": dict(qk_norm="full", clip_qkv=0.3, n_kv_heads=4),
+    "no-norm": dict(qk_norm="none"),
+}
+
+
+@pytest.mark.parametrize("variant", PROJECTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_decode_projection_is_bit_identical_to_the_normal_one(variant, dtype, batch, monkeypatch):
+    """One GEMV over wq | wk | wv and one QK-norm over q's and k's heads give exactly `_project`'s q, k, v."""
+    model = small_model(**PROJECTIONS[variant]).to(dtype)
+    attention = model.layers[0].attention
+    with torch.no_grad():
+        for param in attention.parameters():  # norm weights and biases away from their init values
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1), dtype=dtype) * 0.5)
+    fused = KVCache(1, batch, 4).layer(0)
+    unfused = KVCache(1, batch, 4, copy_weights=False).layer(0)
+    calls = []
+    original = type(attention)._project
+    monkeypatch.setattr(type(attention), "_project", lambda self, x: calls.append(1) or original(self, x))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(20):
+            x = torch.randn(batch, 1, 32, generator=gen).to(dtype) * 3
+            want = original(attention, x)
+            got = attention._project_decode(x, fused)
+            assert all(torch.equal(w, g) and w.shape == g.shape for w, g in zip(want, got, strict=True))
+            assert not calls
+            attention._project_decode(x, unfused)  # a sharded model's cache copies no weights: _project itself
+            assert calls == [1]
+            calls.clear()
+    assert ("qkv", id(attention)) in fused.cache._per_cache and not unfused.cache._per_cache

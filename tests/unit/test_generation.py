@@ -36,6 +36,14 @@ VARIANTS = {
     "moe-gpt-oss-like": dict(kind="moe", attention_sinks=True, sliding_window=4, attention_bias="all",
                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "moe-glm-like": dict(kind="moe", partial_rotary_factor=0.5, rope_layout="half", attention_bias="qkv"),
+    # MLA (DeepSeek-V3 line): value heads narrower than the query/key heads, one full query projection
+    "mla": dict(kind="moe", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    # the low-rank query path, values wider than q/k, YaRN (its softmax factor on q), the DeepSeek-V3 router
+    "mla-q-lora-yarn": dict(kind="moe", kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                            v_head_dim=10, rope_scaling="yarn", rope_yarn_factor=4.0,
+                            rope_yarn_original_max_seq_len=8, rope_yarn_mscale=1.0, rope_yarn_mscale_all_dim=1.0,
+                            moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, impl="loop", score_func="sigmoid",
+                                          load_balance="aux_free", n_shared_experts=1)),
 }
 
 
@@ -68,6 +76,19 @@ def test_greedy_cached_generation_is_token_identical_to_rerunning(variant):
     assert cached == rerun == alone
     assert all(len(t) == 24 for t in cached)
     assert len({tuple(t) for t in cached}) > 1  # different prompts continue differently
+
+
+def test_mla_generates_through_the_cache():
+    """MLA takes the cache (it no longer reruns the context), storing each head's key and its narrower value."""
+    from moetrain.model.kv_cache import accepts_cache
+
+    opts = dict(VARIANTS["mla"])
+    model = model_of(opts.pop("kind"), **opts)
+    assert all(accepts_cache(layer.attention) for layer in model.layers)
+    cache = KVCache(len(model.layers), 1, 8)
+    with torch.no_grad():
+        model(torch.tensor([PROMPTS[0]]), cache=cache)
+    assert cache.keys[0].shape == (1, 4, 8, 12) and cache.values[0].shape == (1, 4, 8, 6)
 
 
 def test_past_max_context_both_paths_rerun_the_window_and_agree():
@@ -167,3 +188,15 @@ def test_an_attention_module_without_a_cache_argument_falls_back_to_rerunning():
         layer.attention = NoCache(layer.attention)
     assert not accepts_cache(model.layers[0].attention)
     assert generate_tokens(model, PROMPTS, 8) == expected
+
+
+def test_training_after_cached_generation_works():
+    """The cached generation runs in inference mode: nothing it leaves on the model (the rerun fallback's
+    MoE statistics past max_context) may break the next training step's forward and backward."""
+    model = model_of("moe").train()
+    generate_tokens(model, PROMPTS, 20, max_context=16)  # cached, then rerunning the window
+    assert model.training
+    logits = model(torch.tensor(PROMPTS[2][:8]).unsqueeze(0))
+    loss = logits.logsumexp(-1).mean() + model.aux_loss()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

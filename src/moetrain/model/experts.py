@@ -128,22 +128,37 @@ def few_token_experts(x_TD: Tensor, topk_idx_TK: Tensor, gates_TK: Tensor, w1_ED
     The MoE layer's path for generation's decode steps (`FEW_ASSIGNMENTS`): straight from the top-k
     choice, no grouping by expert; the same function as `routed_experts` of the top-k's `Routing`.
     """
-    acc_dtype = torch.float32 if x_TD.dtype in (torch.bfloat16, torch.float16) else x_TD.dtype
-    w1_EDN, w2_EFD = w1_EDN.to(x_TD.dtype), w2_EFD.to(x_TD.dtype)
-    b1_EN, b2_ED = (None if b is None else b.to(x_TD.dtype) for b in (b1, b2))
-    gates_TK = gates_TK.to(acc_dtype)
-    out_TD = torch.zeros(x_TD.shape, dtype=acc_dtype, device=x_TD.device)
+    dtype = x_TD.dtype
+    acc_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    # A decode step is a few GEMVs, so the Python calls around them count: casts only where a dtype
+    # differs, one split for the rows and gates, and each token's sum starts from its first weighted
+    # expert output (0 + a·g = a·g exactly) instead of a zeroed buffer.
+    w1_EDN, w2_EFD = (w if w.dtype == dtype else w.to(dtype) for w in (w1_EDN, w2_EFD))
+    b1_EN, b2_ED = (b if b is None or b.dtype == dtype else b.to(dtype) for b in (b1, b2))
+    if gates_TK.dtype != acc_dtype:
+        gates_TK = gates_TK.to(acc_dtype)
+    top_k = topk_idx_TK.shape[1]
+    x_rows, gate_cells = x_TD.split(1), gates_TK.reshape(-1, 1).split(1)  # [1, D] each; [1, 1] each
+    out_rows = []
     for token, experts in enumerate(topk_idx_TK.tolist()):
-        x_1D = x_TD[token:token + 1]
+        out_1D = None
         for slot, expert in enumerate(experts):
-            hidden = x_1D @ w1_EDN[expert]
+            hidden = x_rows[token] @ w1_EDN[expert]
             if b1_EN is not None:
                 hidden = hidden + b1_EN[expert]
             expert_out = activation_forward(hidden, activation) @ w2_EFD[expert]
             if b2_ED is not None:
                 expert_out = expert_out + b2_ED[expert]
-            out_TD[token:token + 1].addcmul_(expert_out.to(acc_dtype), gates_TK[token:token + 1, slot:slot + 1])
-    return out_TD.to(x_TD.dtype)
+            if expert_out.dtype != acc_dtype:
+                expert_out = expert_out.to(acc_dtype)
+            gate = gate_cells[token * top_k + slot]
+            out_1D = expert_out * gate if out_1D is None else out_1D.addcmul_(expert_out, gate)
+        out_rows.append(out_1D)
+    if len(out_rows) == 1:
+        out_TD = out_rows[0]
+    else:  # several tokens, or none
+        out_TD = torch.cat(out_rows) if out_rows else torch.zeros(x_TD.shape, dtype=acc_dtype, device=x_TD.device)
+    return out_TD if out_TD.dtype == dtype else out_TD.to(dtype)
 
 
 def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation = "swiglu",

@@ -47,10 +47,14 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, batch: int, capacity: int, pad: Tensor | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, copy_weights: bool = True):
         if capacity < 1:
             raise ModelError(f"KV cache capacity {capacity} is invalid: must be >= 1")
         self.n_layers, self.batch, self.capacity = n_layers, batch, capacity
+        # Whether a layer may keep a rearranged copy of its weights for this generation (`per_cache`,
+        # e.g. q/k/v as one matrix: one GEMV a step instead of three). False for a sharded model,
+        # whose layers hold their full weights only during their own forward.
+        self.copy_weights = copy_weights
         self.pad_B = (torch.zeros(batch, dtype=torch.long, device=device) if pad is None
                       else pad.to(device=device, dtype=torch.long))
         if self.pad_B.shape != (batch,):
@@ -145,6 +149,11 @@ class LayerCache:
     @property
     def capacity(self) -> int:
         return self.cache.capacity
+
+    @property
+    def copy_weights(self) -> bool:
+        """`KVCache.copy_weights`: whether this layer may keep a copy of its weights for the generation."""
+        return self.cache.copy_weights
 
     def per_forward(self, key, compute: Callable[[], object]):
         """`KVCache.per_forward`: computed once per forward, shared with the other layers."""

@@ -14,9 +14,15 @@ qk_head_dim^-0.5, so the YaRN factor is applied to q beforehand; since its metho
 head width, values narrower than the query heads are zero-padded to it (the padded output
 channels are zero and are cut), and in the rarer opposite case q and k are zero-padded and q
 rescaled for the wider SDPA scale. The parameters are named so `init.classify` and the Hugging
-Face maps (`interop.families.deepseek_v3`) find them. This module holds no initialisation, no
-KV cache (its forward takes the standard `Attention`'s arguments, where a cache would go) and no
-distributed code.
+Face maps (`interop.families.deepseek_v3`) find them.
+
+Generation (`forward(..., cache=)`, model/kv_cache.py) caches each head's decompressed key (nope |
+rope, after RoPE) and value, the same tensors the re-running path attends over (the padding to one
+head width is not needed there: the cache's SDPA takes values of their own width), so both paths
+compute the same products, up to the attention kernel's summation order. Caching the compressed
+latent instead (kv_lora_rank + rope channels a token, with wkv_b absorbed into the query and the
+output) would hold less, but reorders the products and so is not what the re-running path computes.
+This module holds no initialisation and no distributed code.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import Tensor, nn
 
 from moetrain.config import ModelConfig
 from moetrain.model.attention import AttentionPlan, attend
+from moetrain.model.kv_cache import LayerCache
 from moetrain.model.layers import apply_rope, rope_cos_sin, yarn_mscale
 
 # DeepSeek's latent RMSNorms (q_a_layernorm, kv_a_layernorm) use this epsilon whatever rms_norm_eps says.
@@ -60,7 +67,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None = None,
+                cache: LayerCache | None = None) -> Tensor:
+        """`cache` (generation): store this forward's per-head k/v, attend over every cached token instead of `plan`."""
         batch, seq, _ = x.shape
         q = self.wq(x) if self.q_lora_rank is None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(batch, seq, self.n_heads, self.qk_head_dim).split([self.nope_dim, self.rope_dim], -1)
@@ -72,6 +81,9 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_layout)  # [B, S, 1, rope]: one for all heads
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, self.n_heads, -1)), dim=-1)
+        if cache is not None:  # SDPA's scale there is 1/sqrt(q width) = qk_head_dim^-0.5, v keeps its width
+            out = cache.attend(q * self.q_scale if self.q_scale != 1.0 else q, k, v)
+            return self.wo(out.reshape(batch, seq, self.n_heads * self.v_dim))
         # attend() wants one head width; zero channels add nothing to q·k or to the output (cut after).
         width = max(self.qk_head_dim, self.v_dim)
         scale = self.q_scale

@@ -25,6 +25,8 @@ coefficient is 0) and `tokens_per_expert` (detached, [E]). It holds no distribut
 cross-rank sums (expert loads for the bias update, the step's expert counts) happen outside, and
 the routed-expert computation is injected (`expert_compute`, `experts.routed_experts` by default;
 expert parallelism swaps in one that sends the routed tokens to the ranks owning their experts).
+A forward with `statistics=False` (generation's, which never reads them) computes none of the
+three and leaves them None.
 It does not initialise its parameters: init.py does, and calls `reset_buffers` for the balancing state.
 Shape suffixes on local names: T tokens, D model dim, E experts, K top_k.
 """
@@ -141,7 +143,9 @@ class MoE(nn.Module):
                 and not self.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
                 and self.expert_compute is routed_experts and self.cfg.token_rounding_tile <= 1)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, statistics: bool = True) -> Tensor:
+        """`statistics=False` (generation's forwards, which never read them): no expert counts, balance loss or
+        z-loss; `tokens_per_expert`, `aux_loss` and `router_z` are None after it."""
         shape = x.shape
         x_TD = x.reshape(-1, self.dim)
         few = self._few_tokens(x_TD)  # then the experts run straight from the top-k choice (experts.py)
@@ -168,6 +172,9 @@ class MoE(nn.Module):
                 if self.shared_expert_gate is not None:
                     shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
                 out_TD = out_TD + shared_TD
+        if not statistics:
+            self.tokens_per_expert = self.aux_loss = self.router_z = None
+            return out_TD.reshape(shape)
         counts_E = (torch.bincount(topk_idx_TK.reshape(-1), minlength=self.cfg.n_experts) if few
                     else routing.counts.detach())
         self.tokens_per_expert = counts_E

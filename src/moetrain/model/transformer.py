@@ -56,6 +56,8 @@ class TransformerBlock(nn.Module):
             h = x + self.attention(normed, positions, plan)
         else:  # only attention modules that accept a cache get one (kv_cache.accepts_cache)
             h = x + self.attention(normed, positions, plan, cache=cache.layer(self.layer_id))
+            if self.is_moe:  # generation reads no balance statistics: the MoE layer skips them
+                return h + self.moe(self.ffn_norm(h), statistics=False)
         ffn = self.moe if self.is_moe else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -94,7 +96,8 @@ class Transformer(nn.Module):
         stops after the last MoE block and returns None: a routing-only pass that leaves every
         MoE layer's `tokens_per_expert` set without paying for the later blocks and the LM head.
         `cache` (generation, `model.kv_cache.KVCache`): the tokens extend the cached rows; their
-        positions come from the cache and every layer attends over the cached tokens too.
+        positions come from the cache and every layer attends over the cached tokens too; its MoE
+        layers record no balance statistics (`tokens_per_expert`, `aux_loss`, `router_z` are None after it).
         """
         batch, seq = tokens.shape
         if cache is not None:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import tyro
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetrain.args import parse_typed_args
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
@@ -126,37 +127,46 @@ def generate_tokens(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_
         if use_cache and not all(accepts_cache(layer.attention) for layer in model.layers):
             log.info("an attention module takes no KV cache: generation reruns the context for every token")
             use_cache = False
-        if use_cache and longest <= max_context and max_new_tokens > 0:
-            tokens_BS, pad_B = _left_padded(prompts, device)
-            cache = KVCache(len(model.layers), batch, longest + max_new_tokens, pad=pad_B, device=device)
-            logits_BV = model(tokens_BS, cache=cache)[:, -1].float()
-        for step in range(max_new_tokens):
-            if cache is None or longest + step > max_context:  # re-run each row's (windowed) context
-                cache = None
-                logits_BV = torch.cat([model(torch.tensor([(prompts[b] + new_tokens[b])[-max_context:]],
-                                                          dtype=torch.long, device=device))[:, -1].float()
-                                       for b in active])
-            chosen = [next_token(row, temperature, top_p, generator, top_k) for row in logits_BV.cpu()]
-            if broadcast:
-                chosen_B = torch.tensor(chosen, dtype=torch.long, device=device)
-                dist.broadcast(chosen_B, src=0)
-                chosen = chosen_B.tolist()
-            still = []
-            for i, (b, token) in enumerate(zip(active, chosen, strict=True)):
-                if token == eos_id:
-                    continue
-                new_tokens[b].append(token)
-                if stop[b] is not None and stop[b](new_tokens[b]):
-                    continue
-                still.append(i)
-            active = [active[i] for i in still]
-            if not active or step + 1 == max_new_tokens:
-                break
-            if cache is not None and longest + step + 1 <= max_context:
-                if len(still) < len(chosen):  # finished rows leave the batch
-                    cache.keep_rows(torch.tensor(still, dtype=torch.long, device=device))
-                next_B1 = torch.tensor([[chosen[i]] for i in still], dtype=torch.long, device=device)
-                logits_BV = model(next_B1, cache=cache)[:, -1].float()
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        # A cached generation on a whole model runs in inference mode: no autograd bookkeeping on any op,
+        # much of a decode step's cost besides its GEMVs. The rerun path (use_cache=False) and a sharded
+        # model (whose parameter gathers must stay ordinary tensors) run under no_grad only, as before.
+        with torch.inference_mode(use_cache and not sharded):
+            if use_cache and longest <= max_context and max_new_tokens > 0:
+                tokens_BS, pad_B = _left_padded(prompts, device)
+                cache = KVCache(len(model.layers), batch, longest + max_new_tokens, pad=pad_B, device=device,
+                                copy_weights=not sharded)  # no copies of a sharded model's full weights
+                logits_BV = model(tokens_BS, cache=cache)[:, -1].float()
+            for step in range(max_new_tokens):
+                if cache is None or longest + step > max_context:  # re-run each row's (windowed) context
+                    cache = None
+                    logits_BV = torch.cat([model(torch.tensor([(prompts[b] + new_tokens[b])[-max_context:]],
+                                                              dtype=torch.long, device=device))[:, -1].float()
+                                           for b in active])
+                if temperature == 0:  # greedy: every row's argmax (next_token's choice) in one call
+                    chosen = logits_BV.argmax(dim=-1).tolist()
+                else:
+                    chosen = [next_token(row, temperature, top_p, generator, top_k) for row in logits_BV.cpu()]
+                if broadcast:
+                    chosen_B = torch.tensor(chosen, dtype=torch.long, device=device)
+                    dist.broadcast(chosen_B, src=0)
+                    chosen = chosen_B.tolist()
+                still = []
+                for i, (b, token) in enumerate(zip(active, chosen, strict=True)):
+                    if token == eos_id:
+                        continue
+                    new_tokens[b].append(token)
+                    if stop[b] is not None and stop[b](new_tokens[b]):
+                        continue
+                    still.append(i)
+                active = [active[i] for i in still]
+                if not active or step + 1 == max_new_tokens:
+                    break
+                if cache is not None and longest + step + 1 <= max_context:
+                    if len(still) < len(chosen):  # finished rows leave the batch
+                        cache.keep_rows(torch.tensor(still, dtype=torch.long, device=device))
+                    next_B1 = torch.tensor([[chosen[i]] for i in still], dtype=torch.long, device=device)
+                    logits_BV = model(next_B1, cache=cache)[:, -1].float()
     finally:
         model.train(was_training)
     return new_tokens
