@@ -12,10 +12,11 @@ Inputs (any mix, each --input one of):
   dataset that is not cached is one line naming it;
 - any other file: one document.
 
---streaming reads .parquet / .json / .arrow files as an IterableDataset
-(`load_dataset(..., streaming=True)`) and plans and writes the shards as the records pass
-(`streamed_records`, `streamed_shards`): no reference per document, no copy of the input, memory
-bounded by the open shards and the jobs queued. Its shards are byte-identical to the map-style
+--streaming reads .json / .arrow files as an IterableDataset (`load_dataset(..., streaming=True)`),
+.parquet files a batch at a time with pyarrow's `ParquetFile.iter_batches` (with that IterableDataset's
+features; `_parquet_tables` says why not through it), and plans and writes the shards as the records
+pass (`streamed_records`, `streamed_shards`): no reference per document, no copy of the input, memory
+bounded by a batch of rows, the open shards and the jobs queued. Its shards are byte-identical to the map-style
 path's (the same names, split, cut and plan keys). Not the default: the map-style path plans
 everything, and refuses any foreign shard, before writing, and its workers read their rows in
 parallel.
