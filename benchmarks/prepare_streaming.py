@@ -4,16 +4,18 @@
 [--chat-sizes 4 16] [--map-style-max-mb 64] [--row-group-rows 2000] [--shard-mb 1]
 [--out benchmarks/results/prepare_streaming.json]`
 
-For each input kind (a `.parquet` file, uncompressed, written in row groups of --row-group-rows rows, 0 = one
-row group; a `.json` file of JSON Lines), each format (text: a `text` column; chat: a `messages` column of a
-user and an assistant turn, prepared with --format chat and a small BPE tokenizer whose directory holds a ChatML
-template, as the tests build it) and each size (MB of text), it writes the input into a temporary directory and
-prepares it in a fresh child process with --streaming (byte tokenizer for text, one worker, --shard-mb), and up
-to --map-style-max-mb also without it, checking that both ways' shard trees are byte-identical. Reported per
-run: the child's peak resident set (ru_maxrss; torch and datasets are imported by then: an import-only child is
-measured as the baseline), the peak of pyarrow's default memory pool (`max_memory()`, what Arrow held at most),
-seconds and shards. The documents are random lowercase "words" (numpy, seeded), 130 to 2,600 characters each.
-Everything is removed afterwards; the table goes to stdout and to --out with .txt, the runs to --out as JSON.
+For each input kind (a `.parquet` file, uncompressed, written in row groups of --row-group-rows rows, 0 = one row
+group; a `.json` file of JSON Lines), each format (text: a `text` column; chat: a `messages` column of a user and an
+assistant turn, prepared with --format chat and a small BPE tokenizer whose directory holds a ChatML template, as
+the tests build it) and each size (MB of text), it writes the input into a temporary directory and prepares it in a
+fresh child process with --streaming (byte tokenizer for text, one worker, --shard-mb), and up to --map-style-max-mb
+also without it, checking that both ways' shard trees are byte-identical. Reported per run: the child's peak
+resident set (its VmHWM at the end, which counts the pages of memory-mapped files it touched; torch and datasets are
+imported by then: an import-only child is measured as the baseline. Not ru_maxrss: Linux carries the spawning
+process's high-water mark across exec into it, so a parent that had built a large input reported its own peak as the
+child's), the peak of pyarrow's default memory pool (`max_memory()`, what Arrow held at most), seconds and shards.
+The documents are random lowercase "words" (numpy, seeded), 130 to 2,600 characters each. Everything is removed
+afterwards; the table goes to stdout and to --out with .txt, the runs to --out as JSON.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ import json, sys, time
 spec = json.loads(sys.argv[1])
 from moetrain.data.prepare import PrepareArgs, prepare
 import datasets, pyarrow
+def peak_rss():  # this program's own high-water mark (VmHWM), in KiB
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
 if spec["input"] is None:  # the baseline: the imports alone
-    print(json.dumps({"seconds": 0.0, "arrow_peak": 0})); raise SystemExit
+    print(json.dumps({"seconds": 0.0, "arrow_peak": 0, "peak_rss_kib": peak_rss()})); raise SystemExit
 started = time.perf_counter()
 prepare(PrepareArgs(input=[spec["input"]], out=spec["out"], tokenizer=spec["tokenizer"], format=spec["format"],
                     shard_mb=spec["shard_mb"], streaming=spec["streaming"], heldout_fraction=0.01, quiet=True))
-print(json.dumps({"seconds": time.perf_counter() - started, "arrow_peak": pyarrow.default_memory_pool().max_memory()}))
+print(json.dumps({"seconds": time.perf_counter() - started, "arrow_peak": pyarrow.default_memory_pool().max_memory(),
+                  "peak_rss_kib": peak_rss()}))
 """
 
 # Letters and spaces drawn uniformly: words of about 5 letters.
@@ -106,15 +111,12 @@ def tree_digest(root: Path) -> str:
 
 def run_child(spec: dict, env: dict[str, str]) -> dict:
     """Peak RSS (MB), seconds and Arrow's pool peak of one prepare in a fresh process."""
-    process = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
-                               text=True)
-    _, status, usage = os.wait4(process.pid, 0)
-    output = process.stdout.read().strip().splitlines()
-    process.stdout.close()
-    if os.waitstatus_to_exitcode(status) != 0:
+    process = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
+                             text=True)
+    if process.returncode != 0:
         raise SystemExit(f"prepare of {spec['input']} failed")
-    measured = json.loads(output[-1])
-    return {"peak_rss_mb": round(usage.ru_maxrss / 1024, 1),  # ru_maxrss is in KiB on Linux
+    measured = json.loads(process.stdout.strip().splitlines()[-1])
+    return {"peak_rss_mb": round(measured["peak_rss_kib"] / 1024, 1),
             "arrow_pool_peak_mib": round(measured["arrow_peak"] / 2**20, 1), "seconds": round(measured["seconds"], 1)}
 
 

@@ -280,7 +280,7 @@ def _streamed_rows(path: Path, field: str, prefix: str) -> Iterator[tuple[DocRef
         n_rows = pyarrow.parquet.ParquetFile(path).metadata.num_rows
         tables = _parquet_tables(path, field, None if features is None else features.arrow_schema)
     else:  # a first pass, as Arrow tables (no Python objects), to count the rows the shard plan divides by
-        n_rows = sum(table.num_rows for table in stream.with_format("arrow").iter(batch_size=8192))
+        n_rows = sum(table.num_rows for table in stream.with_format("arrow").iter(batch_size=1024))
         tables = stream.with_format("arrow").iter(batch_size=1024)
     per_row = _row_bytes(str(path), n_rows)
     import pyarrow
