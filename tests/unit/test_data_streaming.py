@@ -137,6 +137,42 @@ def test_the_stream_is_an_iterable_dataset_read_as_it_goes_not_materialised(tmp_
     assert _bytes_read() - before >= size  # (the counter does see the whole input read)
 
 
+def test_parquet_is_read_a_batch_at_a_time_however_slowly_the_rows_are_consumed(tmp_path):
+    """The Arrow memory held while a Parquet input streams is a batch and a read buffer, not the file: neither a
+    reader running ahead of the consumer (datasets' streaming builder scans with `Fragment.to_batches`, whose
+    background reader held most of a file in Arrow buffers while the shards were tokenized), nor a whole row group
+    read at once (one row group is common in files written with pyarrow's defaults). Counted in pyarrow's own
+    allocated bytes, which do not depend on the allocator; the pause after the first row only gives a read-ahead
+    thread the chance to show itself: a synchronous reader allocates nothing while it is not asked."""
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(1)
+    text = "".join(rng.choices("abcdefghij ", k=1 << 20))
+    rows = [text[(i * 397) % (1 << 19):][:2000] for i in range(16000)]  # 32 MB, uncompressed
+    for row_group_size in (250, len(rows)):
+        source = tmp_path / f"rows_{row_group_size}.parquet"
+        pq.write_table(pa.table({"text": rows}), str(source), compression="none", row_group_size=row_group_size)
+        bound = source.stat().st_size / 4
+        next(prepare_module._streamed_rows(source, "text", ""))  # (imports and caches of a first use)
+        records = prepare_module._streamed_rows(source, "text", "")
+        next(records)
+        held = pa.total_allocated_bytes()
+        paused = time.monotonic()
+        while held < bound and time.monotonic() - paused < 1.0:
+            time.sleep(0.01)
+            held = max(held, pa.total_allocated_bytes())
+        n_rows = 1
+        for _ in records:
+            n_rows += 1
+            held = max(held, pa.total_allocated_bytes())
+        assert n_rows == len(rows)
+        assert held < bound, f"{held} bytes of Arrow memory held streaming a {source.stat().st_size}-byte file " \
+                             f"of row groups of {row_group_size} rows"
+
+
 def test_a_json_array_is_refused_with_streaming_and_bad_records_are_one_line(tmp_path):
     array = tmp_path / "array.json"
     array.write_text(json.dumps([{"text": t} for t in texts(5, 6)]))

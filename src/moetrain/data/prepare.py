@@ -12,10 +12,11 @@ Inputs (any mix, each --input one of):
   dataset that is not cached is one line naming it;
 - any other file: one document.
 
---streaming reads .parquet / .json / .arrow files as an IterableDataset
-(`load_dataset(..., streaming=True)`) and plans and writes the shards as the records pass
-(`streamed_records`, `streamed_shards`): no reference per document, no copy of the input, memory
-bounded by the open shards and the jobs queued. Its shards are byte-identical to the map-style
+--streaming reads .json / .arrow files as an IterableDataset (`load_dataset(..., streaming=True)`),
+.parquet files a batch at a time with pyarrow's `ParquetFile.iter_batches` (with that IterableDataset's
+features; `_parquet_tables` says why not through it), and plans and writes the shards as the records
+pass (`streamed_records`, `streamed_shards`): no reference per document, no copy of the input, memory
+bounded by a batch of rows, the open shards and the jobs queued. Its shards are byte-identical to the map-style
 path's (the same names, split, cut and plan keys). Not the default: the map-style path plans
 everything, and refuses any foreign shard, before writing, and its workers read their rows in
 parallel.
@@ -55,6 +56,7 @@ the path; what was finished stays, and a rerun continues from it.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import hashlib
@@ -238,39 +240,63 @@ def _json_array(path: Path) -> bool:
     return head.startswith(b"[")
 
 
+# --streaming Parquet: rows per Arrow batch, and the read buffer through which a row group's pages are read (so a
+# file of one huge row group is read a page at a time, not a column chunk at a time).
+PARQUET_BATCH_ROWS = 1024
+PARQUET_BUFFER_BYTES = 1 << 20
+
+
+def _parquet_tables(path: Path, field: str, arrow_schema: Any) -> Iterator[Any]:
+    """The `field` column of a Parquet file as Arrow tables of PARQUET_BATCH_ROWS rows, cast to `arrow_schema` (the
+    features `datasets` casts every batch to), read synchronously by `pyarrow.parquet.ParquetFile.iter_batches`.
+
+    Not `datasets`' streaming Parquet builder: it scans with `pyarrow.dataset` `Fragment.to_batches`, whose
+    background reader runs ahead of a slower consumer without bound (batch_readahead=0 notwithstanding; apache/
+    arrow#39808): while the shards were tokenized it held Arrow buffers of most of the file (pyarrow's
+    allocated bytes peaked at 50 MiB of a 64 MB input, 12 MiB of a 16 MB one), the growth of peak memory with the
+    input that --streaming was meant to remove. iter_batches reads a batch only when asked."""
+    import pyarrow
+    import pyarrow.parquet
+    from datasets.table import table_cast
+
+    reader = pyarrow.parquet.ParquetFile(path, pre_buffer=False, buffer_size=PARQUET_BUFFER_BYTES)
+    for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field], use_threads=False):
+        table = pyarrow.Table.from_batches([batch])
+        yield table if arrow_schema is None else table_cast(table, arrow_schema)
+
+
 def _streamed_rows(path: Path, field: str, prefix: str) -> Iterator[tuple[DocRef, Any]]:
-    """(reference, value) of each row of a .parquet / .json / .arrow file, read with `datasets.load_dataset(...,
-    streaming=True)`: an IterableDataset, a batch of rows in memory at a time. The references are those the
-    map-style path makes (row index; the input's bytes over its rows), so the plan and the shards are the same."""
+    """(reference, value) of each row of a .parquet / .json / .arrow file, a batch of rows in memory at a time:
+    JSON Lines and Arrow through `datasets.load_dataset(..., streaming=True)` (an IterableDataset), Parquet through
+    `_parquet_tables` with the features that IterableDataset has. The references are those the map-style path
+    makes (row index; the input's bytes over its rows), so the plan and the shards are the same."""
     if path.suffix == ".json" and _json_array(path):
         raise ConfigError(f"--streaming: {path} is one JSON array, which `datasets` reads whole into memory; "
                           "write it as JSON Lines (an object per line) or Parquet, or prepare without --streaming")
     stream = _load_dataset(str(path), field, streaming=True).select_columns([field])
+    features = stream.features
     if path.suffix == ".parquet":  # the footer's row count: nothing read twice
         import pyarrow.parquet
 
         n_rows = pyarrow.parquet.ParquetFile(path).metadata.num_rows
+        tables = _parquet_tables(path, field, None if features is None else features.arrow_schema)
     else:  # a first pass, as Arrow tables (no Python objects), to count the rows the shard plan divides by
-        n_rows = sum(table.num_rows for table in stream.with_format("arrow").iter(batch_size=8192))
+        n_rows = sum(table.num_rows for table in stream.with_format("arrow").iter(batch_size=1024))
+        tables = stream.with_format("arrow").iter(batch_size=1024)
     per_row = _row_bytes(str(path), n_rows)
     import pyarrow
 
     pool = pyarrow.default_memory_pool()
     index = -1
-    features = stream.features
-    # Batches as Arrow tables, each column turned into Python values as the map-style Dataset's rows are
-    # (to_pylist, then the features' own decoding: `datasets` stores lists of objects whose keys differ from
-    # row to row as JSON strings, decoded on the way out), and the memory of each batch handed back: Arrow's
-    # default pool (mimalloc) keeps it otherwise. Measured on benchmarks/prepare_streaming.py's input, this
-    # reading loop alone peaked at 387 and 390 MB for 16 and 128 MB of Parquet; rows one at a time from the
-    # IterableDataset's own iterator at 376 and 425 MB for 16 and 64 MB; plain pyarrow with pre-buffering
-    # at 191 and 329 MB for 16 and 128 MB.
-    for table in stream.with_format("arrow").iter(batch_size=1024):
+    # Each column turned into Python values as the map-style Dataset's rows are (to_pylist, then the features' own
+    # decoding: `datasets` stores lists of objects whose keys differ from row to row as JSON strings, decoded on
+    # the way out), and the memory of each batch handed back: Arrow's default pool (mimalloc) keeps it otherwise.
+    for table in tables:
         values = table.column(field).to_pylist()
         for value in features.decode_column(values, field) if features is not None else values:
             index += 1
             yield DocRef(f"{prefix}{index:012d}", "row", str(path), index, per_row), value
-        del table
+        del table, values
         pool.release_unused()
     if index + 1 != n_rows:
         raise ConfigError(f"--input {str(path)!r} held {n_rows} rows when counted and {index + 1} when read: "
@@ -757,6 +783,26 @@ def _run_jobs(jobs: Iterable[tuple], workers: int, finished: Callable[[dict[str,
         raise
 
 
+# glibc's mallopt parameter number of the mmap threshold (malloc.h).
+_M_MMAP_THRESHOLD = -3
+
+
+def _map_large_allocations() -> None:
+    """--streaming: every allocation of 1 MiB or more gets its own memory map, returned when it is freed.
+
+    glibc raises its mmap threshold to the size of each large block freed, so after the first, the next ones
+    (datasets' JSON reader reads JSON Lines in 10 MiB chunks) come from the heap, where fragmentation kept them:
+    the peak RSS of benchmarks/prepare_streaming.py grew 434 / 458 / 478 MB for 16 / 64 / 258 MB of JSON Lines,
+    and was 430 / 448 / 450 MB with the threshold fixed (MALLOC_MMAP_THRESHOLD_=1048576, what this sets while the
+    process runs; a fixed threshold turns the dynamic one off). Where there is no glibc mallopt, nothing is done."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+
+
 def prepare(args: PrepareArgs) -> dict[str, Any]:
     """Prepare args.input into args.out; return the manifest."""
     if args.workers < 1:
@@ -825,6 +871,7 @@ def _prepare(args: PrepareArgs) -> dict[str, Any]:
                                       "--out or remove that directory")
 
     if args.streaming:  # planned as the records stream by; a foreign shard is found when its index is reached
+        _map_large_allocations()
         shards = streamed_shards(streamed_records(args.input, args.glob, field, args.skip_bad_files, hf),
                                  args.heldout_fraction, shard_bytes, plan_seed(identity, text_options))
         jobs: Iterable[tuple] = (job for job in (job_of(*shard) for shard in shards) if job is not None)
