@@ -277,6 +277,96 @@ def plan_attention(document_ids: Tensor | None, method: str) -> AttentionPlan:
     return AttentionPlan("dense", mask=document_causal_mask(ids), document_ids=ids)
 
 
+# The GEMM attention (CPU training and evaluation at short and medium lengths): scores = q·kᵀ in one
+# batched matmul, the masked softmax in float32, then probs @ v; the backward from the saved probabilities
+# in four more matmuls. SDPA's CPU flash kernel ran at about 35 GFLOP/s in float32 and bf16 alike at
+# [2, 16, 512, 128] on the dev machine's EPYC, where a bf16 GEMM reaches 170-200 (docs/design/performance.md):
+# materialising the [N, H, L, Lk] scores wins there. It is taken only while one call's scores hold at most
+# GEMM_ATTENTION_MAX_SCORES elements (each costs 4 bytes transient in float32 and 2 or 4 saved for the
+# backward), so long rows keep the flash kernel's linear memory; only for float32 and bf16 on CPU.
+GEMM_ATTENTION_MAX_SCORES = 1 << 24
+GEMM_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _use_gemm_attention(q: Tensor, keys: int) -> bool:
+    batch, length, heads, _ = q.shape
+    return (q.device.type == "cpu" and q.dtype in GEMM_ATTENTION_DTYPES
+            and batch * heads * length * keys <= GEMM_ATTENTION_MAX_SCORES)
+
+
+class _GemmAttention(torch.autograd.Function):
+    """Softmax attention of q [N, L, H, D] over k [N, Lk, G, D], v [N, Lk, G, Dv] as batched GEMMs in the inputs' dtype.
+
+    `allowed` [N or 1, 1, L, Lk] bool (None: causal, L == Lk); `sinks` [H] or None: one extra logit per
+    head in the denominator. Grouped-query heads h = g·r + i share kv head g: q is laid out as
+    [N·G, r·L, D], so one GEMM per kv head serves its r query heads, and dk, dv come out summed over
+    them. The scale 1/√D rides on the GEMM (alpha, accumulated in float32 before the one rounding of
+    the scores); softmax and its backward are torch's fused kernels, which accumulate in float32 for
+    bf16 and write the probabilities rounded once to the compute dtype: what the value product reads
+    (as in the flash kernel) and what the backward saves instead of recomputing the scores (memory:
+    N·H·L·Lk elements per call, hence the size bound). Sinks take a float32 path of their own.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, sinks: Tensor | None) -> Tensor:
+        n, length, heads, head_dim = q.shape
+        keys, groups, value_dim = k.shape[1], k.shape[2], v.shape[3]
+        rep = heads // groups
+        scale = head_dim ** -0.5
+        q_g = q.permute(0, 2, 1, 3).reshape(n * groups, rep * length, head_dim)
+        k_g = k.transpose(1, 2).reshape(n * groups, keys, head_dim)
+        v_g = v.transpose(1, 2).reshape(n * groups, keys, value_dim)
+        scores = torch.baddbmm(q_g.new_empty(()), q_g, k_g.transpose(1, 2), beta=0.0, alpha=scale)
+        if allowed is None:
+            allowed = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril()
+        scores_5d = scores.view(n, groups, rep, length, keys)
+        scores_5d.masked_fill_(~allowed.view(-1, 1, 1, length, keys), float("-inf"))
+        sink_prob = None
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # softmax over [scores, sink], the sink's column dropped: in float32, then rounded once
+            logits = scores_5d.float()
+            sink = sinks.detach().float().view(1, groups, rep, 1, 1)
+            top = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
+            logits.sub_(top).exp_()
+            denominator = logits.sum(dim=-1, keepdim=True)
+            sink_prob = (sink - top).exp_()
+            denominator.add_(sink_prob)
+            sink_prob.div_(denominator)  # [N, G, r, L, 1]: the share of the softmax the sink takes
+            probs = logits.div_(denominator).to(q.dtype).view(n * groups, rep * length, keys)
+        out_g = torch.bmm(probs, v_g)  # [N·G, r·L, Dv]
+        ctx.save_for_backward(q_g, k_g, v_g, probs, out_g if sinks is not None else None, sink_prob)
+        ctx.shape = (n, length, heads, head_dim, rep)
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        # [N, L, H, Dv] laid out as the caller reshapes it (the one copy SDPA's transposed output costs too)
+        return out_g.view(n, heads, length, value_dim).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q_g, k_g, v_g, probs, out_g, sink_prob = ctx.saved_tensors
+        n, length, heads, head_dim, rep = ctx.shape
+        groups = heads // rep
+        scale = head_dim ** -0.5
+        grad_g = grad_out.to(probs.dtype).transpose(1, 2).reshape(n * groups, rep * length, -1)
+        grad_v = torch.bmm(probs.transpose(1, 2), grad_g)  # [N·G, Lk, Dv], summed over the r heads
+        grad_probs = torch.bmm(grad_g, v_g.transpose(1, 2))  # [N·G, r·L, Lk]
+        grad_sinks = None
+        if ctx.sinks_dtype is None:
+            grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+        else:  # dS = P ⊙ (dP - δ) with δ = Σ_j P_j dP_j = <dO, O>; the sink's value is 0, so dS_sink = -P_sink·δ
+            delta = (grad_g.float() * out_g.float()).sum(dim=-1, keepdim=True)
+            grad_scores = grad_probs.float().sub_(delta).mul_(probs).to(probs.dtype)
+            grad_sinks = -(sink_prob.flatten(0, 2).view(-1, 1) * delta.view(-1, 1)).view(n, heads, length).sum((0, 2))
+            grad_sinks = grad_sinks.to(ctx.sinks_dtype)
+        empty = q_g.new_empty(())
+        grad_q = torch.baddbmm(empty, grad_scores, k_g, beta=0.0, alpha=scale)  # [N·G, r·L, D]
+        grad_k = torch.baddbmm(empty, grad_scores.transpose(1, 2), q_g, beta=0.0, alpha=scale)  # [N·G, Lk, D]
+        grad_q = grad_q.view(n, heads, length, head_dim).transpose(1, 2)
+        grad_k = grad_k.view(n, groups, -1, head_dim).transpose(1, 2)
+        grad_v = grad_v.view(n, groups, -1, grad_v.shape[-1]).transpose(1, 2)
+        return grad_q, grad_k, grad_v, None, grad_sinks
+
+
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     """SDPA on [N, L, H, D] tensors (heads-second views for the kernel), grouped-query heads expanded."""
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -285,7 +375,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
 
 def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor | None) -> Tensor:
     """SDPA on [N, L, H, D] / [N, Lk, H_kv, D] under a boolean mask broadcastable to [N, 1, L, Lk], with
-    optional sinks [H]: one zero key and value appended, its logit set to the head's sink by a float mask."""
+    optional sinks [H]: one zero key and value appended, its logit set to the head's sink by a float mask.
+    Below the size bound on CPU, the GEMM attention instead (mask and sinks applied inside)."""
+    if _use_gemm_attention(q, k.shape[1]):
+        return _GemmAttention.apply(q, k, v, allowed, sinks)
     if sinks is None:
         return _sdpa(q, k, v, attn_mask=allowed)
     n, length, heads, _ = q.shape
@@ -342,7 +435,9 @@ def _attend_segments(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout, sin
                                                   strict=True):
         q_g, k_g, v_g = (t.unflatten(0, (documents, length)) for t in (q_g, k_g, v_g))
         if sinks is None and window is None:
-            outputs.append(_sdpa(q_g, k_g, v_g, is_causal=True).flatten(0, 1))
+            causal = (_GemmAttention.apply(q_g, k_g, v_g, None, None) if _use_gemm_attention(q_g, length)
+                      else _sdpa(q_g, k_g, v_g, is_causal=True))
+            outputs.append(causal.flatten(0, 1))
             continue
         # Every document of the group starts at slot 0: one [length, length] causal band serves them all.
         band = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
@@ -400,7 +495,10 @@ def _attend_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, sinks: 
 
 
 def _sdpa_repeated_kv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """SDPA with the kv heads repeated to the query heads: the computation moetrain has always done."""
+    """SDPA with the kv heads repeated to the query heads: the computation moetrain has always done
+    (the GEMM attention, which needs no repeat, below its size bound on CPU)."""
+    if _use_gemm_attention(q, k.shape[1]):
+        return _GemmAttention.apply(q, k, v, mask, None)
     repeats = q.shape[2] // k.shape[2]
     if repeats > 1:  # each kv head serves `repeats` consecutive query heads
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
