@@ -445,7 +445,7 @@ def _attend_segments(q: Tensor, k: Tensor, v: Tensor, layout: SegmentLayout, sin
             band = band & window_band(length, length, window, q.device)
         outputs.append(_masked_sdpa(q_g, k_g, v_g, band.view(1, 1, length, length), sinks).flatten(0, 1))
     out_pad = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-    return _ScatterFromSegments.apply(out_pad, layout.scatter).view(batch, seq, heads, head_dim)
+    return _ScatterFromSegments.apply(out_pad, layout.scatter).view(batch, seq, heads, -1)
 
 
 def _attend_blocks(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, sinks: Tensor | None = None,
@@ -467,7 +467,7 @@ def _attend_blocks(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, sinks: 
             mask = mask & window_band(block, span, window, q.device, offset=span - block)
         outputs.append(_masked_sdpa(q_g, k_g, v_g, mask, sinks))
     out = outputs[0] if layout.inverse is None else torch.cat(outputs).index_select(0, layout.inverse)
-    return out.reshape(batch, layout.padded_seq, heads, head_dim)[:, :seq]
+    return out.reshape(batch, layout.padded_seq, heads, -1)[:, :seq]
 
 
 def _attend_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, sinks: Tensor | None = None) -> Tensor:
