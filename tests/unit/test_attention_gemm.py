@@ -84,10 +84,13 @@ def compare(got, want, rtol=1e-5, atol=1e-5):
         torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=name)
 
 
+@pytest.mark.parametrize("chunk", [128, 7], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("method", ["dense", "segments", "blocks", "auto"])
 @pytest.mark.parametrize("kv_heads, value_dim", [(4, 8), (2, 8), (1, 8), (2, 5)], ids=["mha", "gqa", "mqa", "dv5"])
-def test_gemm_path_matches_the_float64_reference(gemm_calls, method, case, kv_heads, value_dim):
+def test_gemm_path_matches_the_float64_reference(gemm_calls, monkeypatch, method, case, kv_heads, value_dim, chunk):
+    """Chunk 128: one chunk per call (rows of 96); 7: several, uneven, inside blocks' key spans too."""
+    monkeypatch.setattr(attention, "GEMM_ATTENTION_CHUNK", chunk)
     with_sinks, window = CASES[case]
     ids = ids_from_lengths(ROWS)
     q, k, v, sinks, grad_out = inputs(len(ROWS), sum(ROWS[0]), kv_heads=kv_heads, value_dim=value_dim)
@@ -99,8 +102,10 @@ def test_gemm_path_matches_the_float64_reference(gemm_calls, method, case, kv_he
     compare(got, want)
 
 
+@pytest.mark.parametrize("chunk", [128, 16, 7], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("case", CASES)
-def test_gemm_path_for_rows_without_documents(gemm_calls, case):
+def test_gemm_path_for_rows_without_documents(gemm_calls, monkeypatch, case, chunk):
+    monkeypatch.setattr(attention, "GEMM_ATTENTION_CHUNK", chunk)
     with_sinks, window = CASES[case]
     q, k, v, sinks, grad_out = inputs(2, 80, heads=6, kv_heads=3)
     sinks = sinks if with_sinks else None
@@ -125,7 +130,9 @@ def test_gemm_path_agrees_with_sdpa(monkeypatch, method):
 
 def test_bfloat16_error_within_the_flash_kernels_scale(monkeypatch):
     """bf16 inputs: the GEMM path's error against float64 (on the bf16-rounded inputs) is of the flash
-    kernel's order; a path that rounded the softmax's sums or skipped the scale would be far off."""
+    kernel's order; a path that rounded the softmax's sums or skipped the scale would be far off. Four
+    query chunks, so dk and dv are accumulated over chunks."""
+    monkeypatch.setattr(attention, "GEMM_ATTENTION_CHUNK", 64)
     seq = 256
     q, k, v, _, grad_out = inputs(2, seq, heads=8, kv_heads=4, head_dim=64, seed=3)
     q, k, v, grad_out = (t.to(torch.bfloat16).double() for t in (q, k, v, grad_out))  # exact in bf16
