@@ -338,8 +338,10 @@ class _GemmAttention(torch.autograd.Function):
             rows = rep * (b - a)
             q_c = q_g[:, :, a:b].reshape(n * groups, rows, head_dim)
             scores = torch.baddbmm(empty, q_c, k_g[:, :needed].transpose(1, 2), beta=0.0, alpha=scale)
-            scores_5d = scores.view(n, groups, rep, b - a, needed)
-            scores_5d.masked_fill_(~allowed[..., a:b, :needed], float("-inf"))
+            # Out of place: selective activation checkpointing may keep the GEMM's output, which must not change.
+            scores_5d = scores.view(n, groups, rep, b - a, needed).masked_fill(~allowed[..., a:b, :needed],
+                                                                              float("-inf"))
+            scores = scores_5d.view(n * groups, rows, needed)
             if sinks is None:
                 probs = torch.softmax(scores, dim=-1)
             else:  # softmax over [scores, sink], the sink's column dropped: in float32, then rounded once
