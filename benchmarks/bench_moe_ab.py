@@ -76,8 +76,8 @@ def main(argv: list[str]) -> None:
                                                for k in pick[0] if k not in ("label", "dtype")}
                 s = summary[f"{dtype}_{label}"]
                 print(f"median {dtype:8s} {label:8s}: memory_efficient {s['memory_efficient_ms']:6.1f} ms "
-                      f"{100 * s['memory_efficient_of_peak']:4.1f}% of peak, grouped {100 * s['grouped_of_peak']:4.1f}%, "
-                      f"loop {100 * s['loop_of_peak']:4.1f}%")
+                      f"{100 * s['memory_efficient_of_peak']:4.1f}% of peak, "
+                      f"grouped {100 * s['grouped_of_peak']:4.1f}%, loop {100 * s['loop_of_peak']:4.1f}%")
     if opts.json:
         opts.json.write_text(json.dumps({"rows": rows, "summary": summary, "argv": sys.argv}, indent=2) + "\n")
 
