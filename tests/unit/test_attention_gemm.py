@@ -157,3 +157,26 @@ def test_the_bound_routes_large_calls_and_other_dtypes_to_sdpa(gemm_calls, monke
     assert len(gemm_calls) == 1
     attend(q, k, v, None)  # float64 stays on SDPA
     assert len(gemm_calls) == 1
+
+
+def test_saved_probabilities_are_what_the_memory_estimate_counts():
+    """The chunks' probabilities are the largest thing the GEMM path saves; the estimate's per-query key
+    count (memory_estimate.py) must equal what autograd really keeps, and be 0 where SDPA runs."""
+    batch, seq, heads = 1, 512, 4
+    q, k, v, _, _ = inputs(batch, seq, heads=heads, kv_heads=2, head_dim=8)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attend(*leaves, None)
+    probs = sum(t.numel() for t in saved.values() if t.dim() == 3 and t.shape[-1] != 8)
+    keys = attention.gemm_attention_saved_keys(batch, heads, seq, torch.float32)
+    assert keys == (128 * 128 + 128 * 256 + 128 * 384 + 128 * 512) / 512  # 4 chunks of 128 queries
+    assert probs == batch * heads * seq * keys
+    assert attention.gemm_attention_saved_keys(batch, heads, seq, torch.float64) == 0
+    assert attention.gemm_attention_saved_keys(batch, heads, seq, torch.float32, "cuda") == 0
+    assert attention.gemm_attention_saved_keys(64, 64, 4096, torch.bfloat16) == 0  # above the size bound

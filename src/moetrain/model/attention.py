@@ -305,6 +305,16 @@ def _query_chunks(length: int, keys: int) -> list[tuple[int, int, int]]:
             for a in range(0, length, GEMM_ATTENTION_CHUNK)]
 
 
+def gemm_attention_saved_keys(batch: int, heads: int, length: int, dtype: torch.dtype,
+                              device_type: str = "cpu") -> float:
+    """Probabilities the GEMM attention saves per query and head on a causal [batch, length] call (its
+    chunks' key counts averaged over the queries); 0 when such a call takes SDPA instead."""
+    if device_type != "cpu" or dtype not in GEMM_ATTENTION_DTYPES or batch * heads * length * length > \
+            GEMM_ATTENTION_MAX_SCORES:
+        return 0.0
+    return sum((b - a) * needed for a, b, needed in _query_chunks(length, length)) / max(length, 1)
+
+
 class _GemmAttention(torch.autograd.Function):
     """Softmax attention of q [N, L, H, D] over k [N, Lk, G, D], v [N, Lk, G, Dv] as batched GEMMs in the inputs' dtype.
 
