@@ -47,6 +47,11 @@ returns: out · sigmoid(lse - sink), the same quantity. A "causal" plan with eit
 dense band mask on CPU and flex on CUDA. Masks and block masks a window needs are built once per
 forward and window (cached in the plan).
 
+On CPU, a float32 or bf16 call whose scores B·H·L·Lk fit `GEMM_ATTENTION_MAX_SCORES` skips SDPA for
+the GEMM attention (`_GemmAttention`: batched GEMMs over causal query chunks, torch's fused softmax,
+the probabilities saved for the backward), with the same masks, windows and sinks: SDPA's CPU flash
+kernel ran at a third of the bf16 GEMM rate at the model's shapes (docs/design/performance.md).
+
 Documents must be contiguous runs (each id appears in one run per row, as packing produces):
 "dense" and "flex" compare ids, "segments" cuts at id changes. This module holds no parameters
 and no projections (layers.Attention does); it imports nothing else from moetrain.model.
