@@ -83,13 +83,15 @@ def worker(argv: list[str]) -> None:
 def driver(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", required=True)
+    parser.add_argument("--candidate", default=str(HERE), help="the B tree (default: this one); a snapshot "
+                        "(git archive) keeps edits made while the run goes on out of it")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args(argv)
-    trees = {"A": Path(opts.baseline).resolve(), "B": HERE}
+    trees = {"A": Path(opts.baseline).resolve(), "B": Path(opts.candidate).resolve()}
     rows = []
     for round_ in range(opts.rounds):
         for threads in opts.threads.split(","):

@@ -132,3 +132,28 @@ def test_global_scope_without_the_step_counts_refuses_instead_of_guessing():
     with pytest.raises(RuntimeError, match="set_global_balance"):
         model.aux_loss()
     assert model.needs_global_balance() and not tiny_model("microbatch").needs_global_balance()
+
+
+def test_one_microbatch_on_one_rank_skips_the_counting_pass_and_changes_nothing(monkeypatch):
+    """One microbatch, one rank: the MoE layers take their own forward's counts (no pre-pass). The
+    losses and gradients must equal, bit for bit, those of the step with the counting pass (forced
+    here by reporting two ranks, whose all-reduce is then the identity), and the pass must not run."""
+    import moetrain.train.global_balance as global_balance
+
+    batch = make_batch()
+    forwards = []
+    model = tiny_model("global_batch")
+    model.register_forward_pre_hook(lambda module, args: forwards.append(module.training))
+    skipped = step(model, [batch])
+    assert forwards == [True], "the one-microbatch step ran a counting pass"
+    monkeypatch.setattr(global_balance, "rank_and_world", lambda: (0, 2))
+    forwards.clear()
+    with_pass = tiny_model("global_batch")
+    with_pass.register_forward_pre_hook(lambda module, args: forwards.append(module.training))
+    counted = step(with_pass, [batch])
+    assert forwards == [False, True]  # the pass (eval mode), then the training forward
+    assert skipped[:3] == counted[:3]
+    for name, grad in skipped[3].items():
+        assert torch.equal(grad, counted[3][name]), name
+    # and both are the loss of the per-microbatch scope on the whole batch (the closed form above)
+    assert math.isclose(skipped[1], step(tiny_model("microbatch"), [batch])[1], rel_tol=1e-12)

@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moetrain.config import JobConfig
+from moetrain.dtypes import DTYPES
+from moetrain.model.attention import gemm_attention_saved_keys
 from moetrain.model.flops import count_params
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -91,6 +93,8 @@ def estimate_training_memory(cfg: JobConfig, dp_shard: int = 1) -> MemoryEstimat
         rows, row_len = t.microbatch_size, cfg.data.seq_len
     tokens = rows * row_len
     dense, moe, layer_input = activation_elements_per_token(cfg)
+    probs = _gemm_attention_probs_per_token(cfg, rows, row_len, "cpu")
+    dense, moe = dense + probs, moe + probs
     n_dense, n_moe = m.n_dense_layers, m.n_layers - m.n_dense_layers
     if t.activation_checkpointing not in (False, "none"):  # full or selective (estimated as full)
         per_token = m.n_layers * layer_input + (moe if n_moe else dense)
@@ -171,7 +175,18 @@ class PeakEstimate:
         return max(self.step_peak, self.optimizer_peak)
 
 
-def _attention_saved_per_token(cfg: JobConfig, device_type: str) -> int:
+def _gemm_attention_probs_per_token(cfg: JobConfig, rows: int, row_len: int, device_type: str) -> int:
+    """Probabilities the CPU GEMM attention (attention.py) saves per token and layer, counted for rows of one
+    document ("dense", "auto" on rows it resolves to plain causal); 0 for "segments" (documents shorter than
+    the row: a lower bound), "flex", MLA, and calls above the GEMM path's size bound, which take SDPA."""
+    m = cfg.model
+    if m.kv_lora_rank is not None or m.attention not in ("auto", "dense"):
+        return 0
+    keys = gemm_attention_saved_keys(rows, m.n_heads, row_len, DTYPES[cfg.parallel.param_dtype], device_type)
+    return int(m.n_heads * keys)
+
+
+def _attention_saved_per_token(cfg: JobConfig, device_type: str, rows: int = 1, row_len: int = 0) -> int:
     """Elements one attention sub-block saves per token, both norms included (counted per storage with
     saved_tensors_hooks on tiny_moe and qwen3_moe_debug shapes; tests/unit/test_peak_estimate.py)."""
     m = cfg.model
@@ -187,6 +202,9 @@ def _attention_saved_per_token(cfg: JobConfig, device_type: str) -> int:
     method = m.attention if m.attention != "auto" else ("flex" if device_type == "cuda" else "segments")
     if method == "flex":  # q, k, v as they are, the output and its log-sum-exp
         return saved + (2 * heads + 2 * kv_heads) * head_dim + heads
+    probs = _gemm_attention_probs_per_token(cfg, rows, row_len, device_type)
+    if probs:  # the GEMM attention: its copies of q, k and v, the output and the saved probabilities
+        return saved + (2 * heads + 2 * kv_heads) * head_dim + probs
     # SDPA (dense, segments, causal rows): q, k and v with k and v repeated to every query head, the output;
     # per-document segments keep the output scattered back to the rows as well (wo's input).
     return saved + 4 * heads * head_dim + (heads * head_dim if method == "segments" else 0)
@@ -228,7 +246,7 @@ def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", p
     rows = 1 if cfg.data.batching == "token_budget" else t.microbatch_size
     tokens = rows * _row_length(cfg)
     act_bytes = DTYPE_BYTES[cfg.parallel.param_dtype]
-    attention = _attention_saved_per_token(cfg, device_type)
+    attention = _attention_saved_per_token(cfg, device_type, rows, _row_length(cfg))
     dense_layer = attention + _ffn_saved_per_token(cfg, moe_layer=False)
     moe_layer = attention + _ffn_saved_per_token(cfg, moe_layer=True)
     n_dense, n_moe = m.n_dense_layers, m.n_layers - m.n_dense_layers

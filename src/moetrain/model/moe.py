@@ -111,6 +111,8 @@ class MoE(nn.Module):
         # The step's expert shares f_e and routed-token count, for the global-batch balance loss.
         self.global_fraction: Tensor | None = None
         self.global_tokens: int = 0
+        # True when the step is the next forward's microbatch alone (one microbatch, one rank).
+        self.own_counts_are_global: bool = False
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -129,12 +131,20 @@ class MoE(nn.Module):
         """The step's assignments per expert [E] and routed tokens, summed over microbatches and ranks."""
         self.global_fraction = balance_fractions(counts, n_tokens, self.cfg.top_k)
         self.global_tokens = int(n_tokens)
+        self.own_counts_are_global = False
+
+    def balance_on_own_counts(self) -> None:
+        """The step is the next forward's microbatch alone: its own counts are the step's (no counting pre-pass)."""
+        self.global_fraction, self.global_tokens, self.own_counts_are_global = None, 0, True
 
     def _balance_loss(self, probs_TE: Tensor, counts_E: Tensor) -> Tensor | None:
         if self.cfg.aux_loss_scope == "microbatch":
             return switch_aux_loss(probs_TE, counts_E, self.cfg.top_k)
         if self.global_fraction is None:
-            return None
+            if not self.own_counts_are_global:
+                return None
+            n_tokens = probs_TE.shape[0]  # what the pre-pass would have counted: the same routing, the same sums
+            return global_balance_share(probs_TE, balance_fractions(counts_E, n_tokens, self.cfg.top_k), n_tokens)
         return global_balance_share(probs_TE, self.global_fraction.to(probs_TE.device), self.global_tokens)
 
     def _few_tokens(self, x_TD: Tensor) -> bool:

@@ -177,6 +177,11 @@ class Transformer(nn.Module):
         for moe, counts_E in zip(self.moe_layers(), counts, strict=True):
             moe.set_global_balance(counts_E, n_tokens)
 
+    def balance_on_own_counts(self) -> None:
+        """The step is one microbatch on one rank: each MoE layer takes its forward's own counts as the step's."""
+        for moe in self.moe_layers():
+            moe.balance_on_own_counts()
+
     def z_loss_sum(self, token_mask: Tensor | None = None) -> Tensor:
         """Σ over MoE layers of coef · Σ over the last forward's tokens of the router z-loss.
 

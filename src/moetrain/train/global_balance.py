@@ -8,7 +8,9 @@ linear in the router probabilities once f is fixed, it splits exactly into per-m
 no-grad routing pass over its microbatches (up to the last MoE block, no LM head) to count the
 assignments, sums the counts over the data-parallel ranks (one all-reduce of n_moe_layers × E + 1
 numbers), and hands them to the model; the forwards and backwards that follow are exact. The cost,
-about one forward per step, is measured in docs/models.md.
+about one forward per step, is measured in docs/models.md. A step of one microbatch on one rank
+skips the pass: its counts are those its own forward makes, so each MoE layer takes them there
+(`balance_on_own_counts`), the same numbers without the extra forward.
 
 This module only orchestrates: the loss itself is the model's (routing.py), and the trainer calls
 `prepare_global_balance` once per step before its accumulation loop.
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from moetrain.data.packing import Batch
-from moetrain.parallel.collectives import all_reduce_sum, collective_device
+from moetrain.parallel.collectives import all_reduce_sum, collective_device, rank_and_world
 
 
 @torch.no_grad()
@@ -33,6 +35,9 @@ def prepare_global_balance(model: nn.Module, microbatches: Sequence[Batch]) -> N
     rank must call it with its own microbatches.
     """
     if not model.needs_global_balance():
+        return
+    if len(microbatches) == 1 and rank_and_world()[1] == 1:
+        model.balance_on_own_counts()
         return
     was_training = model.training
     model.eval()  # routing only: no load bookkeeping for the aux-free bias, no graph
