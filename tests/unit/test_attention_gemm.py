@@ -1,6 +1,6 @@
 """The GEMM attention (attention._GemmAttention), which `attend` takes on CPU below its size bound.
 
-The reference is written out here, independent of attention.py: scores q·k/√D in float64, the "same
+The reference (tests/attention_reference.py) is written independently of attention.py: scores q·k/√D in float64, the "same
 document, causal, i - j < window" mask, the sink as one extra logit per head, dropped before the value
 product. The GEMM path must match it in values and in the gradients of q, k, v and the sinks (float32,
 1e-5) under every plan that reaches it (causal, dense, segments, blocks), with grouped-query heads and
@@ -13,15 +13,12 @@ import pytest
 import torch
 
 import moetrain.model.attention as attention
+from attention_reference import ids_from_lengths, reference, run
 from moetrain.model.attention import attend, plan_attention
 
 # Documents shorter than, equal to and longer than the windows below; one row a single document.
 ROWS = [[1, 15, 16, 17, 3, 40, 4], [96], [33, 2, 61]]
 CASES = {"plain": (False, None), "sinks": (True, None), "window8": (False, 8), "window16+sinks": (True, 16)}
-
-
-def ids_from_lengths(rows):
-    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
 
 
 def inputs(batch, seq, heads=4, kv_heads=2, head_dim=8, value_dim=None, seed=0):
@@ -33,35 +30,6 @@ def inputs(batch, seq, heads=4, kv_heads=2, head_dim=8, value_dim=None, seed=0):
     sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
     grad_out = torch.randn(batch, seq, heads, value_dim, generator=gen, dtype=torch.float64)
     return q, k, v, sinks, grad_out
-
-
-def reference(q, k, v, ids, sinks, window):
-    """Explicit float64 softmax attention, kv heads repeated, the sink as an extra logit."""
-    batch, seq, heads, head_dim = q.shape
-    repeat = heads // k.shape[2]
-    k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-    scores = torch.einsum("bihd,bjhd->bhij", q, k) / head_dim ** 0.5
-    i, j = torch.arange(seq).view(-1, 1), torch.arange(seq).view(1, -1)
-    allowed = (j <= i).expand(batch, seq, seq)
-    if ids is not None:
-        allowed = allowed & (ids.unsqueeze(2) == ids.unsqueeze(1))
-    if window is not None:
-        allowed = allowed & (i - j < window)
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    if sinks is not None:
-        sink_col = sinks.view(1, heads, 1, 1).expand(batch, heads, seq, 1)
-        probs = torch.cat((scores, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
-    else:
-        probs = scores.softmax(dim=-1)
-    return torch.einsum("bhij,bjhd->bihd", probs, v)
-
-
-def run(fn, q, k, v, sinks, grad_out, dtype):
-    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    sink_leaf = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
-    out = fn(*leaves, sink_leaf)
-    out.backward(grad_out.to(dtype))
-    return [out.detach(), *(t.grad for t in leaves), *([] if sink_leaf is None else [sink_leaf.grad])]
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Attention sinks and sliding windows, composed with document masking, in every attention method.
 
-The reference is written out here, independent of attention.py: scores q·k/√D in float64, the
+The reference (tests/attention_reference.py) is written independently of attention.py: scores q·k/√D in float64, the
 "same document, causal, i - j < window" mask, one extra logit per head (the sink) in the softmax,
 dropped before the value product (what transformers' GPT-OSS eager attention computes). Every
 method must match it in values and in the gradients of q, k, v and the sinks (float32, 1e-5);
@@ -10,15 +10,12 @@ flex (no CPU backward in torch 2.13) in values on CPU, values and gradients on C
 import pytest
 import torch
 
+from attention_reference import ids_from_lengths, reference, run
 from moetrain.model.attention import AttentionPlan, attend, block_layout, plan_attention
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 # Documents shorter than, equal to and longer than the windows below; one row a single document.
 ROWS = [[1, 15, 16, 17, 3, 40, 4], [96], [33, 2, 61]]
-
-
-def ids_from_lengths(rows):
-    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
 
 
 def inputs(rows, heads=4, kv_heads=2, head_dim=8, seed=0):
@@ -30,36 +27,6 @@ def inputs(rows, heads=4, kv_heads=2, head_dim=8, seed=0):
     sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
     grad_out = torch.randn(batch, seq, heads, head_dim, generator=gen, dtype=torch.float64)
     return q, k, v, sinks, grad_out
-
-
-def reference(q, k, v, ids, sinks, window):
-    """Explicit softmax attention with the sink as an extra logit; ids None: one document per row."""
-    batch, seq, heads, head_dim = q.shape
-    repeat = heads // k.shape[2]
-    k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-    scores = torch.einsum("bihd,bjhd->bhij", q, k) / head_dim ** 0.5
-    i, j = torch.arange(seq).view(-1, 1), torch.arange(seq).view(1, -1)
-    allowed = (j <= i).expand(batch, seq, seq)
-    if ids is not None:
-        allowed = allowed & (ids.unsqueeze(2) == ids.unsqueeze(1))
-    if window is not None:
-        allowed = allowed & (i - j < window)
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    if sinks is not None:
-        sink_col = sinks.view(1, heads, 1, 1).expand(batch, heads, seq, 1)
-        probs = torch.cat((scores, sink_col), dim=-1).softmax(dim=-1)[..., :-1]
-    else:
-        probs = scores.softmax(dim=-1)
-    return torch.einsum("bhij,bjhd->bihd", probs, v)
-
-
-def run(fn, q, k, v, sinks, grad_out, dtype):
-    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    sink_leaf = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
-    out = fn(*leaves, sink_leaf)
-    out.backward(grad_out.to(dtype))
-    grads = [t.grad for t in leaves] + ([] if sink_leaf is None else [sink_leaf.grad])
-    return [out.detach(), *grads]
 
 
 def compare(got, want):
