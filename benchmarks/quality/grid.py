@@ -17,6 +17,7 @@ Rows (the default MoE: first layer dense FFN 512, three MoE layers of 16 experts
   bal_aux_mb_acc4, bal_aux_global_acc4        microbatch 1 x grad_accum 4 (same tokens per step), so
                                               "per microbatch" (512 tokens) and "global batch" (2048) differ
   bal_aux_free_fast                           aux-loss-free bias at rate 1e-2 instead of the default 1e-3
+  dense_total_lr1e-3                          dense_total at a third of the default learning rate
   gran_8x1x256_renorm (diagnostic)            top-1 with renormalized gates: every gate is 1, so the router
                                               learns from the aux loss only; moetrain's config validation
                                               now refuses it, so the grid no longer runs it and reports
@@ -114,6 +115,10 @@ def rows(base: JobConfig) -> list[Row]:
         # gap near 1) takes about 1 / rate steps: 1e-3 needs longer than the run, 1e-2 does not.
         Row("bal_aux_free_fast", "balancing", "aux-loss-free bias, rate 1e-2",
             ("--model.moe.load_balance", "aux_free", "--model.moe.bias_update_rate", "0.01")),
+        # Adam moves every weight by about the learning rate whatever the width, so a layer's output moves
+        # with its fan-in: the wide dense model may want a smaller rate than the default's 3e-3.
+        Row("dense_total_lr1e-3", "headline", "dense, MoE's total params, lr 1e-3",
+            dense + ("--model.ffn_hidden", str(dense_width(base, "total")), "--train.lr", "1e-3")),
         Row("gran_8x1x256_renorm", "diagnostic", "8 experts, top-1, renormalized gate = 1 (router: aux loss only)",
             _moe(8, 1, 256, renormalize=True),
             refused="config validation refuses model.moe.top_k = 1 with model.moe.renormalize = True"),
