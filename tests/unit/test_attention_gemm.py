@@ -1,12 +1,12 @@
 """The GEMM attention (attention._GemmAttention), which `attend` takes on CPU below its size bound.
 
-The reference (tests/attention_reference.py) is written independently of attention.py: scores q·k/√D in float64, the "same
-document, causal, i - j < window" mask, the sink as one extra logit per head, dropped before the value
-product. The GEMM path must match it in values and in the gradients of q, k, v and the sinks (float32,
-1e-5) under every plan that reaches it (causal, dense, segments, blocks), with grouped-query heads and
-a value width other than the key width; it must agree with SDPA's kernels (the path above the bound);
-in bf16 its error against the float64 reference must stay within the flash kernel's own error scale;
-and the bound must route large calls and other dtypes to SDPA.
+The reference (tests/attention_reference.py) is written independently of attention.py: scores q·k/√D in
+float64, the "same document, causal, i - j < window" mask, the sink as one extra logit per head, dropped
+before the value product. The GEMM path must match it in values and in the gradients of q, k, v and the
+sinks (float32, 1e-5) under every plan that reaches it (causal, dense, segments, blocks), with
+grouped-query heads and a value width other than the key width; it must agree with SDPA's kernels (the
+path above the bound); in bf16 its error against the float64 reference must stay within the flash kernel's
+own error scale; and the bound must route large calls and other dtypes to SDPA.
 """
 
 import pytest

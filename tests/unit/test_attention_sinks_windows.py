@@ -1,10 +1,10 @@
 """Attention sinks and sliding windows, composed with document masking, in every attention method.
 
-The reference (tests/attention_reference.py) is written independently of attention.py: scores q·k/√D in float64, the
-"same document, causal, i - j < window" mask, one extra logit per head (the sink) in the softmax,
-dropped before the value product (what transformers' GPT-OSS eager attention computes). Every
-method must match it in values and in the gradients of q, k, v and the sinks (float32, 1e-5);
-flex (no CPU backward in torch 2.13) in values on CPU, values and gradients on CUDA.
+The reference (tests/attention_reference.py) is written independently of attention.py: scores q·k/√D in
+float64, the "same document, causal, i - j < window" mask, one extra logit per head (the sink) in the
+softmax, dropped before the value product (what transformers' GPT-OSS eager attention computes). Every
+method must match it in values and in the gradients of q, k, v and the sinks (float32, 1e-5); flex (no
+CPU backward in torch 2.13) in values on CPU, values and gradients on CUDA.
 """
 
 import pytest
