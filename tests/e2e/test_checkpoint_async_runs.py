@@ -6,20 +6,18 @@ what is on disk after a SIGKILL (`list_complete`, `newest_intact`).
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from test_train_disk_full import _fill_disk, _one_error_line, _records_parse
+from test_train_kill import train_paused_at_step_4_then_sigkill
 from test_train_nan import poison_step_3  # noqa: F401  (a fixture, used by name below)
 from test_train_torchrun import TORCHRUN, _torchrun
 
 from moetrain import cli
-from moetrain.runtime.faults import FAIL_ENV, PAUSE_ENV
+from moetrain.runtime.faults import FAIL_ENV
 from moetrain.train import checkpoint as ckpt
 from moetrain.train import run
 from moetrain.train.checkpoint import list_complete, newest_intact
@@ -54,25 +52,12 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(job_arg
     # keep_last = 1: step 2's checkpoint may only be pruned once step 4's is complete.
     args = job_args(run_dir, checkpoint__every=2, checkpoint__keep_last=1, train__eval_every=0,
                     checkpoint__async_save=True)
-    env = {**os.environ, PAUSE_ENV: "4"}  # rank 0's background write of step 4 stops before its manifest
-    proc = subprocess.Popen([sys.executable, "-m", "moetrain", "train", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     paused = run_dir / "checkpoints" / ".tmp-step_00000004" / "PAUSED"
-    try:
-        deadline = time.monotonic() + 120
-        # Training goes on while step 4 is being written, until step 6's save waits for it.
-        while not (paused.exists() and 6 in read_train_records(run_dir)):
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the run never reached step 6 with step 4's write paused"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    # Rank 0's background write of step 4 stops before its manifest; training goes on while step 4 is
+    # being written, until step 6's save waits for it.
+    returncode = train_paused_at_step_4_then_sigkill(
+        args, lambda: paused.exists() and 6 in read_train_records(run_dir), "step 6 with step 4's write paused")
+    assert returncode == -signal.SIGKILL
     assert [r.step for r in list_complete(run_dir / "checkpoints")] == [2]
     ref, skipped = newest_intact(run_dir / "checkpoints")
     assert ref.step == 2 and skipped == []

@@ -7,24 +7,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from moetrain.runtime.faults import PAUSE_ENV
 from moetrain.train import run
 from moetrain.train.checkpoint import list_complete
 
 
-def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_one(job_args, read_train_records, tmp_path):
-    run_dir = tmp_path / "run"
-    args = job_args(run_dir, checkpoint__every=2, train__eval_every=0)
-    env = {**os.environ, PAUSE_ENV: "4"}  # rank 0 stops inside the write of step 4's checkpoint
+def train_paused_at_step_4_then_sigkill(args: list[str], ready: Callable[[], bool], waiting_for: str) -> int:
+    """Run `moetrain train ARGS` with rank 0's write of step 4's checkpoint paused (PAUSE_ENV), SIGKILL it
+    once `ready()` holds (within 120 s, failing with its stderr if it ends first), and return its exit code."""
+    env = {**os.environ, PAUSE_ENV: "4"}
     proc = subprocess.Popen([sys.executable, "-m", "moetrain", "train", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    paused = run_dir / "checkpoints" / ".tmp-step_00000004" / "PAUSED"
     try:
         deadline = time.monotonic() + 120
-        while not paused.exists():
+        while not ready():
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the run never reached the paused checkpoint write"
+            assert time.monotonic() < deadline, f"the run never reached {waiting_for}"
             time.sleep(0.2)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -33,7 +33,16 @@ def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_one(job_
             proc.kill()
             proc.wait()
         proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    return proc.returncode
+
+
+def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_one(job_args, read_train_records, tmp_path):
+    run_dir = tmp_path / "run"
+    args = job_args(run_dir, checkpoint__every=2, train__eval_every=0)
+    paused = run_dir / "checkpoints" / ".tmp-step_00000004" / "PAUSED"
+    # rank 0 stops inside the write of step 4's checkpoint
+    returncode = train_paused_at_step_4_then_sigkill(args, paused.exists, "the paused checkpoint write")
+    assert returncode == -signal.SIGKILL
     # The interrupted write left only its temporary directory; step 2 is the newest complete one.
     assert [r.step for r in list_complete(run_dir / "checkpoints")] == [2]
     assert paused.parent.exists()
