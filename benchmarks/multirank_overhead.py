@@ -20,6 +20,8 @@ It prints a table and writes JSON (and the table) under benchmarks/results/:
 
     python benchmarks/multirank_overhead.py driver --baseline /work/wt/r26b_base \
         --out benchmarks/results/multirank_overhead
+    python benchmarks/multirank_overhead.py driver --baseline . --b-args "--parallel.ep 4" --ranks 4 \
+        --out benchmarks/results/multirank_fsdp_vs_ep     # A: FSDP over 4 ranks, B: the same with EP 4
 
 Benchmark only: it asserts nothing about time.
 """
@@ -198,8 +200,9 @@ def _top_ops(result: dict, n: int = 12) -> list[tuple[str, float, float, float]]
     return [(name, row["calls"], row["written"] / 1e9, row["allocated"] / 1e9) for name, row in ranked]
 
 
-def run_one(tree: Path, ranks: int, dtype: str, steps: int, warmup: int, profile: bool, log) -> dict:
-    args = [CONFIG, *COMMON, "--parallel.param_dtype", dtype]
+def run_one(tree: Path, ranks: int, dtype: str, steps: int, warmup: int, profile: bool, log,
+            extra: tuple[str, ...] = ()) -> dict:
+    args = [CONFIG, *COMMON, "--parallel.param_dtype", dtype, *extra]
     cmd_args = [str(steps), str(warmup), "1" if profile else "0", "--config", *args]
     if ranks > 1:
         cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(ranks),
@@ -228,8 +231,11 @@ def driver(ns: argparse.Namespace) -> None:
             for dtype in ns.dtypes:
                 order = ["A", "B"] if ranks > 1 else ["B"]  # the 1-process floor is the same code in both trees
                 for label in order:
-                    result = run_one(trees[label], ranks, dtype, ns.steps, ns.warmup, ns.profile and ranks > 1, log)
-                    row = {"tree": label, "path": str(trees[label]), "ranks": ranks, "dtype": dtype,
+                    extra = tuple(ns.b_args.split()) if label == "B" and ranks > 1 else ()
+                    result = run_one(trees[label], ranks, dtype, ns.steps, ns.warmup, ns.profile and ranks > 1, log,
+                                     extra)
+                    row = {"tree": label, "path": str(trees[label]), "args": " ".join(extra), "ranks": ranks,
+                           "dtype": dtype,
                            **_summary(result), "top_ops_rank0": _top_ops(result), "raw": result}
                     results.append(row)
                     print(f"{label} ranks={ranks} {dtype}: {row['tokens_per_s']:.1f} tok/s, "
@@ -241,11 +247,12 @@ def driver(ns: argparse.Namespace) -> None:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| tree | ranks | dtype | tokens/s | step s | MFU | CPU-s/rank-step (sys) | copied GB | collective GB "
-            "(calls) | allocated GB | peak RSS/rank MiB |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| tree | extra args | ranks | dtype | tokens/s | step s | MFU | CPU-s/rank-step (sys) | copied GB "
+            "| collective GB (calls) | allocated GB | peak RSS/rank MiB |")
+    lines = [head, "|" + "---|" * 12]
     for r in results:
-        lines.append(f"| {r['tree']} | {r['ranks']} | {r['dtype']} | {r['tokens_per_s']:.1f} | {r['step_s']:.2f} | "
+        lines.append(f"| {r['tree']} | {r.get('args') or '-'} | {r['ranks']} | {r['dtype']} | "
+                     f"{r['tokens_per_s']:.1f} | {r['step_s']:.2f} | "
                      f"{100 * r['mfu']:.2f} % of {r['peak_flops_per_rank'] / 1e9:.0f} GFLOP/s | "
                      f"{r['cpu_s_per_rank_step']:.2f} ({r['sys_s_per_rank_step']:.2f}) | {r['copied_gb']:.2f} | "
                      f"{r['collective_gb']:.2f} ({r['collective_calls']:.0f}) | {r['allocated_gb']:.2f} | "
@@ -267,7 +274,10 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=["driver"])
-    parser.add_argument("--baseline", required=True, help="checkout of today's main (A)")
+    parser.add_argument("--baseline", required=True, help="checkout of today's main (A); this tree itself "
+                        "with --b-args compares two configurations of the same code")
+    parser.add_argument("--b-args", default="", help="config overrides for B's multi-rank runs only, e.g. "
+                        "'--parallel.ep 4' (A: FSDP over all ranks, B: the same with expert parallelism)")
     parser.add_argument("--out", default=str(HERE / "benchmarks/results/multirank_overhead"))
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 1])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])

@@ -35,6 +35,7 @@ from test_parity_support import (
     reference_run,
     relative_error,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.config import MoEConfig, ParallelConfig
 from moetrain.data.corpus import stdlib_root
@@ -64,6 +65,20 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 # ---- the whole model ------------------------------------------------------------------------------
+
+class _DivisionsByOne(TorchDispatchMode):
+    """Counts tensor divisions by the scalar 1 (work that changes nothing) in the ops it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.div and len(args) > 1 and isinstance(args[1], (int, float)) \
+                and args[1] == 1:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
 
 def _model_case(state, batches, shape, ep, policy_name, rank, world, device, model_cfg=MODEL_CFG) -> dict:
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
@@ -98,9 +113,11 @@ def _model_case(state, batches, shape, ep, policy_name, rank, world, device, mod
             all_reduces.append(0)
             dist.all_reduce = counting_all_reduce
             try:
-                microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss()).backward()
+                with _DivisionsByOne() as divisions:
+                    microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss()).backward()
             finally:
                 dist.all_reduce = original_all_reduce
+            out["divisions_by_one"] = out.get("divisions_by_one", 0) + divisions.count
         if step == 0:
             out["grads"] = {n: _np(p.grad.full_tensor()) for n, p in model.named_parameters()}
         optimizer.step()
@@ -382,6 +399,16 @@ def test_every_gradient_and_the_parameters_after_three_steps_match(ranks, model_
     update = {n: model_reference["params"][n] - state[n].double() for n in model_reference["params"]}
     err, name = relative_error(result["params"], model_reference["params"], update)
     assert err <= 5e-5, f"{name}: {err:.2e}"  # the parity grid's bound for 3 steps (docs/parallel.md)
+
+
+@pytest.mark.parametrize("case", ["ep2", "ep4"])
+def test_gradient_reduction_never_divides_by_one(ranks, case):
+    # With ep = dp_shard (ep4) the expert weights' FSDP group holds one rank; a divide factor of 1 set
+    # on it made FSDP2 copy every expert gradient through a fresh `grad / 1.0` each microbatch.
+    # (Under HSDP with one shard rank, hsdp2x2_ep2, FSDP2 still does: there the factor of 1 is what
+    # keeps its replicate all-reduce a sum instead of a mean.)
+    for result in ranks["results"]:
+        assert result["model"][case]["divisions_by_one"] == 0
 
 
 def test_expert_weights_live_on_the_ep_mesh_and_in_their_blocks_units(ranks):

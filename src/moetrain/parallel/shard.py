@@ -208,6 +208,19 @@ def _expert_placement_fn(expert_params: set[nn.Parameter], experts: ExpertMeshes
     return placement
 
 
+def _sum_without_division(unit: FSDPModule) -> None:
+    """Gradients reduce by plain SUM: a divide factor of 1, or none on a group of one rank.
+
+    On a group whose data-parallel size is 1 (expert weights when `ep` equals `dp_shard`), FSDP2
+    skips the reduce-scatter and copies the gradients with `input / factor` whenever a factor is
+    set: a fresh gradient-sized tensor and one more pass over it per microbatch, to divide by 1.
+    With no factor it copies them as they are. Every other group keeps the factor of 1, which is
+    what makes FSDP2 sum instead of average.
+    """
+    for group in unit._get_fsdp_state()._fsdp_param_groups:
+        group.gradient_divide_factor = None if group.mesh_info.mesh.size() == 1 else 1.0
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh | None,
@@ -242,7 +255,7 @@ def apply_fsdp(
     for unit in fsdp_modules(model):
         # Plain SUM over ranks with no division: the loss carries 1 / N_global.
         unit.set_force_sum_reduction_for_comms(True)
-        unit.set_gradient_divide_factor(1.0)
+        _sum_without_division(unit)
         # On gloo, broadcasts and send/recv move the same bytes 3-4x cheaper (see gloo_comms).
         use_gloo_comms(unit, pool)
         if gradient_guard:
