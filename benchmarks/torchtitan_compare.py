@@ -33,6 +33,22 @@ Sides (each measurement a fresh process, A B B A ... so drift on the shared mach
              the child answers that probe with "cpu" and gives torchtitan a small stand-in for
              torch.cuda's device calls (no device memory statistics on CPU) before importing it.
 
+What still differs between the sides (read the ratios with these in mind):
+  - torchtitan's GroupedExperts casts the tokens and expert weights to bfloat16 for its
+    torch._grouped_mm whatever the mixed precision, so its "float32" rows compute the routed experts
+    (96% of the parameters) in bf16; moetrain's float32 rows are float32 throughout.
+  - Expert kernels: torchtitan's token dispatcher + torch._grouped_mm (the CPU fallback of torch
+    2.13); moetrain's model.moe.impl = "memory_efficient" of the config.
+  - Load balancing: torchtitan's auxiliary-loss-free expert bias (load_balance_coeff 1e-3, updated in
+    an optimizer pre-hook); moetrain's aux loss of the config (global_batch scope, which with one
+    microbatch on one rank takes no extra routing pass). Neither costs a forward.
+  - Attention kernels: torch's SDPA (torchtitan) against moetrain's own; loss: torchtitan's chunked
+    cross-entropy against moetrain's; FSDP2 on a 1-rank mesh (DTensor parameters) in torchtitan.
+  - Data: random token ids (torchtitan) against the embedded corpus (moetrain); the expert load
+    (and so the per-expert GEMM shapes) of these few steps from initialisation may differ.
+The parameter counts match exactly, group by group (embedding, attention, norms incl. QK-norm,
+router, experts, LM head): 315,758,848 on both sides.
+
 torchtitan is not a dependency of moetrain: it runs from its own virtualenv, for example
 
     python3 -m venv /tmp/ttvenv
@@ -48,7 +64,7 @@ from /proc/self/status at its end: wait4's ru_maxrss would carry the parent's pe
 and its parameter count. The driver prints, per dtype, the medians per side and the ratios
 moetrain / torchtitan of tokens/s and of peak RSS, and writes JSON and the table to --out.json /
 --out.txt. This is a benchmark: it asserts nothing about time; it does assert that both sides
-train the same number of parameters, up to the parts the two implementations define differently.
+train the same number of parameters (in total and per group).
 """
 
 from __future__ import annotations
