@@ -231,7 +231,7 @@ def driver(ns: argparse.Namespace) -> None:
             for dtype in ns.dtypes:
                 order = ["A", "B"] if ranks > 1 else ["B"]  # the 1-process floor is the same code in both trees
                 for label in order:
-                    extra = tuple(ns.b_args.split()) if label == "B" and ranks > 1 else ()
+                    extra = tuple((ns.b_args if label == "B" else ns.a_args).split()) if ranks > 1 else ()
                     result = run_one(trees[label], ranks, dtype, ns.steps, ns.warmup, ns.profile and ranks > 1, log,
                                      extra)
                     row = {"tree": label, "path": str(trees[label]), "args": " ".join(extra), "ranks": ranks,
@@ -278,6 +278,7 @@ def main() -> None:
                         "with --b-args compares two configurations of the same code")
     parser.add_argument("--b-args", default="", help="config overrides for B's multi-rank runs only, e.g. "
                         "'--parallel.ep 4' (A: FSDP over all ranks, B: the same with expert parallelism)")
+    parser.add_argument("--a-args", default="", help="config overrides for A's multi-rank runs only")
     parser.add_argument("--out", default=str(HERE / "benchmarks/results/multirank_overhead"))
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 1])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
