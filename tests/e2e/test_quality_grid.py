@@ -1,7 +1,8 @@
 """benchmarks/quality/grid.py --quick: the quality grid runs from a clone and writes its outputs.
 
-Checks the shape of what the grid writes (a summary per row and seed, the table, the figures) and
-that a second invocation resumes instead of re-running finished runs; never the numbers.
+Checks the shape of what the grid writes (a summary per row and seed, the table, the figures), that
+stream_gap.py reads it (its span means against the summary's own loss curves), and that a second
+invocation resumes instead of re-running finished runs; never the quality numbers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "quality" / "grid.py"
+STREAM_GAP = ROOT / "benchmarks" / "quality" / "stream_gap.py"
 ROWS = ["moe_default", "dense_active"]
 
 
@@ -49,6 +51,18 @@ def test_quick_grid_writes_summary_table_and_figures_and_resumes(tmp_path):
     assert len([line for line in table if line.startswith("| ") and "---" not in line]) == 1 + len(ROWS)
     for name in ("curves.png", "bpb_vs_flops.png", "expert_load.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+    # The training-stream comparison reads that summary: per seed, the mean paired loss gap of each span.
+    gap = subprocess.run([sys.executable, str(STREAM_GAP), str(out / "summary.json"), "--windows", "2",
+                          "--out", str(out / "stream_gap.md")], capture_output=True, text=True, timeout=120)
+    assert gap.returncode == 0, gap.stderr[-3000:]
+    rows = {line.split(" | ")[0]: line for line in (out / "stream_gap.md").read_text().splitlines()}
+    assert rows["| training-stream gap, steps"] == "| training-stream gap, steps | 1-3 | 4-6 |"
+    for seed in ("0", "1"):
+        curves = [dict(r["seeds"][seed]["loss_curve"]) for r in summary["rows"]]
+        late = [curves[1][step] - curves[0][step] for step in curves[0] if step >= 4]
+        printed = float(rows[f"| seed {seed}, nats/token"].split(" | ")[-1].rstrip(" |"))
+        assert abs(printed - sum(late) / len(late)) <= 5e-5, seed
 
     # Resume: finished runs are skipped, their records untouched.
     metrics = out / "runs" / "moe_default_s0" / "metrics.jsonl"
