@@ -14,7 +14,8 @@ distribution differs from the training files' (unigram entropy 4.34 against 4.70
 rank two close models differently from the stream.
 
     python benchmarks/quality/stream_gap.py benchmarks/results/quality_800/summary.json \
-        benchmarks/results/quality_1600/summary.json --out benchmarks/results/quality_1600/stream_gap.md
+        benchmarks/results/quality_1600/summary.json --windows 8 \
+        --out benchmarks/results/quality_1600/stream_gap.md --plot benchmarks/results/quality_1600/stream_gap.png
 
 Analysis only: it asserts nothing.
 """
@@ -26,6 +27,11 @@ import json
 import math
 import statistics
 from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 (after choosing the headless backend)
 
 
 def _row(summary: dict, name: str) -> dict:
@@ -46,6 +52,28 @@ def window_gaps(loss_a: list, loss_b: list, steps: int, windows: int) -> list[tu
         gaps = [g for s, g in paired if lo <= s <= hi]
         out.append((lo, hi, statistics.mean(gaps) if gaps else float("nan")))
     return out
+
+
+def plot(paths: list[Path], a: str, b: str, windows: int, out: Path) -> None:
+    """The training-stream gap per span against the step, one line per summary and seed."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for path, style in zip(paths, ("o--", "s-", "^-."), strict=False):
+        summary = json.loads(path.read_text())
+        steps = summary["method"]["steps"]
+        row_a, row_b = _row(summary, a), _row(summary, b)
+        for seed in (s for s in row_a["seeds"] if s in row_b["seeds"]):
+            gaps = window_gaps(row_a["seeds"][seed]["loss_curve"], row_b["seeds"][seed]["loss_curve"], steps, windows)
+            ax.plot([(lo + hi) / 2 for lo, hi, _ in gaps], [g / math.log(2) for _, _, g in gaps], style,
+                    label=f"{steps}-step run, seed {seed}")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xlabel("step (middle of the span)")
+    ax.set_ylabel(f"{a} - {b}, bits/byte")
+    ax.set_title(f"training-stream loss gap (above 0: {b} lower)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def report(paths: list[Path], a: str, b: str, windows: int) -> str:
@@ -89,11 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--b", default="moe_default", help="row B (default: moe_default)")
     parser.add_argument("--windows", type=int, default=4, help="equal spans per run (default: 4)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables to this file")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw the gaps to this PNG")
     args = parser.parse_args(argv)
     text = report(args.summaries, args.a, args.b, args.windows)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    if args.plot:
+        plot(args.summaries, args.a, args.b, args.windows, args.plot)
     return 0
 
 

@@ -54,8 +54,10 @@ def test_quick_grid_writes_summary_table_and_figures_and_resumes(tmp_path):
 
     # The training-stream comparison reads that summary: per seed, the mean paired loss gap of each span.
     gap = subprocess.run([sys.executable, str(STREAM_GAP), str(out / "summary.json"), "--windows", "2",
-                          "--out", str(out / "stream_gap.md")], capture_output=True, text=True, timeout=120)
+                          "--out", str(out / "stream_gap.md"), "--plot", str(out / "stream_gap.png")],
+                         capture_output=True, text=True, timeout=120)
     assert gap.returncode == 0, gap.stderr[-3000:]
+    assert (out / "stream_gap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {line.split(" | ")[0]: line for line in (out / "stream_gap.md").read_text().splitlines()}
     assert rows["| training-stream gap, steps"] == "| training-stream gap, steps | 1-3 | 4-6 |"
     for seed in ("0", "1"):
