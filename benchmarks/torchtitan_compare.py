@@ -79,6 +79,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
@@ -98,10 +99,10 @@ def _group(name: str) -> str:
 
 
 def _param_groups(named: list[tuple[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
+    out: Counter[str] = Counter()
     for name, numel in named:
-        out[_group(name)] = out.get(_group(name), 0) + numel
-    return out
+        out[_group(name)] += numel
+    return dict(out)
 
 
 def _peak_rss_bytes() -> int:

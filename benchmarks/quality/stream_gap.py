@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -54,17 +55,33 @@ def window_gaps(loss_a: list, loss_b: list, steps: int, windows: int) -> list[tu
     return out
 
 
-def plot(paths: list[Path], a: str, b: str, windows: int, out: Path) -> None:
+@dataclass
+class Pair:
+    """Rows A and B of one summary, with each shared seed's span gaps computed once."""
+
+    name: str
+    steps: int
+    row_a: dict
+    row_b: dict
+    gaps: dict[str, list[tuple[int, int, float]]]
+
+
+def load_pair(path: Path, a: str, b: str, windows: int) -> Pair:
+    summary = json.loads(path.read_text())
+    steps = summary["method"]["steps"]
+    row_a, row_b = _row(summary, a), _row(summary, b)
+    gaps = {seed: window_gaps(row_a["seeds"][seed]["loss_curve"], row_b["seeds"][seed]["loss_curve"], steps, windows)
+            for seed in row_a["seeds"] if seed in row_b["seeds"]}
+    return Pair(path.parent.name, steps, row_a, row_b, gaps)
+
+
+def plot(pairs: list[Pair], a: str, b: str, out: Path) -> None:
     """The training-stream gap per span against the step, one line per summary and seed."""
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for path, style in zip(paths, ("o--", "s-", "^-."), strict=False):
-        summary = json.loads(path.read_text())
-        steps = summary["method"]["steps"]
-        row_a, row_b = _row(summary, a), _row(summary, b)
-        for seed in (s for s in row_a["seeds"] if s in row_b["seeds"]):
-            gaps = window_gaps(row_a["seeds"][seed]["loss_curve"], row_b["seeds"][seed]["loss_curve"], steps, windows)
+    for pair, style in zip(pairs, ("o--", "s-", "^-."), strict=False):
+        for seed, gaps in pair.gaps.items():
             ax.plot([(lo + hi) / 2 for lo, hi, _ in gaps], [g / math.log(2) for _, _, g in gaps], style,
-                    label=f"{steps}-step run, seed {seed}")
+                    label=f"{pair.steps}-step run, seed {seed}")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xlabel("step (middle of the span)")
     ax.set_ylabel(f"{a} - {b}, bits/byte")
@@ -76,32 +93,25 @@ def plot(paths: list[Path], a: str, b: str, windows: int, out: Path) -> None:
     plt.close(fig)
 
 
-def report(paths: list[Path], a: str, b: str, windows: int) -> str:
+def report(pairs: list[Pair], a: str, b: str) -> str:
     lines = [f"Row A = {a}, row B = {b}. Training-stream gap = A's loss - B's on the same steps (negative: A "
              "lower); held-out: bits per byte.", ""]
-    for path in paths:
-        summary = json.loads(path.read_text())
-        steps = summary["method"]["steps"]
-        row_a, row_b = _row(summary, a), _row(summary, b)
-        seeds = [s for s in row_a["seeds"] if s in row_b["seeds"]]
-        lines.append(f"### {path.parent.name}: {steps} steps, seeds {', '.join(seeds)}")
+    for pair in pairs:
+        seeds = list(pair.gaps)
+        lines.append(f"### {pair.name}: {pair.steps} steps, seeds {', '.join(seeds)}")
         lines.append("")
-        spans = None
-        table = []
-        for seed in seeds:
-            gaps = window_gaps(row_a["seeds"][seed]["loss_curve"], row_b["seeds"][seed]["loss_curve"], steps, windows)
-            spans = [f"{lo}-{hi}" for lo, hi, _ in gaps]
-            table.append(f"| seed {seed}, nats/token | " + " | ".join(f"{g:+.4f}" for _, _, g in gaps) + " |")
-            table.append(f"| seed {seed}, bits/byte | " + " | ".join(f"{g / math.log(2):+.4f}" for _, _, g in gaps)
+        spans = [f"{lo}-{hi}" for lo, hi, _ in next(iter(pair.gaps.values()), [])]
+        lines.append("| training-stream gap, steps | " + " | ".join(spans) + " |")
+        lines.append("|---|" + "---|" * len(spans))
+        for seed, gaps in pair.gaps.items():
+            lines.append(f"| seed {seed}, nats/token | " + " | ".join(f"{g:+.4f}" for _, _, g in gaps) + " |")
+            lines.append(f"| seed {seed}, bits/byte | " + " | ".join(f"{g / math.log(2):+.4f}" for _, _, g in gaps)
                          + " |")
-        lines.append("| training-stream gap, steps | " + " | ".join(spans or []) + " |")
-        lines.append("|---|" + "---|" * len(spans or []))
-        lines += table
         lines.append("")
-        evals = sorted({int(s) for seed in seeds for s, _ in row_a["seeds"][seed]["eval_curve"]})
+        evals = sorted({int(s) for seed in seeds for s, _ in pair.row_a["seeds"][seed]["eval_curve"]})
         lines.append("| held-out bits/byte, step | " + " | ".join(str(s) for s in evals) + " |")
         lines.append("|---|" + "---|" * len(evals))
-        for name, row in ((a, row_a), (b, row_b)):
+        for name, row in ((a, pair.row_a), (b, pair.row_b)):
             for seed in seeds:
                 at = {int(s): v for s, v in row["seeds"][seed]["eval_curve"]}
                 lines.append(f"| {name}, seed {seed} | " + " | ".join(f"{at[s]:.3f}" if s in at else "-" for s in evals)
@@ -119,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the tables to this file")
     parser.add_argument("--plot", type=Path, default=None, help="also draw the gaps to this PNG")
     args = parser.parse_args(argv)
-    text = report(args.summaries, args.a, args.b, args.windows)
+    pairs = [load_pair(path, args.a, args.b, args.windows) for path in args.summaries]
+    text = report(pairs, args.a, args.b)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
     if args.plot:
-        plot(args.summaries, args.a, args.b, args.windows, args.plot)
+        plot(pairs, args.a, args.b, args.plot)
     return 0
 
 

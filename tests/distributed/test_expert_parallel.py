@@ -98,7 +98,7 @@ def _model_case(state, batches, shape, ep, policy_name, rank, world, device, mod
         all_reduces[-1] += 1
         return original_all_reduce(*args, **kwargs)
 
-    out: dict = {"forwards": [], "all_reduces": all_reduces}
+    out: dict = {"forwards": [], "all_reduces": all_reduces, "divisions_by_one": 0}
     for step in range(len(batches)):
         microbatches = batches[step][rank]
         global_tokens = count_global_tokens(sum(_valid(t) for _, t in microbatches))
@@ -117,7 +117,7 @@ def _model_case(state, batches, shape, ep, policy_name, rank, world, device, mod
                     microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss()).backward()
             finally:
                 dist.all_reduce = original_all_reduce
-            out["divisions_by_one"] = out.get("divisions_by_one", 0) + divisions.count
+            out["divisions_by_one"] += divisions.count
         if step == 0:
             out["grads"] = {n: _np(p.grad.full_tensor()) for n, p in model.named_parameters()}
         optimizer.step()
