@@ -126,9 +126,10 @@ def grouped_mm(a: Tensor, b: Tensor, counts: Tensor, backend: Backend, counts_ho
         out = a.new_empty(a.shape[0], b.shape[2]) if out is None else out
         # Skipping empty segments branches on a size, which a compiled graph cannot (an empty mm is exact).
         compiling = torch.compiler.is_compiling()
+        tile = 0 if compiling else _row_tile(a)
         for seg, b_e, out_seg in zip(a.split(sizes, dim=0), b.unbind(0), out.split(sizes, dim=0), strict=True):
             if compiling or seg.shape[0]:
-                torch.mm(seg, b_e, out=out_seg)
+                _mm_rows(seg, b_e, out_seg, tile)
         return out
     # unbind, not b[e]: each select's backward would materialise a zero [E,k,m] gradient per expert.
     # Empty segments are multiplied too (a free [0,k] @ [k,m]) so the output stays connected to
@@ -155,14 +156,66 @@ def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backen
     sizes = host_counts(counts, a.shape[0]) if counts_host is None else counts_host
     out = torch.empty(n_experts, a.shape[1], g.shape[1], dtype=a.dtype, device=a.device) if out is None else out
     compiling = torch.compiler.is_compiling()  # no branch on a symbolic size: an empty a^T g is zeros anyway
+    tile = 0 if compiling else _row_tile(a)
+    padded = _PaddedRows(a, g, max(sizes, default=0), tile) if tile else None
     for a_seg, g_seg, out_e in zip(a.split(sizes, dim=0), g.split(sizes, dim=0), out.unbind(0), strict=True):
         if not compiling and a_seg.shape[0] == 0:
             out_e.zero_()
-        elif out_e.dtype == a.dtype:
+            continue
+        if padded is not None:
+            a_seg, g_seg = padded.fill(a_seg, g_seg)
+        if out_e.dtype == a.dtype:
             torch.mm(a_seg.t(), g_seg, out=out_e)
         else:
             out_e.copy_(a_seg.t() @ g_seg)
     return out
+
+
+# On CPU, bf16/fp16 matmuls go through oneDNN, which builds (JIT-compiles) a primitive per shape and
+# keeps the last 1024 in a cache. An expert's row count changes every step, so per-expert GEMMs
+# with their exact row counts meet a new shape on most calls and pay for a primitive each time
+# (benchmarks/expert_gemm_in_step.py: 47-88 GFLOP/s in a bf16 step against 240-310 for the same
+# shapes once built). Row counts are therefore cut to a few shapes: a segment's rows go through
+# as a multiple of the tile plus a remainder under the tile (row GEMMs: each output row is its own
+# dot products, so splitting rows changes no result), and a weight gradient's rows (its reduction
+# dimension) are padded with zero rows to a multiple of the tile (zeros add nothing; splitting
+# there would round a partial sum to bf16). float32 goes to a BLAS with no per-shape cost.
+_ROW_TILE = 32
+
+
+def _row_tile(a: Tensor) -> int:
+    """The row tile for `a`'s per-expert GEMMs: `_ROW_TILE` for low precision on CPU, else 0 (exact counts)."""
+    return _ROW_TILE if a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16) else 0
+
+
+def _mm_rows(seg: Tensor, weight: Tensor, out: Tensor, tile: int) -> None:
+    """out = seg @ weight, as a multiple of `tile` rows and a remainder (one call when `tile` is 0)."""
+    rows = seg.shape[0]
+    head = rows - rows % tile if tile else rows
+    if head:
+        torch.mm(seg[:head], weight, out=out[:head])
+    if head < rows:
+        torch.mm(seg[head:], weight, out=out[head:])
+
+
+class _PaddedRows:
+    """Two scratch buffers that hand out a pair of segments with their rows zero-padded to a multiple of `tile`."""
+
+    def __init__(self, a: Tensor, g: Tensor, max_rows: int, tile: int):
+        self.tile = tile
+        capacity = -(-max_rows // tile) * tile
+        self.a = a.new_empty(capacity, a.shape[1])
+        self.g = g.new_empty(capacity, g.shape[1])
+
+    def fill(self, a_seg: Tensor, g_seg: Tensor) -> tuple[Tensor, Tensor]:
+        rows = a_seg.shape[0]
+        padded = -(-rows // self.tile) * self.tile
+        if padded == rows:
+            return a_seg, g_seg
+        for scratch, seg in ((self.a, a_seg), (self.g, g_seg)):
+            scratch[:rows].copy_(seg)
+            scratch[rows:padded].zero_()
+        return self.a[:padded], self.g[:padded]
 
 
 # ---------------------------------------------------------------------------------------------
