@@ -33,6 +33,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
 HERE = Path(__file__).resolve().parents[1]
 ONE_PROCESS = ["--config", "configs/qwen3_moe_debug.toml", "--model.vocab_size", "2048", "--data.seq_len", "512",
                "--data.max_documents", "300", "--train.microbatch_size", "2", "--train.grad_accum", "1",
@@ -112,11 +117,6 @@ def report(args: argparse.Namespace) -> None:
     print(text)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "summary.json").write_text(json.dumps({"fixed_peak_gflops": fixed, "rows": rows}, indent=2) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(9, 4))
     short = {"bfloat16": "bf16", "float32": "fp32"}
     names = [f"{r['scenario']} {short[r['dtype']]}\n{r['label']}" for r in rows]
