@@ -34,14 +34,13 @@ import sys
 from pathlib import Path
 
 import matplotlib
+from bf16_mfu_ab import ARGS
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]
-ONE_PROCESS = ["--config", "configs/qwen3_moe_debug.toml", "--model.vocab_size", "2048", "--data.seq_len", "512",
-               "--data.max_documents", "300", "--train.microbatch_size", "2", "--train.grad_accum", "1",
-               "--train.num_threads", "2"]
+ONE_PROCESS = [*ARGS, "--train.num_threads", "2"]
 FOUR_RANKS = ["--config", "configs/qwen3_moe_debug.toml", "--data.seq_len", "128", "--data.max_documents", "300",
               "--train.microbatch_size", "1", "--train.grad_accum", "2", "--train.num_threads", "1", "--steps", "2",
               "--warmup", "1"]
@@ -81,7 +80,8 @@ def report(args: argparse.Namespace) -> None:
         if path.name == "summary.json":
             continue
         data = json.loads(path.read_text())
-        scenario, label, dtype = path.stem.split("_")[0], "_".join(path.stem.split("_")[1:-2]), path.stem.split("_")[-2]
+        scenario, *label_parts, dtype, _round = path.stem.split("_")
+        label = "_".join(label_parts)
         runs.append({"file": path.name, "scenario": scenario, "label": label, "dtype": dtype,
                      "tokens_per_s": data["tokens_per_s"], "mfu_probe": data["mfu"],
                      "peak_probe_gflops": data["peak_flops_per_rank"] / 1e9,

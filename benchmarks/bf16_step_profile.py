@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+from bf16_mfu_ab import ARGS
 from torch.profiler import ProfilerActivity, profile
 
 from moetrain.args import take_option
@@ -52,6 +53,17 @@ def kind_of(name: str) -> str:
     return "elementwise/other"
 
 
+def issue_shape_trainer(dtype: str, threads: int, overrides: list[str] | None = None) -> Trainer:
+    """The Trainer `moetrain bench train` builds for qwen3_moe_debug at the issue's shape (bf16_mfu_ab.ARGS)."""
+    argv = [*ARGS, "--train.num_threads", str(threads), "--parallel.param_dtype", dtype, *(overrides or [])]
+    cfg = parse_job_args(argv, prog="issue-shape trainer")
+    data = load_training_data(cfg)
+    set_intra_op_threads(cfg.train.num_threads)
+    _, world, device = init_distributed(cfg.parallel)
+    reuse_freed_host_memory(world)
+    return Trainer(cfg, data, build_mesh(cfg.parallel, world, device.type), device)
+
+
 def main(argv: list[str]) -> None:
     dtype, argv = take_option(argv, "dtype")
     threads, argv = take_option(argv, "threads")
@@ -59,15 +71,7 @@ def main(argv: list[str]) -> None:
     out, argv = take_option(argv, "out")
     shapes_arg, argv = take_option(argv, "shapes")
     shapes = shapes_arg is not None
-    args = ["--config", "configs/qwen3_moe_debug.toml", "--model.vocab_size", "2048", "--data.seq_len", "512",
-            "--train.microbatch_size", "2", "--train.grad_accum", "1", "--data.max_documents", "300",
-            "--train.num_threads", threads or "2", "--parallel.param_dtype", dtype or "bfloat16", *argv]
-    cfg = parse_job_args(args, prog="bf16_step_profile")
-    data = load_training_data(cfg)
-    set_intra_op_threads(cfg.train.num_threads)
-    _, world, device = init_distributed(cfg.parallel)
-    reuse_freed_host_memory(world)
-    trainer = Trainer(cfg, data, build_mesh(cfg.parallel, world, device.type), device)
+    trainer = issue_shape_trainer(dtype or "bfloat16", int(threads or 2), argv)
     trainer.train_step()
     n_steps = int(steps or 1)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
@@ -84,7 +88,7 @@ def main(argv: list[str]) -> None:
         by_kind[kind_of(evt.key)] += self_s
         rows.append((self_s, evt.key, evt.count // n_steps))
     total = sum(by_kind.values())
-    lines = [f"{cfg.parallel.param_dtype}, {torch.get_num_threads()} threads, {trainer.tokens_per_rank_step} "
+    lines = [f"{trainer.cfg.parallel.param_dtype}, {torch.get_num_threads()} threads, {trainer.tokens_per_rank_step} "
              f"tokens/step: step {wall:.3f} s under the profiler, aten self time {total:.3f} s"]
     for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {kind:22s} {seconds:8.3f} s  {100 * seconds / total:5.1f}%")

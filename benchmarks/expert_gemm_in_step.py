@@ -4,7 +4,8 @@
         [--warmup 1] [--out benchmarks/results/expert_gemm_in_step_bfloat16_2threads]
 
 Builds the Trainer as `moetrain bench train` does for qwen3_moe_debug at the issue's shape
-(vocabulary 2048, one microbatch of 2 x 512 tokens), takes `--warmup` steps, then profiles one step
+(vocabulary 2048, one microbatch of 2 x 512 tokens; `bf16_step_profile.issue_shape_trainer`),
+takes `--warmup` steps, then profiles one step
 (torch.profiler, CPU, input shapes recorded) and sorts every `aten::mm` by its shapes into:
 
   projections   the attention projections and the LM head (a row count of 1024 or 2048 tokens
@@ -33,14 +34,8 @@ import time
 from pathlib import Path
 
 import torch
+from bf16_step_profile import issue_shape_trainer
 from torch.profiler import ProfilerActivity, profile
-
-from moetrain.config import parse_job_args
-from moetrain.data.dataset import load_training_data
-from moetrain.parallel.mesh import build_mesh, init_distributed
-from moetrain.runtime.allocator import reuse_freed_host_memory
-from moetrain.runtime.threads import set_intra_op_threads
-from moetrain.train.trainer import Trainer
 
 DIM, EXPERT_HIDDEN = 256, 768
 ROW_WEIGHTS = {(DIM, 2 * EXPERT_HIDDEN), (EXPERT_HIDDEN, DIM), (DIM, EXPERT_HIDDEN), (2 * EXPERT_HIDDEN, DIM)}
@@ -55,6 +50,9 @@ def kind_of(m: int, k: int, n: int) -> tuple[str, int | None]:
     if (m, n) in WGRAD_OUTPUTS and k not in (1024, 2048):
         return "expert wgrad", k
     return "projections", None
+
+
+BUCKET_NAMES = ["all", *(f"< {bound}" for bound in BUCKETS), f">= {BUCKETS[-1]}"]
 
 
 def bucket_of(rows: int | None) -> str:
@@ -86,15 +84,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, help="writes OUT.json and OUT.txt")
     args = parser.parse_args(argv)
-    cfg = parse_job_args(["--config", "configs/qwen3_moe_debug.toml", "--model.vocab_size", "2048",
-                          "--data.seq_len", "512", "--train.microbatch_size", "2", "--train.grad_accum", "1",
-                          "--data.max_documents", "300", "--train.num_threads", str(args.threads),
-                          "--parallel.param_dtype", args.dtype], prog="expert_gemm_in_step")
-    data = load_training_data(cfg)
-    set_intra_op_threads(cfg.train.num_threads)
-    _, world, device = init_distributed(cfg.parallel)
-    reuse_freed_host_memory(world)
-    trainer = Trainer(cfg, data, build_mesh(cfg.parallel, world, device.type), device)
+    trainer = issue_shape_trainer(args.dtype, args.threads)
     for _ in range(args.warmup):
         trainer.train_step()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -118,10 +108,8 @@ def main(argv: list[str]) -> None:
     dtype = getattr(torch, args.dtype)
     order = {"projections": 0, "expert rows": 1, "expert wgrad": 2}
     rows_out = []
-    for (kind, bucket), group in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[1]["shapes"][0][0]
-                                                                          if kv[0][1] == "all" else
-                                                                          BUCKETS.index(int(kv[0][1].split()[-1]))
-                                                                          + (kv[0][1].startswith(">=")))):
+    for (kind, bucket), group in sorted(groups.items(),
+                                        key=lambda kv: (order[kv[0][0]], BUCKET_NAMES.index(kv[0][1]))):
         first_s, hot_s = replay(group["shapes"], dtype)
         rows_out.append({"kind": kind, "rows": bucket, "calls": group["calls"], "step_s": group["s"],
                          "gflop": group["flop"] / 1e9, "step_gflops": group["flop"] / group["s"] / 1e9,

@@ -174,12 +174,12 @@ def grouped_mm_weight_grad(a: Tensor, g: Tensor, counts: Tensor, backend: Backen
 # On CPU, bf16/fp16 matmuls go through oneDNN, which builds (JIT-compiles) a primitive per shape and
 # keeps the last 1024 in a cache. An expert's row count changes every step, so per-expert GEMMs
 # with their exact row counts meet a new shape on most calls and pay for a primitive each time
-# (benchmarks/expert_gemm_in_step.py: 47-88 GFLOP/s in a bf16 step against 240-310 for the same
-# shapes once built). Row counts are therefore cut to a few shapes: a segment's rows go through
-# as a multiple of the tile plus a remainder under the tile (row GEMMs: each output row is its own
-# dot products, so splitting rows changes no result), and a weight gradient's rows (its reduction
-# dimension) are padded with zero rows to a multiple of the tile (zeros add nothing; splitting
-# there would round a partial sum to bf16). float32 goes to a BLAS with no per-shape cost.
+# (measured in docs/design/performance.md, "bf16 expert GEMMs on a few shapes"). Row counts are
+# therefore cut to a few shapes: a segment's rows go through as a multiple of the tile plus a
+# remainder under the tile (row GEMMs: each output row is its own dot products, so splitting rows
+# changes no result), and a weight gradient's rows (its reduction dimension) are padded with zero
+# rows to a multiple of the tile (zeros add nothing; splitting there would round a partial sum to
+# bf16). float32 goes to a BLAS with no per-shape cost.
 _ROW_TILE = 32
 
 
@@ -198,18 +198,22 @@ def _mm_rows(seg: Tensor, weight: Tensor, out: Tensor, tile: int) -> None:
         torch.mm(seg[head:], weight, out=out[head:])
 
 
+def _round_up(rows: int, tile: int) -> int:
+    return -(-rows // tile) * tile
+
+
 class _PaddedRows:
     """Two scratch buffers that hand out a pair of segments with their rows zero-padded to a multiple of `tile`."""
 
     def __init__(self, a: Tensor, g: Tensor, max_rows: int, tile: int):
         self.tile = tile
-        capacity = -(-max_rows // tile) * tile
+        capacity = _round_up(max_rows, tile)
         self.a = a.new_empty(capacity, a.shape[1])
         self.g = g.new_empty(capacity, g.shape[1])
 
     def fill(self, a_seg: Tensor, g_seg: Tensor) -> tuple[Tensor, Tensor]:
         rows = a_seg.shape[0]
-        padded = -(-rows // self.tile) * self.tile
+        padded = _round_up(rows, self.tile)
         if padded == rows:
             return a_seg, g_seg
         for scratch, seg in ((self.a, a_seg), (self.g, g_seg)):
