@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from moetrain.args import take_option
+from moetrain.checkpoint.state import capture_rng_state
+from moetrain.checkpoint.storage import save_checkpoint
 from moetrain.config import load
 from moetrain.model.transformer import Transformer
-from moetrain.train import checkpoint as ckpt
 
 CHUNK = 1 << 20
 
@@ -69,8 +70,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for step in range(1, rounds + 2):  # the first round warms up and is dropped
             start = time.perf_counter()
-            ref = ckpt.save_checkpoint(tmp, step, model, optimizer, {}, {"rng": ckpt.capture_rng_state()},
-                                       keep_last=1, config=cfg.to_dict())
+            ref = save_checkpoint(tmp, step, model, optimizer, {}, {"rng": capture_rng_state()},
+                                  keep_last=1, config=cfg.to_dict())
             save_s = time.perf_counter() - start
             files = _files(ref.path)
             read_s = _read(files, lambda chunk: None)

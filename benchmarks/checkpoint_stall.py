@@ -39,9 +39,11 @@ from pathlib import Path
 import torch
 
 from moetrain.args import take_option
+from moetrain.checkpoint.checkpointer import Checkpointer
+from moetrain.checkpoint.state import capture_rng_state
+from moetrain.checkpoint.storage import tensor_state
 from moetrain.config import CheckpointConfig, load
 from moetrain.model.transformer import Transformer
-from moetrain.train import checkpoint as ckpt
 
 TOKENS = 128
 
@@ -61,7 +63,7 @@ class _State:
         return {"skipped_steps": 0, "tokens_seen": self.steps * TOKENS, "seed": 0}
 
     def per_rank_state(self):
-        return {"loader": {"cursor": self.steps, "seed": 0}, "rng": ckpt.capture_rng_state()}
+        return {"loader": {"cursor": self.steps, "seed": 0}, "rng": capture_rng_state()}
 
     def train_step(self) -> None:
         tokens = torch.randint(0, self.cfg.model.vocab_size, (1, TOKENS))
@@ -71,7 +73,7 @@ class _State:
         self.steps += 1
 
 
-def _leg(state: _State, saver: ckpt.Checkpointer | None, steps: int) -> dict[str, float]:
+def _leg(state: _State, saver: Checkpointer | None, steps: int) -> dict[str, float]:
     start = time.perf_counter()
     stall = 0.0
     pending = None
@@ -110,7 +112,7 @@ def _spin(until) -> dict[str, float]:
     return {"leg_s": time.perf_counter() - start, "longest_gap_s": longest, "gaps_over_20ms_s": held}
 
 
-def _probe(state: _State, saver: ckpt.Checkpointer) -> tuple[dict[str, float], dict[str, float]]:
+def _probe(state: _State, saver: Checkpointer) -> tuple[dict[str, float], dict[str, float]]:
     start = time.perf_counter()
     saver.maybe_save(state.steps + 1, state, force=True)
     stall = time.perf_counter() - start
@@ -134,13 +136,13 @@ def main() -> int:
                                      moe=replace(cfg.model.moe, n_experts=16, aux_loss_scope="microbatch")))
     state = _State(cfg)
     state.train_step()  # the moments exist
-    state_bytes = sum(t.numel() * t.element_size() for t in ckpt._tensor_state(state.model, state.optimizer)["model"]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensor_state(state.model, state.optimizer)["model"]
                       .values()) * 3
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        savers = {mode: ckpt.Checkpointer(Path(tmp) / mode, CheckpointConfig(every=10**9, keep_last=1,
-                                                                              async_save=mode == "async"),
-                                          10**9, "bench") for mode in ("sync", "async")}
+        savers = {mode: Checkpointer(Path(tmp) / mode, CheckpointConfig(every=10**9, keep_last=1,
+                                                                         async_save=mode == "async"),
+                                     10**9, "bench") for mode in ("sync", "async")}
         for r in range(rounds + 1):  # round 0 warms up and is dropped
             order = ["none", "sync", "async"] if r % 2 == 0 else ["async", "sync", "none"]
             for mode in order:

@@ -14,11 +14,15 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
+from moetrain.checkpoint.checkpointer import Checkpointer
+from moetrain.checkpoint.layout import list_complete
+from moetrain.checkpoint.state import capture_rng_state
+from moetrain.checkpoint.storage import DCP_SHARDING_KEY, load_checkpoint
 from moetrain.config import CheckpointConfig, JobConfig, ModelConfig, MoEConfig, ParallelConfig
 from moetrain.runtime.faults import FAIL_ENV
 from moetrain.testing import run_on_ranks
-from moetrain.train import checkpoint as ckpt
 
 MODEL_CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, n_dense_layers=1,
                         max_seq_len=16, moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, impl="loop"))
@@ -42,7 +46,7 @@ class _ShardedState:
         return {"skipped_steps": 0, "tokens_seen": self.cursor, "seed": 0}
 
     def per_rank_state(self):
-        return {"loader": {"cursor": self.cursor, "seed": 0}, "rng": ckpt.capture_rng_state()}
+        return {"loader": {"cursor": self.cursor, "seed": 0}, "rng": capture_rng_state()}
 
     def train_a_step(self) -> None:
         gen = torch.Generator().manual_seed(10 * self.cursor + self.rank)
@@ -62,21 +66,21 @@ def _per_rank(root: str) -> dict:
     state = _ShardedState()
     assert all(isinstance(p, DTensor) for p in state.model.parameters())
     cfg = CheckpointConfig(every=2, keep_last=5, async_save=True)
-    ckpt.Checkpointer(Path(root) / "sync", CheckpointConfig(every=2, keep_last=5), 100, "run").maybe_save(2, state)
+    Checkpointer(Path(root) / "sync", CheckpointConfig(every=2, keep_last=5), 100, "run").maybe_save(2, state)
     at_save = state.full_weights()
 
     # Hold the background write until this rank has trained two more steps (FSDP all-gathers and
     # reduce-scatters on the default group while the save waits on its own group).
     release = threading.Event()
-    real_save = ckpt.dcp.save
+    real_save = dcp.save
 
     def gated_save(*args, **kwargs):
         assert release.wait(60)
         return real_save(*args, **kwargs)
 
-    ckpt.dcp.save = gated_save
+    dcp.save = gated_save
     try:
-        saver = ckpt.Checkpointer(Path(root) / "async", cfg, 100, "run")
+        saver = Checkpointer(Path(root) / "async", cfg, 100, "run")
         started = saver.maybe_save(2, state)
         for _ in range(2):
             state.train_a_step()
@@ -85,9 +89,9 @@ def _per_rank(root: str) -> dict:
         release.set()
         saved = saver.wait()
     finally:
-        ckpt.dcp.save = real_save
+        dcp.save = real_save
     fresh = _ShardedState()
-    trainer_state = ckpt.load_checkpoint(saved, fresh.model, fresh.optimizer)
+    trainer_state = load_checkpoint(saved, fresh.model, fresh.optimizer)
     loaded = fresh.full_weights()
     same_as_at_save = all(torch.equal(loaded[name], at_save[name]) for name in at_save)
 
@@ -111,7 +115,7 @@ def _content(path: Path) -> tuple[dict, dict]:
     length = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + length])
     metadata = header.pop("__metadata__", {})
-    metadata = {key: json.loads(value) if key == ckpt.DCP_SHARDING_KEY else value for key, value in metadata.items()}
+    metadata = {key: json.loads(value) if key == DCP_SHARDING_KEY else value for key, value in metadata.items()}
     payload = data[8 + length:]
     return metadata, {name: (entry["dtype"], entry["shape"], payload[slice(*entry["data_offsets"])])
                       for name, entry in header.items()}
@@ -131,5 +135,5 @@ def test_two_ranks_save_asynchronously_what_a_synchronous_save_writes_and_raise_
     for name in tensor_files:
         assert _content(background / name) == _content(sync / name), name
     assert (background / "trainer.json").read_bytes() == (sync / "trainer.json").read_bytes()
-    assert [r.step for r in ckpt.list_complete(tmp_path / "async")] == [2]
+    assert [r.step for r in list_complete(tmp_path / "async")] == [2]
     assert (tmp_path / "async" / ".tmp-step_00000004").is_dir()

@@ -11,16 +11,17 @@ import threading
 import time
 
 import pytest
+import torch.distributed.checkpoint as dcp
 from test_train_disk_full import _fill_disk, _one_error_line, _records_parse
 from test_train_kill import train_paused_at_step_4_then_sigkill
 from test_train_nan import poison_step_3  # noqa: F401  (a fixture, used by name below)
 from test_train_torchrun import TORCHRUN, _torchrun
 
 from moetrain import cli
+from moetrain.checkpoint.layout import list_complete
+from moetrain.checkpoint.manifest import newest_intact
 from moetrain.runtime.faults import FAIL_ENV
-from moetrain.train import checkpoint as ckpt
 from moetrain.train import run
-from moetrain.train.checkpoint import list_complete, newest_intact
 
 KEYS = ("loss", "grad_norm", "lr", "aux_loss", "valid_tokens")
 
@@ -96,14 +97,14 @@ def test_a_full_disk_in_a_background_write_is_the_one_line_of_a_synchronous_one(
 @pytest.mark.usefixtures("poison_step_3")
 def test_a_stop_on_a_nan_names_the_checkpoint_that_was_still_being_written(job_args, tmp_path, monkeypatch,
                                                                            capsys):
-    real_save = ckpt.dcp.save
+    real_save = dcp.save
 
     def slow_save(*args, **kwargs):  # step 2's background write is still in flight at step 3
         if threading.current_thread() is not threading.main_thread():
             time.sleep(2.0)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt.dcp, "save", slow_save)
+    monkeypatch.setattr(dcp, "save", slow_save)
     run_dir = tmp_path / "stop"
     argv = job_args(run_dir, train__steps=4, checkpoint__every=2, train__eval_every=0, data__heldout_fraction=0,
                     train__nan_policy="stop", checkpoint__async_save=True)

@@ -15,7 +15,7 @@ import pickle
 from pathlib import Path
 
 from moetrain import cli
-from moetrain.train import checkpoint as ckpt
+from moetrain.checkpoint.layout import MANIFEST_FILE, META_FILE, TENSORS_DIR
 from moetrain.train.sample import main as sample_main
 
 
@@ -32,15 +32,15 @@ def _lines(err: str) -> list[str]:
 
 
 def _tensor_file(step_dir: Path) -> Path:
-    (path,) = (step_dir / ckpt.TENSORS_DIR).glob("*.safetensors")
+    (path,) = (step_dir / TENSORS_DIR).glob("*.safetensors")
     return path
 
 
 def _list_in_manifest(step_dir: Path, name: str) -> None:
-    manifest = json.loads((step_dir / ckpt.MANIFEST_FILE).read_text())
+    manifest = json.loads((step_dir / MANIFEST_FILE).read_text())
     data = (step_dir / name).read_bytes()
     manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (step_dir / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    (step_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(job_args, read_train_records, tmp_path, capsys):
@@ -64,7 +64,7 @@ def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(job_args, read_
 
     # Every checkpoint damaged: one error line, exit 2, nothing written.
     for step_dir in (run_dir / "checkpoints").iterdir():
-        (step_dir / ckpt.META_FILE).write_text("{}")
+        (step_dir / META_FILE).write_text("{}")
     metrics = (run_dir / "metrics.jsonl").read_bytes()
     assert cli.main(["train", *job_args(run_dir, train__steps=6, checkpoint__resume="auto")]) == 2
     lines = _lines(capsys.readouterr().err)
@@ -81,7 +81,7 @@ def test_a_crafted_pickle_does_not_run_through_train_or_sample(job_args, tmp_pat
     crafted = pickle.dumps(_MakesMarker(marker))
     # Where torch's own checkpoint format would unpickle: its metadata file and a torch.save'd
     # file, listed in the manifest as someone who rewrote the directory would.
-    for name in (".metadata", f"{ckpt.TENSORS_DIR}/.metadata", f"{ckpt.TENSORS_DIR}/__0_0.distcp", "extra.pt"):
+    for name in (".metadata", f"{TENSORS_DIR}/.metadata", f"{TENSORS_DIR}/__0_0.distcp", "extra.pt"):
         (step2 / name).write_bytes(crafted)
         _list_in_manifest(step2, name)
     capsys.readouterr()

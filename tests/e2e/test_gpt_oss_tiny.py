@@ -9,9 +9,10 @@ import torch
 
 import hf_tiny
 from moetrain import cli
+from moetrain.checkpoint.layout import latest_complete
+from moetrain.checkpoint.storage import load_model_weights
 from moetrain.model.transformer import Transformer
 from moetrain.runtime.run_dir import RunDir
-from moetrain.train.checkpoint import latest_complete, load_model_weights
 
 
 def test_gpt_oss_tiny_trains_then_exports_to_transformers(corpus_dir, tmp_path):

@@ -10,10 +10,11 @@ import torch
 
 import hf_tiny
 from moetrain import cli
+from moetrain.checkpoint.layout import latest_complete
+from moetrain.checkpoint.storage import load_model_weights
 from moetrain.interop import architecture, hf_job_config
 from moetrain.model.transformer import Transformer
 from moetrain.runtime.run_dir import RunDir
-from moetrain.train.checkpoint import latest_complete, load_model_weights
 
 
 def architecture_args(directory) -> list[str]:

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import hf_tiny
+from moetrain.checkpoint.layout import latest_complete
+from moetrain.checkpoint.storage import load_model_weights
 from moetrain.model.transformer import Transformer
 from moetrain.runtime.run_dir import RunDir
-from moetrain.train.checkpoint import latest_complete, load_model_weights
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from moetrain import cli
+from moetrain.checkpoint.layout import TENSORS_DIR, latest_complete, list_complete
 from moetrain.errors import ConfigError
 from moetrain.interop import check_output_dir
 from moetrain.observe.plot import read_records
-from moetrain.train import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,8 +37,8 @@ def _one_line(code: int, err: str, *names: str) -> str:
 
 
 def _damage_newest(run_dir: Path) -> Path:
-    newest = ckpt.latest_complete(run_dir / "checkpoints")
-    (shard,) = (newest.path / ckpt.TENSORS_DIR).glob("*.safetensors")
+    newest = latest_complete(run_dir / "checkpoints")
+    (shard,) = (newest.path / TENSORS_DIR).glob("*.safetensors")
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x01
     shard.write_bytes(bytes(data))
@@ -55,13 +55,13 @@ def test_a_save_below_a_damaged_checkpoint_keeps_one_to_resume_from(job_args, tm
     _damage_newest(run_dir)
     assert cli.main(["train", *job_args(run_dir, train__steps=6, checkpoint__every=3, train__stop_at_step=3,
                                         checkpoint__resume=True, **common)]) == 0
-    steps = [ref.step for ref in ckpt.list_complete(run_dir / "checkpoints")]
+    steps = [ref.step for ref in list_complete(run_dir / "checkpoints")]
     assert steps == [2, 3], steps  # the damaged 4 went; 2 (resumed from) and 3 (just written) stay
     capsys.readouterr()
     assert cli.main(["train", *job_args(run_dir, train__steps=6, checkpoint__every=3, checkpoint__resume=True,
                                         **common)]) == 0
     assert "skipping a damaged checkpoint" not in capsys.readouterr().err
-    assert [ref.step for ref in ckpt.list_complete(run_dir / "checkpoints")] == [3, 6]
+    assert [ref.step for ref in list_complete(run_dir / "checkpoints")] == [3, 6]
     # One history: each train step once among the records that are not marked superseded.
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     current = [r["step"] for r in lines if r["kind"] == "train" and not r.get("superseded")]

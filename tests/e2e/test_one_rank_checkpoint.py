@@ -27,10 +27,10 @@ def _restored(args: list[str]) -> dict:
     )
     from torch.distributed.fsdp import FSDPModule
 
+    from moetrain.checkpoint.layout import latest_complete
     from moetrain.config import parse_job_args
     from moetrain.data.dataset import load_training_data
     from moetrain.parallel.mesh import build_mesh, init_distributed
-    from moetrain.train.checkpoint import latest_complete
     from moetrain.train.trainer import Trainer
 
     cfg = parse_job_args(args)

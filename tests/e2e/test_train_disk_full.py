@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from moetrain import cli
-from moetrain.train.checkpoint import list_complete
+from moetrain.checkpoint.layout import list_complete
 
 
 class _FillsUp:

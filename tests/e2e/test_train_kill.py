@@ -9,9 +9,9 @@ import sys
 import time
 from collections.abc import Callable
 
+from moetrain.checkpoint.layout import list_complete
 from moetrain.runtime.faults import PAUSE_ENV
 from moetrain.train import run
-from moetrain.train.checkpoint import list_complete
 
 
 def train_paused_at_step_4_then_sigkill(args: list[str], ready: Callable[[], bool], waiting_for: str) -> int:

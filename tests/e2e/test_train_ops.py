@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from moetrain import cli
+from moetrain.checkpoint.layout import list_complete
 from moetrain.runtime.faults import HANG_ENV
 from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL
-from moetrain.train.checkpoint import list_complete
 
 
 @contextmanager

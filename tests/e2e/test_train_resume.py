@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from moetrain.checkpoint.layout import list_complete
 from moetrain.train import run
-from moetrain.train.checkpoint import list_complete
 
 
 def test_stop_and_resume_reproduces_an_uninterrupted_run_bitwise(job_args, read_train_records, tmp_path):

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from moetrain.checkpoint.layout import list_complete
 from moetrain.runtime.faults import HANG_ENV
 from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL
-from moetrain.train.checkpoint import list_complete
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH next to this interpreter")

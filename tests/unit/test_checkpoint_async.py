@@ -16,12 +16,23 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from test_checkpoint_integrity import _model_and_optimizer
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
+from moetrain.checkpoint.checkpointer import Checkpointer
+from moetrain.checkpoint.layout import CheckpointRef, list_complete
+from moetrain.checkpoint.manifest import newest_intact, verify
+from moetrain.checkpoint.state import capture_rng_state
+from moetrain.checkpoint.storage import (
+    DCP_SHARDING_KEY,
+    _quiet_single_process,
+    _UnblockingSafetensorsWriter,
+    load_checkpoint,
+)
 from moetrain.config import CheckpointConfig, JobConfig
 from moetrain.errors import TrainingDiverged
 from moetrain.runtime.faults import FAIL_ENV
-from moetrain.train import checkpoint as ckpt
 
 
 class _State:
@@ -36,7 +47,7 @@ class _State:
         return {"skipped_steps": 0, "tokens_seen": 10 * self.cursor, "seed": 0}
 
     def per_rank_state(self):
-        return {"loader": {"cursor": self.cursor, "seed": 0}, "rng": ckpt.capture_rng_state()}
+        return {"loader": {"cursor": self.cursor, "seed": 0}, "rng": capture_rng_state()}
 
     def train_a_step(self) -> None:
         """Change weights, moments, RNG and loader position as a training step does."""
@@ -47,11 +58,11 @@ class _State:
         self.cursor += 1
 
 
-def _checkpointer(root: Path, asynchronous: bool, keep_last: int = 5) -> ckpt.Checkpointer:
-    return ckpt.Checkpointer(root, CheckpointConfig(every=2, keep_last=keep_last, async_save=asynchronous), 100, "run")
+def _checkpointer(root: Path, asynchronous: bool, keep_last: int = 5) -> Checkpointer:
+    return Checkpointer(root, CheckpointConfig(every=2, keep_last=keep_last, async_save=asynchronous), 100, "run")
 
 
-def _files(ref: ckpt.CheckpointRef) -> dict[str, bytes]:
+def _files(ref: CheckpointRef) -> dict[str, bytes]:
     return {p.relative_to(ref.path).as_posix(): p.read_bytes() for p in sorted(ref.path.rglob("*")) if p.is_file()}
 
 
@@ -65,7 +76,7 @@ def _safetensors_content(data: bytes) -> tuple[dict, dict[str, bytes]]:
     header = json.loads(data[8:8 + length])
     payload = data[8 + length:]
     metadata = header.pop("__metadata__", {})
-    metadata = {key: json.loads(value) if key == ckpt.DCP_SHARDING_KEY else value for key, value in metadata.items()}
+    metadata = {key: json.loads(value) if key == DCP_SHARDING_KEY else value for key, value in metadata.items()}
     tensors = {name: (entry["dtype"], entry["shape"], payload[entry["data_offsets"][0]:entry["data_offsets"][1]])
                for name, entry in header.items()}
     return metadata, tensors
@@ -74,7 +85,7 @@ def _safetensors_content(data: bytes) -> tuple[dict, dict[str, bytes]]:
 @pytest.fixture
 def gate(monkeypatch):
     """Hold every background DCP write until `gate.set()`; `gate.entered` is set when one reaches it."""
-    real_save = ckpt.dcp.save
+    real_save = dcp.save
     release, entered = threading.Event(), threading.Event()
 
     def gated_save(*args, **kwargs):
@@ -83,7 +94,7 @@ def gate(monkeypatch):
             assert release.wait(60), "the test never released the background write"
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt.dcp, "save", gated_save)
+    monkeypatch.setattr(dcp, "save", gated_save)
     release.entered = entered
     yield release
     release.set()
@@ -97,7 +108,7 @@ def test_an_async_save_writes_the_bytes_a_synchronous_save_writes(tmp_path):
         saver = _checkpointer(tmp_path / str(asynchronous), asynchronous)
         started = saver.maybe_save(2, state)
         refs[asynchronous] = saver.wait() if asynchronous else started
-        assert refs[asynchronous] == ckpt.CheckpointRef(2, tmp_path / str(asynchronous) / "step_00000002")
+        assert refs[asynchronous] == CheckpointRef(2, tmp_path / str(asynchronous) / "step_00000002")
         saver.close()
     sync, background = (_files(refs[flag]) for flag in (False, True))
     assert sorted(sync) == sorted(background)
@@ -112,7 +123,7 @@ def test_an_async_save_writes_the_bytes_a_synchronous_save_writes(tmp_path):
     meta = [json.loads(files["meta.json"]) for files in (sync, background)]
     assert [{k: v for k, v in m.items() if k != "time"} for m in meta] == [
         {"step": 2, "world_size": 1, "intra_op_threads": torch.get_num_threads()}] * 2
-    checked, problem = ckpt.verify(refs[True])
+    checked, problem = verify(refs[True])
     assert problem is None and checked.verified
 
 
@@ -133,7 +144,7 @@ def test_the_checkpoint_holds_the_state_of_the_step_it_was_requested_at(tmp_path
     saver.close()
 
     fresh = _State(7)
-    trainer_state = ckpt.load_checkpoint(started, fresh.model, fresh.optimizer)
+    trainer_state = load_checkpoint(started, fresh.model, fresh.optimizer)
     for name, value in fresh.model.state_dict().items():
         assert torch.equal(value, weights[name]), name
     for index, value in fresh.optimizer.state_dict()["state"].items():
@@ -151,13 +162,13 @@ def test_the_next_save_waits_for_the_one_in_flight_and_pruning_keeps_the_newest(
     second.start()
     second.join(1.0)
     assert second.is_alive()  # blocked behind step 2's save, which the gate holds
-    assert not (tmp_path / ".tmp-step_00000004").exists() and ckpt.list_complete(tmp_path) == []
+    assert not (tmp_path / ".tmp-step_00000004").exists() and list_complete(tmp_path) == []
     gate.set()
     second.join(60)
     assert not second.is_alive()
-    assert [r.step for r in ckpt.list_complete(tmp_path)] == [2]  # step 4 is still in flight: 2 stays
+    assert [r.step for r in list_complete(tmp_path)] == [2]  # step 4 is still in flight: 2 stays
     assert saver.wait().step == 4
-    assert [r.step for r in ckpt.list_complete(tmp_path)] == [4]  # keep_last = 1 after 4 completed
+    assert [r.step for r in list_complete(tmp_path)] == [4]  # keep_last = 1 after 4 completed
     saver.close()
 
 
@@ -173,11 +184,11 @@ def test_a_failed_background_write_is_raised_on_the_loop_and_leaves_the_previous
     with pytest.raises(OSError, match="checkpoint write of step 4 failed"):
         saver.maybe_save(6, state)
     assert (tmp_path / ".tmp-step_00000004" / "tensors").is_dir()  # the interrupted write, never renamed
-    assert [r.step for r in ckpt.list_complete(tmp_path)] == [2]
-    ref, skipped = ckpt.newest_intact(tmp_path)
+    assert [r.step for r in list_complete(tmp_path)] == [2]
+    ref, skipped = newest_intact(tmp_path)
     assert ref.step == 2 and skipped == []
     fresh = _State(9)
-    assert ckpt.load_checkpoint(ref, fresh.model, fresh.optimizer)["step"] == 2
+    assert load_checkpoint(ref, fresh.model, fresh.optimizer)["step"] == 2
     saver.close()
 
 
@@ -194,7 +205,7 @@ def test_a_failure_at_the_runs_end_is_raised_by_wait_and_only_logged_by_close_on
     monkeypatch.setenv(FAIL_ENV, "6")
     saver.maybe_save(6, state)
     saver.close(raise_errors=False)  # a run already failing keeps its own error
-    assert [r.step for r in ckpt.list_complete(tmp_path)] == [4]
+    assert [r.step for r in list_complete(tmp_path)] == [4]
 
 
 def test_a_non_finite_state_stops_the_run_from_the_background_save(tmp_path):
@@ -205,7 +216,7 @@ def test_a_non_finite_state_stops_the_run_from_the_background_save(tmp_path):
     saver.maybe_save(2, state)
     with pytest.raises(TrainingDiverged, match="refusing to save step 2"):
         saver.wait()
-    assert ckpt.list_complete(tmp_path) == [] and not (tmp_path / ".tmp-step_00000002").exists()
+    assert list_complete(tmp_path) == [] and not (tmp_path / ".tmp-step_00000002").exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
@@ -215,17 +226,17 @@ def test_the_background_writer_writes_what_dcps_writer_writes(tmp_path, dtype):
                        "empty": torch.zeros(0, 4, dtype=dtype), "wide": torch.randn(2, 9, generator=gen).to(dtype)},
              "optimizer": {"state": {"w": {"step": torch.tensor(3.0)}}}}
     contents = []
-    for name, writer in (("dcp", ckpt.HuggingFaceStorageWriter), ("background", ckpt._UnblockingSafetensorsWriter)):
+    for name, writer in (("dcp", HuggingFaceStorageWriter), ("background", _UnblockingSafetensorsWriter)):
         (tmp_path / name).mkdir()
-        with ckpt._quiet_single_process():
-            ckpt.dcp.save(state, storage_writer=writer(str(tmp_path / name), save_distributed=True), no_dist=True)
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=writer(str(tmp_path / name), save_distributed=True), no_dist=True)
         (file,) = (tmp_path / name).glob("*.safetensors")
         contents.append((file.name, _safetensors_content(file.read_bytes())))
     assert contents[1] == contents[0]
     loaded = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
               "optimizer": {"state": {"w": {"step": torch.tensor(0.0)}}}}
-    with ckpt._quiet_single_process():
-        ckpt.dcp.load(loaded, storage_reader=ckpt.HuggingFaceStorageReader(str(tmp_path / "background")), no_dist=True)
+    with _quiet_single_process():
+        dcp.load(loaded, storage_reader=HuggingFaceStorageReader(str(tmp_path / "background")), no_dist=True)
     for key, value in state["model"].items():
         assert torch.equal(loaded["model"][key], value), key
     assert float(loaded["optimizer"]["state"]["w"]["step"]) == 3.0

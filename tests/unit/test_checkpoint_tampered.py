@@ -13,9 +13,22 @@ from pathlib import Path
 import pytest
 from test_checkpoint_integrity import _model_and_optimizer, _rewrite_manifest, _save, _tensor_file
 
+from moetrain.checkpoint.checkpointer import Checkpointer
+from moetrain.checkpoint.layout import (
+    META_FILE,
+    TRAINER_FILE,
+    TRAINER_TENSORS_FILE,
+    CheckpointRef,
+    latest_complete,
+    list_complete,
+    prune,
+    step_dir_name,
+)
+from moetrain.checkpoint.manifest import verify
+from moetrain.checkpoint.state import TENSOR_REF, capture_rng_state
+from moetrain.checkpoint.storage import load_checkpoint, save_checkpoint, saved_intra_op_threads
 from moetrain.config import CheckpointConfig, JobConfig
 from moetrain.errors import ConfigError
-from moetrain.train import checkpoint as ckpt
 
 
 class _State:
@@ -29,14 +42,14 @@ class _State:
         return {"skipped_steps": 0, "tokens_seen": 10, "seed": 0}
 
     def per_rank_state(self):
-        return {"loader": {"cursor": 3, "seed": 0}, "rng": ckpt.capture_rng_state()}
+        return {"loader": {"cursor": 3, "seed": 0}, "rng": capture_rng_state()}
 
 
 def _steps(root: Path) -> list[int]:
-    return [ref.step for ref in ckpt.list_complete(root)]
+    return [ref.step for ref in list_complete(root)]
 
 
-def _damage(ref: ckpt.CheckpointRef) -> None:
+def _damage(ref: CheckpointRef) -> None:
     path = _tensor_file(ref)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
@@ -47,19 +60,19 @@ def _damage(ref: ckpt.CheckpointRef) -> None:
 def test_a_save_after_a_fallback_keeps_the_resume_point_and_what_it_wrote(tmp_path, keep_last):
     root = tmp_path / "ckpts"
     state = _State(0)
-    writer = ckpt.Checkpointer(root, CheckpointConfig(every=2, keep_last=5, resume="auto"), 10, "run")
+    writer = Checkpointer(root, CheckpointConfig(every=2, keep_last=5, resume="auto"), 10, "run")
     for step in (2, 4):
         writer.maybe_save(step, state)
-    _damage(ckpt.latest_complete(root))  # the newest (step 4) is damaged
-    resumed = ckpt.Checkpointer(root, CheckpointConfig(every=3, keep_last=keep_last, resume="auto"), 10, "run")
+    _damage(latest_complete(root))  # the newest (step 4) is damaged
+    resumed = Checkpointer(root, CheckpointConfig(every=3, keep_last=keep_last, resume="auto"), 10, "run")
     assert resumed.resume_point().step == 2
     resumed.maybe_save(3, state)  # another cadence: a step below the damaged one
     assert _steps(root) == [2, 3]  # the damaged step 4 went first; 2 (resumed from) and 3 (just written) stay
     for step in _steps(root):
-        assert ckpt.verify(ckpt.CheckpointRef(step, root / ckpt.step_dir_name(step)))[1] is None
+        assert verify(CheckpointRef(step, root / step_dir_name(step)))[1] is None
     resumed.maybe_save(6, state)
     assert _steps(root) == ([2, 6] if keep_last == 1 else [2, 3, 6])
-    again = ckpt.Checkpointer(root, CheckpointConfig(every=3, keep_last=keep_last, resume="auto"), 10, "run")
+    again = Checkpointer(root, CheckpointConfig(every=3, keep_last=keep_last, resume="auto"), 10, "run")
     assert again.resume_point().step == 6
 
 
@@ -67,31 +80,31 @@ def test_prune_deletes_known_damaged_older_checkpoints_before_intact_ones(tmp_pa
     root = tmp_path / "ckpts"
     for step in (1, 2, 3, 5):
         _save(root, step)
-    assert ckpt.prune(root, keep_last=3, written=5, protect=(2,), damaged=(3,)) == [3]
+    assert prune(root, keep_last=3, written=5, protect=(2,), damaged=(3,)) == [3]
     assert _steps(root) == [1, 2, 5]
 
 
-def _tamper(ref: ckpt.CheckpointRef, name: str, content: bytes) -> None:
+def _tamper(ref: CheckpointRef, name: str, content: bytes) -> None:
     (ref.path / name).write_bytes(content)
     _rewrite_manifest(ref)
 
 
-def _trainer_json(ref: ckpt.CheckpointRef) -> dict:
-    return json.loads((ref.path / ckpt.TRAINER_FILE).read_text())
+def _trainer_json(ref: CheckpointRef) -> dict:
+    return json.loads((ref.path / TRAINER_FILE).read_text())
 
 
-def _load(ref: ckpt.CheckpointRef, like: bool = False) -> None:
+def _load(ref: CheckpointRef, like: bool = False) -> None:
     state = _State(1)
     if like:  # the loading trainer's own keys and types
-        ckpt.load_checkpoint(ref, state.model, state.optimizer, like=(state.trainer_state(), state.per_rank_state()))
+        load_checkpoint(ref, state.model, state.optimizer, like=(state.trainer_state(), state.per_rank_state()))
     else:
-        ckpt.load_checkpoint(ref, state.model, state.optimizer)
+        load_checkpoint(ref, state.model, state.optimizer)
 
 
-def _saved(tmp_path: Path) -> ckpt.CheckpointRef:
+def _saved(tmp_path: Path) -> CheckpointRef:
     state = _State(0)
-    return ckpt.save_checkpoint(tmp_path, 2, state.model, state.optimizer, state.trainer_state(),
-                                state.per_rank_state(), keep_last=2, config=state.cfg.to_dict())
+    return save_checkpoint(tmp_path, 2, state.model, state.optimizer, state.trainer_state(),
+                           state.per_rank_state(), keep_last=2, config=state.cfg.to_dict())
 
 
 def _one_line(err: pytest.ExceptionInfo, *names: str) -> None:
@@ -105,7 +118,7 @@ def _one_line(err: pytest.ExceptionInfo, *names: str) -> None:
 def test_tampered_trainer_state_is_one_line(tmp_path, case):
     ref = _saved(tmp_path)
     state = _trainer_json(ref)
-    tensors = ckpt.TRAINER_TENSORS_FILE
+    tensors = TRAINER_TENSORS_FILE
     if case == "string step":
         state["step"] = "2"
     elif case == "string counter":
@@ -125,21 +138,21 @@ def test_tampered_trainer_state_is_one_line(tmp_path, case):
     elif case == "rank not an object":
         state["ranks"] = ["x"]
     elif case == "tensor ref not a string":
-        state["ranks"][0]["rng"]["torch"] = {ckpt.TENSOR_REF: [1]}
+        state["ranks"][0]["rng"]["torch"] = {TENSOR_REF: [1]}
     if case == "deep nesting":
         body = b"[" * 100_000 + b"]" * 100_000
     else:
         body = json.dumps(state).encode()
     if case != "short torch rng":
-        _tamper(ref, ckpt.TRAINER_FILE, body)
+        _tamper(ref, TRAINER_FILE, body)
     with pytest.raises(ConfigError) as err:
         _load(ref, like=case in ("string counter", "missing counter"))
     _one_line(err, str(ref.path))
 
 
-def _short_torch_rng(ref: ckpt.CheckpointRef) -> bytes:
+def _short_torch_rng(ref: CheckpointRef) -> bytes:
     import safetensors.torch
-    tensors = safetensors.torch.load_file(ref.path / ckpt.TRAINER_TENSORS_FILE)
+    tensors = safetensors.torch.load_file(ref.path / TRAINER_TENSORS_FILE)
     key = next(k for k in tensors if k.endswith("rng.torch"))
     tensors[key] = tensors[key][:100].clone()
     out = ref.path / "short.safetensors"
@@ -152,12 +165,12 @@ def _short_torch_rng(ref: ckpt.CheckpointRef) -> bytes:
 @pytest.mark.parametrize("content", [b"[1, 2]", b"\xff\xfe\x00binary", b'"text"'])
 def test_a_meta_json_that_is_not_an_object_is_one_line(tmp_path, content):
     ref = _saved(tmp_path)
-    _tamper(ref, ckpt.META_FILE, content)
-    checked, problem = ckpt.verify(ref)
+    _tamper(ref, META_FILE, content)
+    checked, problem = verify(ref)
     assert problem is None
     with pytest.raises(ConfigError) as err:
-        ckpt.saved_intra_op_threads(checked)
-    _one_line(err, ckpt.META_FILE)
+        saved_intra_op_threads(checked)
+    _one_line(err, META_FILE)
 
 
 def _edit_sharding(header: dict, case: str) -> None:

@@ -8,20 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain.train.checkpoint import (
-    CheckpointRef,
-    PoisonedStateError,
-    capture_rng_state,
-    latest_complete,
-    list_complete,
-    load_checkpoint,
-    load_model_weights,
-    newest_intact,
-    remove_partial,
-    restore_rng_state,
-    save_checkpoint,
-    saved_intra_op_threads,
-)
+from moetrain.checkpoint.layout import CheckpointRef, latest_complete, list_complete, remove_partial
+from moetrain.checkpoint.manifest import newest_intact
+from moetrain.checkpoint.state import capture_rng_state, restore_rng_state
+from moetrain.checkpoint.storage import load_checkpoint, load_model_weights, save_checkpoint, saved_intra_op_threads
+from moetrain.errors import PoisonedStateError
 
 
 def _model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

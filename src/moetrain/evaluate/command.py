@@ -27,6 +27,8 @@ import torch.distributed as dist
 import tyro
 
 from moetrain.args import parse_typed_args
+from moetrain.checkpoint.state import stored_config
+from moetrain.checkpoint.storage import load_model_weights
 from moetrain.config import ParallelConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.durable import write_json_atomically
@@ -37,7 +39,6 @@ from moetrain.observe.metrics import MetricsWriter
 from moetrain.parallel.mesh import init_distributed
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model, load_hf_model
-from moetrain.train.checkpoint import load_model_weights, stored_config
 from moetrain.train.export_hf import checkpoint_ref
 from moetrain.train.task_eval import read_task
 

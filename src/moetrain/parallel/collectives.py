@@ -1,9 +1,11 @@
 """The few collectives the trainer, metrics and checkpoints share, safe without a process group.
 
 Each helper works on any world: with no initialised process group (or a one-rank
-one) it does the local equivalent and communicates nothing. Tensors travel on the
-device the default group's backend needs (CUDA for NCCL). This module moves small
-values between ranks; it must not know about models, optimizers or files.
+one) it does the local equivalent and communicates nothing. Those with a `group`
+argument run on that process group (a background thread's own, so its collectives
+cannot interleave with the training loop's), by default on the default group.
+Tensors travel on the device the group's backend needs (CUDA for NCCL). This module
+moves small values between ranks; it must not know about models, optimizers or files.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def barrier() -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank of `group` (default: the default group)."""
     if _multi_rank():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def leave_together(timeout_s: float = 10.0) -> None:
@@ -83,12 +86,12 @@ def all_reduce_int(value: int, group: dist.ProcessGroup | None = None) -> int:
     return int(total.item())
 
 
-def all_ranks_true(flag: bool) -> bool:
-    """True when `flag` is true on every rank (one MIN all-reduce)."""
+def all_ranks_true(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True when `flag` is true on every rank of `group` (one MIN all-reduce)."""
     if not _multi_rank():
         return bool(flag)
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
     return bool(value.item())
 
 
@@ -102,12 +105,12 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
     return [t.tolist() for t in out]
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj`, indexed by rank (in-memory objects only; nothing read from disk)."""
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `obj` (of `group`), indexed by rank (in-memory objects only; nothing read from disk)."""
     if not _multi_rank():
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 

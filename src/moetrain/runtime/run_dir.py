@@ -1,7 +1,7 @@
 """The layout of a run directory and the config a run stored there.
 
 RUN_DIR/config.json (the run's resolved JobConfig), metrics.jsonl (records, see
-`moetrain.observe.metrics`), checkpoints/step_XXXXXXXX/ (see `moetrain.train.checkpoint`),
+`moetrain.observe.metrics`), checkpoints/step_XXXXXXXX/ (see `moetrain.checkpoint`),
 logs/rank{R}.log (optional per-rank logs), profile/rank{R}_steps{A}-{B}.json (torch.profiler
 traces, `profile.steps`) and training_curve.png (`moetrain plot`).
 Every reader and writer of a run directory takes its paths from here. This module

@@ -1,1 +1,1 @@
-"""Training loop and its components: optimizer, checkpoints, metrics."""
+"""Training loop and its components: optimizer, metrics."""

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import tyro
 
 from moetrain.args import parse_typed_args
+from moetrain.checkpoint.layout import CheckpointRef, latest_complete, list_complete
+from moetrain.checkpoint.storage import load_model_weights
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.interop import check_output_dir, export_family, save_hf
@@ -29,7 +31,6 @@ from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.runtime.disk import no_space_left
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
-from moetrain.train.checkpoint import CheckpointRef, latest_complete, list_complete, load_model_weights
 
 
 @dataclass

@@ -39,6 +39,10 @@ import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from moetrain.args import take_option
+from moetrain.checkpoint.checkpointer import Checkpointer
+from moetrain.checkpoint.layout import CheckpointRef, remove_partial
+from moetrain.checkpoint.state import stored_config
+from moetrain.checkpoint.storage import saved_intra_op_threads
 from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args, parse_step_range, to_toml
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, ConfigError, TrainingDiverged
@@ -56,8 +60,6 @@ from moetrain.runtime.preflight import job_device_type, refuse_if_too_big
 from moetrain.runtime.run_dir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
 from moetrain.runtime.threads import set_intra_op_threads
-from moetrain.train import checkpoint as ckpt
-from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.estimate import describe, estimate, job_defaults
 from moetrain.train.sample import generate
 from moetrain.train.trainer import EvalSchedule, Trainer
@@ -93,7 +95,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         resume_from = checkpointer.resume_point(cfg)
         if resume_from is not None:
             _refuse_schedule_change(resume_from, cfg)
-        interrupted_threads = None if resume_from is None else ckpt.saved_intra_op_threads(resume_from)
+        interrupted_threads = None if resume_from is None else saved_intra_op_threads(resume_from)
         threads = set_intra_op_threads(cfg.train.num_threads, interrupted=interrupted_threads)
         refuse_foreign_outputs(run_dir, cfg)
         trainer = Trainer(cfg, data, mesh, device)
@@ -128,11 +130,11 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 SCHEDULE_FIELDS = ("steps", "warmup_steps", "schedule", "decay_fraction", "min_lr_ratio", "lr")
 
 
-def _refuse_schedule_change(ref: ckpt.CheckpointRef, cfg: JobConfig) -> None:
+def _refuse_schedule_change(ref: CheckpointRef, cfg: JobConfig) -> None:
     # A larger train.steps silently stretches a cosine or WSD schedule mid-run: say so unless asked for.
     if cfg.checkpoint.allow_schedule_change or ref.step >= cfg.train.steps:  # nothing left to train: no effect
         return
-    saved = ckpt.stored_config(ref)
+    saved = stored_config(ref)
     if saved is None:
         return
     for name in SCHEDULE_FIELDS:
@@ -158,13 +160,13 @@ def _collective_failure(err: RuntimeError, rank: int, where: str, timeout_s: flo
     return f"rank {rank}: a collective failed during {where}: a peer rank is gone ({first_line})"
 
 
-def _start(trainer: Trainer, run_dir: RunDir, resume_from: ckpt.CheckpointRef | None) -> None:
+def _start(trainer: Trainer, run_dir: RunDir, resume_from: CheckpointRef | None) -> None:
     """Restore the checkpoint (if any), then claim the run directory: config, logs, stale partial writes."""
     if resume_from is not None:
         trainer.restore(resume_from)
     if trainer.rank == 0:
         run_dir.root.mkdir(parents=True, exist_ok=True)
-        ckpt.remove_partial(run_dir.checkpoints)  # writes interrupted in an earlier run, never complete
+        remove_partial(run_dir.checkpoints)  # writes interrupted in an earlier run, never complete
         with no_space_left(run_dir.config, "run config"):
             run_dir.config.write_text(json.dumps(trainer.cfg.to_dict(), indent=2))
         if resume_from is None and run_dir.metrics.exists():
@@ -173,7 +175,7 @@ def _start(trainer: Trainer, run_dir: RunDir, resume_from: ckpt.CheckpointRef | 
 
 
 def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
-         resume_from: ckpt.CheckpointRef | None, stop: StopSignals, phase: _Phase, threads: str,
+         resume_from: CheckpointRef | None, stop: StopSignals, phase: _Phase, threads: str,
          lock: WriterLock) -> dict[str, Any]:
     cfg = trainer.cfg
     _start(trainer, run_dir, resume_from)

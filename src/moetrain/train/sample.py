@@ -30,6 +30,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moetrain.args import parse_typed_args
+from moetrain.checkpoint.manifest import newest_intact
+from moetrain.checkpoint.state import stored_config
+from moetrain.checkpoint.storage import load_model_weights
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
@@ -37,7 +40,6 @@ from moetrain.model.kv_cache import KVCache, accepts_cache
 from moetrain.parallel.collectives import rank_and_world
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
-from moetrain.train.checkpoint import load_model_weights, newest_intact, stored_config
 
 log = get_logger("sample")
 

@@ -31,6 +31,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
+from moetrain.checkpoint.layout import CheckpointRef
+from moetrain.checkpoint.state import capture_rng_state, restore_rng_state
+from moetrain.checkpoint.storage import load_checkpoint
 from moetrain.config import JobConfig
 from moetrain.data.batching import build_batching
 from moetrain.data.dataset import TrainingData
@@ -47,7 +50,6 @@ from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum, ran
 from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.precision import compute_copy
-from moetrain.train import checkpoint as ckpt
 from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
@@ -157,11 +159,11 @@ class Trainer:
         return {"skipped_steps": self.skipped_steps, "tokens_seen": self.tokens_seen, "seed": self.cfg.train.seed}
 
     def per_rank_state(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict(), "rng": ckpt.capture_rng_state()}
+        return {"loader": self.loader.state_dict(), "rng": capture_rng_state()}
 
-    def restore(self, ref: ckpt.CheckpointRef) -> None:
-        state = ckpt.load_checkpoint(ref, self.model, self.optimizer,
-                                     like=(self.trainer_state(), self.per_rank_state()))
+    def restore(self, ref: CheckpointRef) -> None:
+        state = load_checkpoint(ref, self.model, self.optimizer,
+                                like=(self.trainer_state(), self.per_rank_state()))
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         self.tokens_seen = int(state["tokens_seen"])
@@ -170,7 +172,7 @@ class Trainer:
         # size, so the data order continues exactly on any number of ranks.
         self.loader.load_state_dict(ranks[0]["loader"])
         if len(ranks) == self.world:
-            ckpt.restore_rng_state(ranks[self.rank]["rng"])
+            restore_rng_state(ranks[self.rank]["rng"])
         else:
             # Weights and optimizer were resharded by DCP; per-rank RNG states have no counterpart.
             log.info("checkpoint was written by %d ranks, resuming on %d: same global data order, "
