@@ -97,6 +97,7 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
 
 
 def _prepare(args: PrepareArgs) -> dict[str, Any]:
+    """One prepare whose options and --out are checked: plan, write the shards still to write, then the manifest."""
     WORKER_CACHE.clear()  # tokenizers and datasets of an earlier prepare in this process may have changed on disk
     tokenizer = build_tokenizer(args.tokenizer)
     identity = tokenizer_identity(args.tokenizer, tokenizer)
