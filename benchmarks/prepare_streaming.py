@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, sys, time
 spec = json.loads(sys.argv[1])
-from moetrain.data.prepare import PrepareArgs, prepare
+from moetrain.data.prepare.command import PrepareArgs, prepare
 import datasets, pyarrow
 def peak_rss():  # this program's own high-water mark (VmHWM), in KiB
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])

@@ -27,7 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export-hf": ("write a run's checkpoint as a Hugging Face model directory (Qwen3-MoE, OLMoE)",
                   "moetrain.train.export_hf:main"),
     "data": ("`data prepare`: tokenize text or conversations into memory-mapped token shards; `data verify DIR`",
-             "moetrain.data.prepare:main"),
+             "moetrain.data.prepare.command:main"),
     "bench": ("benchmarks: `bench moe`, `bench sync`, `bench ep`, `bench attention`, `bench data`, `bench train`",
               "moetrain.bench:main"),
     "estimate": ("memory per rank (weights, gradients, optimizer, activations, peak) for a job and a mesh",

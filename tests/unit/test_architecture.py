@@ -3,7 +3,7 @@
 Layers, lowest first (a module may import only from lower layers, or from its own
 package without closing a cycle):
 
-    errors, testing, durable, dtypes  <  args, logging  <  config  <  model, data  <  parallel
+    errors, testing, durable, dtypes, libc  <  args, logging  <  config  <  model, data  <  parallel
     <  interop, runtime  <  observe, checkpoint  <  train  <  evaluate  <  bench, cli  <  __main__
 
 Imports inside functions are allowed only for optional third-party extras (a user
@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "moetrain"
 
 LAYERS: list[set[str]] = [
-    {"errors", "testing", "durable", "dtypes", "__init__"},
+    {"errors", "testing", "durable", "dtypes", "libc", "__init__"},
     {"args", "logging"},
     {"config"},
     {"model", "data"},
@@ -196,10 +196,10 @@ def test_checker_allows_optional_extras_in_functions_and_relative_imports_resolv
                         "only optional extras may be imported where used)"]
 
 
-@pytest.mark.parametrize("module, layer", [("moetrain.errors", 0), ("moetrain.config", 2), ("moetrain.model.moe", 3),
-                                           ("moetrain.parallel.mesh", 4), ("moetrain.interop.hf_io", 5),
-                                           ("moetrain.runtime.run_dir", 5), ("moetrain.observe.metrics", 6),
-                                           ("moetrain.checkpoint.storage", 6),
+@pytest.mark.parametrize("module, layer", [("moetrain.errors", 0), ("moetrain.libc", 0), ("moetrain.config", 2),
+                                           ("moetrain.model.moe", 3), ("moetrain.parallel.mesh", 4),
+                                           ("moetrain.interop.hf_io", 5), ("moetrain.runtime.run_dir", 5),
+                                           ("moetrain.observe.metrics", 6), ("moetrain.checkpoint.storage", 6),
                                            ("moetrain.train.run", 7), ("moetrain.evaluate.command", 8),
                                            ("moetrain.cli", 9)])
 def test_layers_are_ordered_as_documented(module, layer):

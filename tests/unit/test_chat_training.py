@@ -22,7 +22,7 @@ from moetrain.data.batching import build_batching
 from moetrain.data.chat import load_chat_template
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX
-from moetrain.data.prepare import PrepareArgs, prepare
+from moetrain.data.prepare.command import PrepareArgs, prepare
 from moetrain.data.shards import MANIFEST
 from moetrain.errors import ConfigError
 from moetrain.train.loss import token_loss_sum
@@ -286,7 +286,7 @@ def test_export_writes_the_chat_template_and_a_generation_config_that_stops_at_t
 
 
 def test_start_up_checks_sizes_and_a_damaged_file_is_refused_at_its_first_read_or_by_data_verify(tmp_path):
-    from moetrain.data.prepare import main as data_main
+    from moetrain.data.prepare.command import main as data_main
 
     directory, out = prepared(tmp_path, "qwen_chatml", many_conversations(40, seed=6))
     assert data_main(["verify", str(out)]) == 0  # intact: every file's sha256 matches

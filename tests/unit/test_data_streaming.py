@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from chat_fixtures import TEMPLATES, tokenizer_dir
-from moetrain.data import prepare as prepare_module
-from moetrain.data.prepare import PrepareArgs, prepare
+from moetrain.data.prepare import hf, streaming
+from moetrain.data.prepare.command import PrepareArgs, prepare
 from moetrain.data.shards import MANIFEST
 from moetrain.errors import ConfigError
 
@@ -122,12 +122,12 @@ def test_the_stream_is_an_iterable_dataset_read_as_it_goes_not_materialised(tmp_
     source = tmp_path / "big.parquet"
     pq.write_table(pa.table({"text": rows}), str(source), compression="none", row_group_size=250)
     size = source.stat().st_size
-    reader = prepare_module._load_dataset(str(source), "text", streaming=True)
+    reader = hf.load_dataset(str(source), "text", streaming=True)
     assert isinstance(reader, datasets.IterableDataset)
 
-    next(prepare_module._streamed_rows(source, "text", ""))  # (imports and caches of a first use: not counted)
+    next(streaming.streamed_rows(source, "text", ""))  # (imports and caches of a first use: not counted)
     before = _bytes_read()
-    records = prepare_module._streamed_rows(source, "text", "")
+    records = streaming.streamed_rows(source, "text", "")
     ref, value = next(records)
     first = _bytes_read() - before
     assert (ref.name, ref.start, value) == ("000000000000", 0, rows[0])
@@ -156,8 +156,8 @@ def test_parquet_is_read_a_batch_at_a_time_however_slowly_the_rows_are_consumed(
         source = tmp_path / f"rows_{row_group_size}.parquet"
         pq.write_table(pa.table({"text": rows}), str(source), compression="none", row_group_size=row_group_size)
         bound = source.stat().st_size / 4
-        next(prepare_module._streamed_rows(source, "text", ""))  # (imports and caches of a first use)
-        records = prepare_module._streamed_rows(source, "text", "")
+        next(streaming.streamed_rows(source, "text", ""))  # (imports and caches of a first use)
+        records = streaming.streamed_rows(source, "text", "")
         next(records)
         held = pa.total_allocated_bytes()
         paused = time.monotonic()

@@ -10,7 +10,7 @@ import torch
 from chat_fixtures import tokenizer_dir
 from moetrain.config import DataConfig, JobConfig
 from moetrain.data.dataset import load_training_data
-from moetrain.data.prepare import PrepareArgs, prepare
+from moetrain.data.prepare.command import PrepareArgs, prepare
 from moetrain.data.tokenizer import build_tokenizer, frames_with_bos
 from moetrain.errors import ConfigError
 

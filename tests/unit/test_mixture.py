@@ -13,7 +13,7 @@ from moetrain.config import DataConfig, JobConfig
 from moetrain.data.batching import MIXTURE_BLOCK, MixtureBatching, build_batching
 from moetrain.data.dataset import load_training_data
 from moetrain.data.loader import DataLoader
-from moetrain.data.prepare import PrepareArgs, prepare
+from moetrain.data.prepare.command import PrepareArgs, prepare
 from moetrain.errors import ConfigError
 
 # Each source writes only its own letter, so a batch's tokens tell which source they came from.

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from moetrain.config import DataConfig, JobConfig
-from moetrain.data import prepare as prepare_module
 from moetrain.data.corpus import load_corpus
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import PackedSequences, TokenStream, encode_documents
-from moetrain.data.prepare import PrepareArgs, prepare
+from moetrain.data.prepare import workers
+from moetrain.data.prepare.command import PrepareArgs, prepare
 from moetrain.data.shards import MANIFEST, open_token_shards, token_dtype
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.errors import ConfigError
@@ -167,7 +167,7 @@ def _files(root: Path) -> dict[str, tuple[int, int]]:
 
 def test_interrupted_prepare_continues_and_never_rewrites_a_finished_shard(text_dir, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real = prepare_module._prepare_shard
+    real = workers.prepare_shard
     calls = []
 
     def interrupted_after_two(job):
@@ -176,7 +176,7 @@ def test_interrupted_prepare_continues_and_never_rewrites_a_finished_shard(text_
         calls.append(job[1:3])
         return real(job)
 
-    monkeypatch.setattr(prepare_module, "_prepare_shard", interrupted_after_two)
+    monkeypatch.setattr(workers, "prepare_shard", interrupted_after_two)
     with pytest.raises(KeyboardInterrupt):
         _prepare(text_dir, out)
     assert not (out / MANIFEST).exists(), "an interrupted prepare must not look complete"
@@ -184,7 +184,7 @@ def test_interrupted_prepare_continues_and_never_rewrites_a_finished_shard(text_
     assert sum(name.endswith(".json") for name in finished) == 2
     (out / "train" / ".shard_00009.tokens.npy.tmp-123").write_bytes(b"partial")  # a write cut short
 
-    monkeypatch.setattr(prepare_module, "_prepare_shard", real)
+    monkeypatch.setattr(workers, "prepare_shard", real)
     manifest = _prepare(text_dir, out)
     after = _files(out)
     assert {name: after[name] for name in finished} == finished, "finished shards were rewritten"

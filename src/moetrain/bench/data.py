@@ -41,7 +41,9 @@ from moetrain.data.batching import build_batching
 from moetrain.data.corpus import stdlib_files
 from moetrain.data.dataset import load_training_data
 from moetrain.data.loader import DataLoader
-from moetrain.data.prepare import PrepareArgs, document_refs, prepare, split_refs
+from moetrain.data.prepare.command import PrepareArgs, prepare
+from moetrain.data.prepare.inputs import document_refs
+from moetrain.data.prepare.plan import split_refs
 from moetrain.data.shards import (
     MANIFEST,
     open_token_shards,

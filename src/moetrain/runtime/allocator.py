@@ -32,13 +32,11 @@ variable is read when torch loads), allocate tensors or change what is computed.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 from collections.abc import Mapping, MutableMapping
 
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
+from moetrain.libc import M_MMAP_MAX, M_TRIM_THRESHOLD, glibc_mallopt
+
 _MAX_INT = 2**31 - 1
 TORCH_THP_VARIABLE = "THP_MEM_ALLOC_ENABLE"
 
@@ -62,12 +60,7 @@ def reuse_freed_host_memory(world_size: int) -> bool:
     """Apply the glibc options above to a one-process job; return whether they took effect."""
     if world_size != 1:
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
+    mallopt = glibc_mallopt()
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _MAX_INT))
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, _MAX_INT))
