@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import hf_tiny
+from moetrain.commands.export_hf import ExportOptions, export
 from moetrain.config import JobConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
@@ -31,7 +32,6 @@ from moetrain.parallel.mesh import build_mesh
 from moetrain.runtime.run_dir import RunDir
 from moetrain.testing import run_on_ranks
 from moetrain.train.checkpoint import Checkpointer
-from moetrain.train.export_hf import ExportOptions, export
 from moetrain.train.trainer import Trainer
 
 

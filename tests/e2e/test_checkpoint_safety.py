@@ -15,8 +15,8 @@ import pickle
 from pathlib import Path
 
 from moetrain import cli
+from moetrain.commands.sample import main as sample_main
 from moetrain.train import checkpoint as ckpt
-from moetrain.train.sample import main as sample_main
 
 
 class _MakesMarker:

@@ -4,7 +4,7 @@ Layers, lowest first (a module may import only from lower layers, or from its ow
 package without closing a cycle):
 
     errors, testing, durable, dtypes  <  args, logging  <  config  <  model, data  <  parallel
-    <  interop, runtime  <  observe  <  train  <  evaluate  <  bench, cli  <  __main__
+    <  interop, runtime  <  observe  <  evaluate  <  train  <  commands  <  bench, cli  <  __main__
 
 Imports inside functions are allowed only for optional third-party extras (a user
 without them must still be able to run everything else). The checker runs on the
@@ -30,8 +30,9 @@ LAYERS: list[set[str]] = [
     {"parallel"},
     {"interop", "runtime"},
     {"observe"},
-    {"train"},
     {"evaluate"},
+    {"train"},
+    {"commands"},
     {"bench", "cli"},
     {"__main__"},
 ]
@@ -199,7 +200,7 @@ def test_checker_allows_optional_extras_in_functions_and_relative_imports_resolv
 @pytest.mark.parametrize("module, layer", [("moetrain.errors", 0), ("moetrain.config", 2), ("moetrain.model.moe", 3),
                                            ("moetrain.parallel.mesh", 4), ("moetrain.interop.hf_io", 5),
                                            ("moetrain.runtime.run_dir", 5), ("moetrain.observe.metrics", 6),
-                                           ("moetrain.train.run", 7), ("moetrain.evaluate.command", 8),
-                                           ("moetrain.cli", 9)])
+                                           ("moetrain.evaluate.harness", 7), ("moetrain.train.run", 8),
+                                           ("moetrain.commands.eval", 9), ("moetrain.cli", 10)])
 def test_layers_are_ordered_as_documented(module, layer):
     assert layer_of(module) == layer

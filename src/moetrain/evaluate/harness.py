@@ -4,18 +4,18 @@
 built (and registered under the name "moetrain") the first time it is asked for, so importing this
 module never needs `lm_eval`:
 
-- `loglikelihood`: (context, continuation) pairs tokenised by `task_eval.encode_pair` (lm-evaluation-
+- `loglikelihood`: (context, continuation) pairs tokenised by `tasks.encode_pair` (lm-evaluation-
   harness's rules, BOS first: moetrain's documents start with it) and scored by
-  `task_eval.score_continuations`, batched.
+  `tasks.score_continuations`, batched.
 - `loglikelihood_rolling`: the text (no BOS) cut into lm-evaluation-harness's disjoint rolling
   windows of `max_length` tokens with BOS as the prefix token, the windows scored in batches.
-- `generate_until`: `train.sample.generate_tokens` with the KV cache, batched per generation
+- `generate_until`: `generate.generate_tokens` with the KV cache, batched per generation
   setting; stops at EOS, at any `until` string (the text is cut before it) or after `max_gen_toks`.
 
 Under torchrun every rank holds the whole model and lm-evaluation-harness hands each rank its share
 of the requests (`rank`, `world_size`, `all_gather`, `gather_object` use torch.distributed); the
 model's forwards need no collective. `task_config(task)` is the lm-evaluation-harness config of a
-local task file (`task_eval.read_task`): multiple choice with `acc` and `acc_norm`, or rolling
+local task file (`tasks.read_task`): multiple choice with `acc` and `acc_norm`, or rolling
 log-likelihood with word/byte perplexity and bits per byte.
 """
 
@@ -30,8 +30,8 @@ from torch import nn
 
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.errors import ConfigError
-from moetrain.train.sample import generate_tokens, stop_at_strings
-from moetrain.train.task_eval import (
+from moetrain.evaluate.generate import generate_tokens, stop_at_strings
+from moetrain.evaluate.tasks import (
     TARGET_DELIMITER,
     LocalTask,
     encode_pair,

@@ -42,6 +42,7 @@ from moetrain.args import take_option
 from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args, parse_step_range, to_toml
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, ConfigError, TrainingDiverged
+from moetrain.evaluate.generate import generate
 from moetrain.interop import check_architecture
 from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
@@ -58,8 +59,7 @@ from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
 from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train import checkpoint as ckpt
 from moetrain.train.checkpoint import Checkpointer
-from moetrain.train.estimate import describe, estimate, job_defaults
-from moetrain.train.sample import generate
+from moetrain.train.job_estimate import describe, estimate, job_defaults
 from moetrain.train.trainer import EvalSchedule, Trainer
 
 log = get_logger("train")

@@ -37,6 +37,7 @@ from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.dtypes import DTYPES
+from moetrain.evaluate.tasks import evaluate_choice_tasks, read_choice_tasks
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.observe.metrics import StepResult, bits_per_byte, train_record
@@ -52,7 +53,6 @@ from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
-from moetrain.train.task_eval import evaluate_choice_tasks, read_choice_tasks
 
 log = get_logger("train")
 
