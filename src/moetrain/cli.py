@@ -24,7 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train a model from a TOML config (+ --section.field overrides)", "moetrain.train.run:main"),
     "sample": ("generate text from a run's latest checkpoint", "moetrain.commands.sample:main"),
     "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.observe.plot:main"),
-    "export-hf": ("write a run's checkpoint as a Hugging Face model directory (Qwen3-MoE, OLMoE)",
+    # The families come from moetrain.interop.families, which loads torch: `export-hf --help` lists them.
+    "export-hf": ("write a run's checkpoint as a Hugging Face model directory (families: `export-hf --help`)",
                   "moetrain.commands.export_hf:main"),
     "data": ("`data prepare`: tokenize text or conversations into memory-mapped token shards; `data verify DIR`",
              "moetrain.data.prepare:main"),
