@@ -38,9 +38,9 @@ import torch
 
 from moetrain.config import load
 from moetrain.data.tokenizer import build_tokenizer
+from moetrain.evaluate.generate import generate_tokens
 from moetrain.model.kv_cache import KVCache
 from moetrain.train.build import build_model
-from moetrain.train.sample import generate_tokens
 
 HERE = Path(__file__).resolve().parents[1]
 

@@ -25,13 +25,16 @@ T = TypeVar("T")
 
 
 def parse_typed_args(cls: type[T], args: list[str], prog: str, default: T | None = None,
-                     bool_flags: bool = False) -> T:
+                     bool_flags: bool = False, description: str | None = None) -> T:
     """Parse `--field value` arguments into dataclass `cls` (fields of nested dataclasses as `--a.b`).
 
     `default` supplies the values of fields not given; `bool_flags` turns booleans into
-    `--name` / `--no-name` flags instead of `--name True|False`.
+    `--name` / `--no-name` flags instead of `--name True|False`; `description` replaces `cls`'s
+    docstring at the top of `--help` (for text built at run time).
     """
     kwargs = _tyro_kwargs(prog, default, bool_flags)
+    if description is not None:
+        kwargs["description"] = description
     if any(a in ("-h", "--help") for a in args):
         return tyro.cli(cls, args=args, **kwargs)
     captured = io.StringIO()

@@ -22,22 +22,23 @@ from moetrain.runtime.allocator import huge_pages_for_large_tensors
 # name -> (one-line help, "module:function")
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train a model from a TOML config (+ --section.field overrides)", "moetrain.train.run:main"),
-    "sample": ("generate text from a run's latest checkpoint", "moetrain.train.sample:main"),
+    "sample": ("generate text from a run's latest checkpoint", "moetrain.commands.sample:main"),
     "plot": ("draw a run's loss and throughput curves to PNG", "moetrain.observe.plot:main"),
-    "export-hf": ("write a run's checkpoint as a Hugging Face model directory (Qwen3-MoE, OLMoE)",
-                  "moetrain.train.export_hf:main"),
+    # The families come from moetrain.interop.families, which loads torch: `export-hf --help` lists them.
+    "export-hf": ("write a run's checkpoint as a Hugging Face model directory (families: `export-hf --help`)",
+                  "moetrain.commands.export_hf:main"),
     "data": ("`data prepare`: tokenize text or conversations into memory-mapped token shards; `data verify DIR`",
              "moetrain.data.prepare.command:main"),
     "bench": ("benchmarks: `bench moe`, `bench sync`, `bench ep`, `bench attention`, `bench data`, `bench train`",
               "moetrain.bench:main"),
     "estimate": ("memory per rank (weights, gradients, optimizer, activations, peak) for a job and a mesh",
-                 "moetrain.train.estimate:main"),
+                 "moetrain.commands.estimate:main"),
     "config": ("`config --from-hf DIR`: a complete, commented TOML job for a Hugging Face directory",
-               "moetrain.train.config_from_hf:main"),
+               "moetrain.commands.config_from_hf:main"),
     "simulate": ("predict step time of the sync policies at cluster scale", "moetrain.bench.simulate:main"),
     "eval": ("evaluate a run's checkpoint or a Hugging Face directory with lm-evaluation-harness (extra `eval`)",
-             "moetrain.evaluate.command:main"),
-    "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.train.init_report:main"),
+             "moetrain.commands.eval:main"),
+    "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.commands.init_report:main"),
 }
 
 USAGE = "usage: moetrain COMMAND [options]   (moetrain COMMAND --help for a command's options)"

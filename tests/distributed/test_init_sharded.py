@@ -8,10 +8,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from moetrain.commands.init_report import build_initialised, report_rows
 from moetrain.config import load
 from moetrain.model.transformer import Transformer
 from moetrain.testing import run_on_ranks
-from moetrain.train.init_report import build_initialised, report_rows
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.toml"
 SCHEMES = ("llama", "olmo-mitchell")  # fused halves with different stds; a binding ±3σ cutoff

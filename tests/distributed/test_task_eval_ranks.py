@@ -1,4 +1,4 @@
-"""In-loop task evaluation (`train.task_eval.evaluate_choice_tasks`) split over 2 gloo ranks on an FSDP- and on an
+"""In-loop task evaluation (`evaluate.tasks.evaluate_choice_tasks`) split over 2 gloo ranks on an FSDP- and on an
 expert-parallel-sharded model equals 1 rank, and both equal an independent float64 loop: one forward per
 choice, log-likelihoods summed by hand, acc / acc_norm by numpy's argmax (lm-evaluation-harness's rule)."""
 
@@ -12,9 +12,9 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig, ParallelConfig
 from moetrain.data.tokenizer import build_tokenizer
+from moetrain.evaluate.tasks import evaluate_choice_tasks, read_choice_tasks
 from moetrain.testing import run_on_ranks
 from moetrain.train.build import build_model
-from moetrain.train.task_eval import evaluate_choice_tasks, read_choice_tasks
 
 TASK = Path(__file__).resolve().parents[1] / "data" / "tasks" / "tiny_choice.jsonl"
 MODEL_CFG = ModelConfig(vocab_size=272, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, n_dense_layers=1,

@@ -19,11 +19,11 @@ import pytest
 
 import hf_tiny
 from moetrain import cli
-from moetrain.evaluate.command import EvalOptions, evaluate, summary
+from moetrain.commands.eval import EvalOptions, evaluate, summary
 from moetrain.evaluate.harness import task_config
+from moetrain.evaluate.tasks import read_task
 from moetrain.interop import save_hf
 from moetrain.train.build import load_hf_model
-from moetrain.train.task_eval import read_task
 
 pytest.importorskip("lm_eval")
 TASKS = Path(__file__).resolve().parents[1] / "data" / "tasks"

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moetrain import cli
+from moetrain.commands.sample import main as sample_main
 from moetrain.errors import ConfigError
-from moetrain.train.sample import main as sample_main
-from moetrain.train.sample import next_token, top_p_filter
+from moetrain.evaluate.generate import next_token, top_p_filter
 
 
 def test_top_p_keeps_the_smallest_head_reaching_the_mass():

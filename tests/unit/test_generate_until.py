@@ -13,9 +13,9 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import build_tokenizer
+from moetrain.evaluate.generate import generate_tokens
 from moetrain.evaluate.harness import _gen_settings, harness_model
 from moetrain.train.build import build_model
-from moetrain.train.sample import generate_tokens
 
 pytest.importorskip("lm_eval")
 PROMPTS = ["def f(x):", "import o", "class A"]

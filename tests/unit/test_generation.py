@@ -1,4 +1,4 @@
-"""KV-cache generation (model.kv_cache, train.sample) against the re-running path and direct forwards.
+"""KV-cache generation (model.kv_cache, evaluate.generate) against the re-running path and direct forwards.
 
 The reference is the model's own full forward on each row alone (no cache, no padding): the cached
 logits of every prefix must match it, and greedy generation must be token-identical to re-running
@@ -11,9 +11,9 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.errors import ModelError
+from moetrain.evaluate.generate import generate_tokens, next_token, stop_at_strings, top_k_filter
 from moetrain.model.kv_cache import KVCache
 from moetrain.train.build import build_model
-from moetrain.train.sample import generate_tokens, next_token, stop_at_strings, top_k_filter
 
 PROMPTS = [[1, 5, 9], [1, 7, 3, 3, 8, 2, 40], [1, 2, 60, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from moetrain.cli import main as cli_main
+from moetrain.commands.init_report import build_initialised, report_rows
+from moetrain.commands.init_report import main as report_main
 from moetrain.config import InitScheme, JobConfig, load
 from moetrain.errors import ConfigError, ModelError
 from moetrain.model.init import KINDS, SCHEMES, Dims, Rule, _draw_rows, classify, get_scheme
-from moetrain.train.init_report import build_initialised, report_rows
-from moetrain.train.init_report import main as report_main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_moe.toml"

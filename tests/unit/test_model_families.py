@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moetrain.commands.init_report import report_rows
 from moetrain.config import JobConfig, ModelConfig, MoEConfig
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.model.init import classify
 from moetrain.model.layers import Attention, apply_rope, rope_cos_sin, rope_permutation
 from moetrain.model.transformer import Transformer
-from moetrain.train.init_report import report_rows
 
 
 def family_cfg(**overrides) -> ModelConfig:

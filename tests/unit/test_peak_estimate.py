@@ -17,7 +17,7 @@ from moetrain.config import parse_job_args
 from moetrain.model.memory_estimate import HEAP_SLACK, estimate_peak
 from moetrain.model.transformer import Transformer
 from moetrain.observe.peak_memory import current_rss_bytes
-from moetrain.train import estimate as estimate_command
+from moetrain.train import job_estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--config", str(ROOT / "configs" / "tiny_moe.toml"), "--data.seq_len", "128", "--train.microbatch_size", "2"]
@@ -55,10 +55,10 @@ def test_sharding_splits_the_state_and_adds_the_fsdp_buffers():
 def test_process_and_data_are_measured_here(monkeypatch):
     cfg = parse_job_args(TINY)
     before = current_rss_bytes()
-    est = estimate_command.estimate(cfg, 1, 1, "cpu")
+    est = job_estimate.estimate(cfg, 1, 1, "cpu")
     assert 0.9 * before <= est.peak.process <= current_rss_bytes() * 1.1
     assert est.peak.peak == est.peak.step_peak > est.lower_bound
-    on_gpu = estimate_command.estimate(cfg, 1, 1, "H100")
+    on_gpu = job_estimate.estimate(cfg, 1, 1, "H100")
     assert on_gpu.peak.process == on_gpu.peak.data == on_gpu.peak.allocator == 0  # host memory, not the device's
 
 

@@ -1,4 +1,4 @@
-"""Local task files and lm-evaluation-harness's scoring rules (train.task_eval), against hand-worked cases
+"""Local task files and lm-evaluation-harness's scoring rules (evaluate.tasks), against hand-worked cases
 and an unbatched float64 forward per request."""
 
 import json
@@ -8,14 +8,14 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.errors import ConfigError
-from moetrain.train.build import build_model
-from moetrain.train.task_eval import (
+from moetrain.evaluate.tasks import (
     choice_metrics,
     encode_pair,
     read_choice_tasks,
     read_task,
     score_continuations,
 )
+from moetrain.train.build import build_model
 
 BOS = 99
 encode = lambda text: [ord(c) for c in text]  # one token per character

@@ -40,9 +40,9 @@ def bits_per_byte(loss_sum_nats: float, n_bytes: int) -> float:
     return loss_sum_nats / (LN2 * n_bytes) if n_bytes > 0 else float("nan")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepResult:
-    """What one optimizer step measured on this rank (loss and aux already reduced over ranks)."""
+    """What one optimizer step measured on this rank (loss and aux already reduced over ranks); fields by name."""
 
     loss: float
     aux_loss: float
@@ -181,7 +181,7 @@ def format_si(x: float) -> str:
     return f"{x:.0f}"
 
 
-def train_record(step: int, result: StepResult, window: list[StepResult], tokens_per_rank_step: int,
+def train_record(*, step: int, result: StepResult, window: list[StepResult], tokens_per_rank_step: int,
                  per_rank_times: list[list[float]], expert_load: torch.Tensor | None, flops_per_token: float,
                  peak_flops: float, tokens_seen: int, skipped_steps: int,
                  all_to_all_per_rank: list[list[float]] | None = None,

@@ -46,6 +46,7 @@ from moetrain.checkpoint.storage import saved_intra_op_threads
 from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args, parse_step_range, to_toml
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, ConfigError, TrainingDiverged
+from moetrain.evaluate.generate import generate
 from moetrain.interop import check_architecture
 from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
@@ -60,8 +61,14 @@ from moetrain.runtime.preflight import job_device_type, refuse_if_too_big
 from moetrain.runtime.run_dir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
 from moetrain.runtime.threads import set_intra_op_threads
+<<<<<<< HEAD
 from moetrain.train.estimate import describe, estimate, job_defaults
 from moetrain.train.sample import generate
+=======
+from moetrain.train import checkpoint as ckpt
+from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.job_estimate import describe, estimate, job_defaults
+>>>>>>> h/commands
 from moetrain.train.trainer import EvalSchedule, Trainer
 
 log = get_logger("train")

@@ -40,6 +40,7 @@ from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.dtypes import DTYPES
+from moetrain.evaluate.tasks import evaluate_choice_tasks, read_choice_tasks
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.observe.metrics import StepResult, bits_per_byte, train_record
@@ -54,7 +55,6 @@ from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
-from moetrain.train.task_eval import evaluate_choice_tasks, read_choice_tasks
 
 log = get_logger("train")
 
@@ -249,9 +249,10 @@ class Trainer:
         self.step += 1
         self.step_input_tokens = int(totals.input_tokens)
         self.tokens_seen += self.step_input_tokens
-        return StepResult(loss, aux_loss, grad_norm, lr, global_tokens, compute_s, wait_s,
-                          time.perf_counter() - start, not finite, expert_load, a2a_s, a2a_sent, a2a_received,
-                          z_loss, phases.seconds)
+        return StepResult(loss=loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr, global_tokens=global_tokens,
+                          compute_s=compute_s, wait_s=wait_s, step_s=time.perf_counter() - start, skipped=not finite,
+                          expert_load=expert_load, all_to_all_s=a2a_s, all_to_all_rows_sent=a2a_sent,
+                          all_to_all_rows_received=a2a_received, z_loss=z_loss, phases=phases.seconds)
 
     def _compute_dtype(self) -> AbstractContextManager:
         """Where forwards (and their backwards) run on `parallel.param_dtype` weights when FSDP does not cast them."""
@@ -268,9 +269,12 @@ class Trainer:
         all_to_all = ([[r.all_to_all_s, r.all_to_all_rows_sent, r.all_to_all_rows_received] for r, _ in ranks]
                       if self.all_to_all is not None else None)
         times = [[r.compute_s, r.wait_s, r.step_s] for r, _ in ranks]
-        record = train_record(self.step, result, window, self.tokens_per_rank_step, times, load,
-                              self.flops_per_token, self.peak_flops_per_rank(), self.tokens_seen, self.skipped_steps,
-                              all_to_all, memory_per_rank, self._expert_bias())
+        record = train_record(step=self.step, result=result, window=window,
+                              tokens_per_rank_step=self.tokens_per_rank_step, per_rank_times=times, expert_load=load,
+                              flops_per_token=self.flops_per_token, peak_flops=self.peak_flops_per_rank(),
+                              tokens_seen=self.tokens_seen, skipped_steps=self.skipped_steps,
+                              all_to_all_per_rank=all_to_all, memory_per_rank=memory_per_rank,
+                              expert_bias=self._expert_bias())
         record["peak_rss_since_previous_record"] = self.memory.window_peaks  # else the process's lifetime peak
         record["peak_flops_per_rank"] = self.peak_flops_per_rank()
         return record

@@ -10,36 +10,38 @@ for the speed benchmark; once a row's context outgrows `max_context` both paths 
 
 Generation works on a plain or an FSDP-sharded model; with several ranks every rank must call it
 (each forward gathers parameters) and rank 0's choice of each token is broadcast so all ranks extend
-the same text and finish the same rows. `main` is `moetrain sample`: it loads the newest intact
-checkpoint's model weights (verified against its manifest, skipping a damaged newer one with a
-warning) in one process, built from the config saved with that checkpoint, and prints a
-continuation of the prompt. Nothing here changes the model or checkpoint.
+the same text and finish the same rows. Training's final sample, `moetrain sample` and
+lm-evaluation-harness's `generate_until` all generate here. It neither loads checkpoints nor parses
+command lines, and it never changes the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Annotated
 
 import torch
 import torch.distributed as dist
-import tyro
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+<<<<<<< HEAD:src/moetrain/train/sample.py
 from moetrain.args import parse_typed_args
 from moetrain.checkpoint.manifest import newest_intact
 from moetrain.checkpoint.state import stored_config
 from moetrain.checkpoint.storage import load_model_weights
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
+=======
+from moetrain.data.tokenizer import Tokenizer
+>>>>>>> h/commands:src/moetrain/evaluate/generate.py
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
 from moetrain.model.kv_cache import KVCache, accepts_cache
 from moetrain.parallel.collectives import rank_and_world
+<<<<<<< HEAD:src/moetrain/train/sample.py
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
+=======
+>>>>>>> h/commands:src/moetrain/evaluate/generate.py
 
 log = get_logger("sample")
 
@@ -183,53 +185,3 @@ def generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens
                           top_p=top_p, top_k=top_k, seed=seed, device=device, max_context=max_context,
                           use_cache=use_cache)
     return tokenizer.decode(new[0])
-
-
-@dataclass
-class SampleOptions:
-    """Generate text from a run's newest complete checkpoint."""
-
-    run_dir: Annotated[str, tyro.conf.arg(aliases=("--run",))]
-    """Run directory of a training job (its logging.run_dir). Under torchrun spell it --run-dir: torchrun
-    takes --run for an abbreviation of its own --run-path."""
-    prompt: str = "def "  # text to continue
-    max_tokens: int = 200  # tokens to generate at most
-    temperature: float = 0.0  # 0 = greedy, else sampling
-    top_p: float = 1.0  # nucleus sampling mass in (0, 1]
-    top_k: int = 0  # sample among the k most likely tokens only (0 = all)
-    seed: int = 0  # sampling seed
-
-
-def main(argv: list[str]) -> int:
-    args = parse_typed_args(SampleOptions, argv, "moetrain sample", bool_flags=True)
-    if args.max_tokens < 1:
-        raise ConfigError(f"--max-tokens = {args.max_tokens} is invalid: must be >= 1")
-    if not 0 <= args.temperature < float("inf"):  # also nan
-        raise ConfigError(f"--temperature = {args.temperature} is invalid: must be a finite number >= 0 (0 = greedy)")
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfigError("--prompt is not valid UTF-8 text (it holds bytes the shell could not decode)") from None
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p = {args.top_p} is invalid: must be in (0, 1]")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k = {args.top_k} is invalid: must be >= 0 (0 = no top-k cut)")
-    run_dir = RunDir(Path(args.run_dir))
-    run_cfg = run_dir.load_config()  # also says when --run-dir is not a training run's directory
-    ref, skipped = newest_intact(run_dir.checkpoints)
-    if ref is None:
-        why = f": {skipped[0]}" if skipped else ""
-        raise ConfigError(f"--run-dir {args.run_dir!r} has no intact checkpoint under "
-                          f"{args.run_dir}/checkpoints{why}")
-    for problem in skipped:
-        log.warning("skipping a damaged checkpoint: %s; sampling from %s", problem, ref.path.name)
-    cfg = stored_config(ref) or run_cfg  # the config the weights were trained with
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg.model, weights="none")  # the weights: the checkpoint's
-    load_model_weights(ref, model)
-    text = generate(model, tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
-                    max_context=cfg.data.seq_len, top_k=args.top_k)
-    how = "greedy" if args.temperature == 0 else f"T={args.temperature} top-p={args.top_p}"
-    print(f"# {args.run_dir} step {ref.step}, {how}")
-    print(args.prompt + text)
-    return 0

@@ -3,7 +3,7 @@
 Loads a run's checkpoint (the newest complete one, or `--step`; the config saved with it) or a
 Hugging Face directory (`train.build.load_hf_model`), wraps it as `harness.MoetrainLM` and runs
 lm-evaluation-harness's `simple_evaluate` on the tasks: a local JSONL task file
-(`train.task_eval.read_task`'s formats) becomes a task config here; any other name is an
+(`evaluate.tasks.read_task`'s formats) becomes a task config here; any other name is an
 lm-evaluation-harness task, found among its own or in `--include`'s YAML directory (which may
 point its `dataset_path: json` at local files, so everything runs offline). Under torchrun each
 rank loads the whole model and lm-evaluation-harness splits the requests over the ranks.
@@ -27,20 +27,29 @@ import torch.distributed as dist
 import tyro
 
 from moetrain.args import parse_typed_args
+<<<<<<< HEAD:src/moetrain/evaluate/command.py
 from moetrain.checkpoint.state import stored_config
 from moetrain.checkpoint.storage import load_model_weights
+=======
+from moetrain.commands.export_hf import checkpoint_ref
+>>>>>>> h/commands:src/moetrain/commands/eval.py
 from moetrain.config import ParallelConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.durable import write_json_atomically
 from moetrain.errors import ConfigError
 from moetrain.evaluate.harness import harness_model, import_lm_eval, task_config
+from moetrain.evaluate.tasks import read_task
 from moetrain.logging import get_logger
 from moetrain.observe.metrics import MetricsWriter
 from moetrain.parallel.mesh import init_distributed
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model, load_hf_model
+<<<<<<< HEAD:src/moetrain/evaluate/command.py
 from moetrain.train.export_hf import checkpoint_ref
 from moetrain.train.task_eval import read_task
+=======
+from moetrain.train.checkpoint import load_model_weights, stored_config
+>>>>>>> h/commands:src/moetrain/commands/eval.py
 
 log = get_logger("eval")
 

@@ -1,7 +1,7 @@
 """Downstream tasks from local JSONL files, scored by log-likelihood the way lm-evaluation-harness scores them.
 
 One place for what both the in-loop evaluation (`train.eval_tasks`, every `eval_every` steps) and
-the lm-evaluation-harness adapter (`moetrain.evaluate`) compute, so the two agree:
+the lm-evaluation-harness adapter (`moetrain.evaluate.harness`) compute, so the two agree:
 
 - task files: one JSON object a line. A multiple-choice task's lines are
   `{"query": str, "choices": [str, ...], "gold": int}`; a perplexity task's `{"text": str}`.

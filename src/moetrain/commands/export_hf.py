@@ -25,7 +25,7 @@ from moetrain.checkpoint.layout import CheckpointRef, latest_complete, list_comp
 from moetrain.checkpoint.storage import load_model_weights
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
-from moetrain.interop import check_output_dir, export_family, save_hf
+from moetrain.interop import FAMILIES, check_output_dir, export_family, save_hf
 from moetrain.parallel.collectives import barrier, distributed
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.runtime.disk import no_space_left
@@ -35,7 +35,7 @@ from moetrain.train.build import build_model
 
 @dataclass
 class ExportOptions:
-    """Write a training run's checkpoint as a Hugging Face model directory (Qwen3-MoE or OLMoE family)."""
+    """Write a training run's checkpoint as a Hugging Face model directory (a family of the registry)."""
 
     run_dir: Annotated[str, tyro.conf.arg(aliases=("--run",))]
     """Run directory of a training job (its logging.run_dir). Under torchrun spell it --run-dir: torchrun
@@ -43,6 +43,10 @@ class ExportOptions:
     out: str  # new directory to write (must not exist or be empty)
     step: int | None = None  # checkpoint step; None = the newest complete checkpoint
     dtype: Literal["float32", "bfloat16"] | None = None  # dtype of the written tensors; None = the parameters'
+
+
+DESCRIPTION = ("Write a training run's checkpoint as a Hugging Face model directory (a family of the registry: "
+               f"{', '.join(family.label for family in FAMILIES.values())}).")
 
 
 def checkpoint_ref(run_dir: RunDir, step: int | None, run: str) -> CheckpointRef:
@@ -88,5 +92,5 @@ def export(args: ExportOptions) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    export(parse_typed_args(ExportOptions, argv, "moetrain export-hf"))
+    export(parse_typed_args(ExportOptions, argv, "moetrain export-hf", description=DESCRIPTION))
     return 0
