@@ -30,11 +30,8 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import hf_tiny
-<<<<<<< HEAD
 from moetrain.checkpoint.checkpointer import Checkpointer
-=======
 from moetrain.commands.export_hf import ExportOptions, export
->>>>>>> h/commands
 from moetrain.config import JobConfig, ModelConfig, MoEConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
@@ -46,11 +43,6 @@ from moetrain.parallel.mesh import build_mesh
 from moetrain.runtime.run_dir import RunDir
 from moetrain.testing import run_on_ranks
 from moetrain.train.build import build_for_job
-<<<<<<< HEAD
-from moetrain.train.export_hf import ExportOptions, export
-=======
-from moetrain.train.checkpoint import Checkpointer
->>>>>>> h/commands
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.trainer import Trainer

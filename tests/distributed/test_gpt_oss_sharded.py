@@ -22,11 +22,8 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import hf_tiny
-<<<<<<< HEAD
 from moetrain.checkpoint.checkpointer import Checkpointer
-=======
 from moetrain.commands.export_hf import ExportOptions, export
->>>>>>> h/commands
 from moetrain.config import JobConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
@@ -35,11 +32,6 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import build_mesh
 from moetrain.runtime.run_dir import RunDir
 from moetrain.testing import run_on_ranks
-<<<<<<< HEAD
-from moetrain.train.export_hf import ExportOptions, export
-=======
-from moetrain.train.checkpoint import Checkpointer
->>>>>>> h/commands
 from moetrain.train.trainer import Trainer
 
 

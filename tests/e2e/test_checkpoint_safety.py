@@ -15,13 +15,8 @@ import pickle
 from pathlib import Path
 
 from moetrain import cli
-<<<<<<< HEAD
 from moetrain.checkpoint.layout import MANIFEST_FILE, META_FILE, TENSORS_DIR
-from moetrain.train.sample import main as sample_main
-=======
 from moetrain.commands.sample import main as sample_main
-from moetrain.train import checkpoint as ckpt
->>>>>>> h/commands
 
 
 class _MakesMarker:

@@ -3,13 +3,8 @@
 Layers, lowest first (a module may import only from lower layers, or from its own
 package without closing a cycle):
 
-<<<<<<< HEAD
     errors, testing, durable, dtypes, libc  <  args, logging  <  config  <  model, data  <  parallel
-    <  interop, runtime  <  observe, checkpoint  <  train  <  evaluate  <  bench, cli  <  __main__
-=======
-    errors, testing, durable, dtypes  <  args, logging  <  config  <  model, data  <  parallel
-    <  interop, runtime  <  observe  <  evaluate  <  train  <  commands  <  bench, cli  <  __main__
->>>>>>> h/commands
+    <  interop, runtime  <  observe, checkpoint  <  evaluate  <  train  <  commands  <  bench, cli  <  __main__
 
 Imports inside functions are allowed only for optional third-party extras (a user
 without them must still be able to run everything else). The checker runs on the
@@ -34,12 +29,7 @@ LAYERS: list[set[str]] = [
     {"model", "data"},
     {"parallel"},
     {"interop", "runtime"},
-<<<<<<< HEAD
     {"observe", "checkpoint"},
-    {"train"},
-=======
-    {"observe"},
->>>>>>> h/commands
     {"evaluate"},
     {"train"},
     {"commands"},
@@ -207,19 +197,11 @@ def test_checker_allows_optional_extras_in_functions_and_relative_imports_resolv
                         "only optional extras may be imported where used)"]
 
 
-<<<<<<< HEAD
 @pytest.mark.parametrize("module, layer", [("moetrain.errors", 0), ("moetrain.libc", 0), ("moetrain.config", 2),
                                            ("moetrain.model.moe", 3), ("moetrain.parallel.mesh", 4),
                                            ("moetrain.interop.hf_io", 5), ("moetrain.runtime.run_dir", 5),
                                            ("moetrain.observe.metrics", 6), ("moetrain.checkpoint.storage", 6),
-                                           ("moetrain.train.run", 7), ("moetrain.evaluate.command", 8),
-                                           ("moetrain.cli", 9)])
-=======
-@pytest.mark.parametrize("module, layer", [("moetrain.errors", 0), ("moetrain.config", 2), ("moetrain.model.moe", 3),
-                                           ("moetrain.parallel.mesh", 4), ("moetrain.interop.hf_io", 5),
-                                           ("moetrain.runtime.run_dir", 5), ("moetrain.observe.metrics", 6),
                                            ("moetrain.evaluate.harness", 7), ("moetrain.train.run", 8),
                                            ("moetrain.commands.eval", 9), ("moetrain.cli", 10)])
->>>>>>> h/commands
 def test_layers_are_ordered_as_documented(module, layer):
     assert layer_of(module) == layer

@@ -27,12 +27,9 @@ import torch.distributed as dist
 import tyro
 
 from moetrain.args import parse_typed_args
-<<<<<<< HEAD:src/moetrain/evaluate/command.py
 from moetrain.checkpoint.state import stored_config
 from moetrain.checkpoint.storage import load_model_weights
-=======
 from moetrain.commands.export_hf import checkpoint_ref
->>>>>>> h/commands:src/moetrain/commands/eval.py
 from moetrain.config import ParallelConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.durable import write_json_atomically
@@ -44,12 +41,6 @@ from moetrain.observe.metrics import MetricsWriter
 from moetrain.parallel.mesh import init_distributed
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model, load_hf_model
-<<<<<<< HEAD:src/moetrain/evaluate/command.py
-from moetrain.train.export_hf import checkpoint_ref
-from moetrain.train.task_eval import read_task
-=======
-from moetrain.train.checkpoint import load_model_weights, stored_config
->>>>>>> h/commands:src/moetrain/commands/eval.py
 
 log = get_logger("eval")
 

@@ -15,13 +15,15 @@ from typing import Annotated
 import tyro
 
 from moetrain.args import parse_typed_args
+from moetrain.checkpoint.manifest import newest_intact
+from moetrain.checkpoint.state import stored_config
+from moetrain.checkpoint.storage import load_model_weights
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.evaluate.generate import generate
 from moetrain.logging import get_logger
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
-from moetrain.train.checkpoint import load_model_weights, newest_intact, stored_config
 
 log = get_logger("sample")
 

@@ -24,24 +24,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-<<<<<<< HEAD:src/moetrain/train/sample.py
-from moetrain.args import parse_typed_args
-from moetrain.checkpoint.manifest import newest_intact
-from moetrain.checkpoint.state import stored_config
-from moetrain.checkpoint.storage import load_model_weights
-from moetrain.data.tokenizer import Tokenizer, build_tokenizer
-=======
 from moetrain.data.tokenizer import Tokenizer
->>>>>>> h/commands:src/moetrain/evaluate/generate.py
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
 from moetrain.model.kv_cache import KVCache, accepts_cache
 from moetrain.parallel.collectives import rank_and_world
-<<<<<<< HEAD:src/moetrain/train/sample.py
-from moetrain.runtime.run_dir import RunDir
-from moetrain.train.build import build_model
-=======
->>>>>>> h/commands:src/moetrain/evaluate/generate.py
 
 log = get_logger("sample")
 

@@ -61,14 +61,7 @@ from moetrain.runtime.preflight import job_device_type, refuse_if_too_big
 from moetrain.runtime.run_dir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
 from moetrain.runtime.threads import set_intra_op_threads
-<<<<<<< HEAD
-from moetrain.train.estimate import describe, estimate, job_defaults
-from moetrain.train.sample import generate
-=======
-from moetrain.train import checkpoint as ckpt
-from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.job_estimate import describe, estimate, job_defaults
->>>>>>> h/commands
 from moetrain.train.trainer import EvalSchedule, Trainer
 
 log = get_logger("train")
