@@ -1,24 +1,72 @@
 """Tiny random Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE, GPT-OSS, DeepSeek-V3 and GLM-4.5 models from
-transformers' own config classes (nothing downloaded).
+transformers' own config classes (nothing downloaded), and the one table of them the family tests run on.
 
-`build(family, **overrides)` makes a float32 model in eval mode whose weights are all random
-(norm weights, biases, sinks and persistent buffers too, so a wrong QK-norm, RoPE permutation, bias
-or correction bias shows in the logits); `save(model, dir)`
-writes it with `save_pretrained` plus a byte-level tokenizer.json. Shared by the unit,
-distributed and end-to-end tests (tests/ is on sys.path through tests/conftest.py).
+`VARIANTS` names every tiny model the family tests use (`build_variant(name)`); `build(family,
+**overrides)` makes a float32 model in eval mode whose weights are all random (norm weights, biases,
+sinks and persistent buffers too, so a wrong QK-norm, RoPE permutation, bias or correction bias shows
+in the logits); `save(model, dir)` writes it with `save_pretrained` plus a byte-level tokenizer.json;
+`edit_config` copies a saved directory with config.json changed; `architecture_args` gives the
+command-line overrides a job needs to agree with a directory. Shared by the unit, distributed and
+end-to-end tests (tests/ is on sys.path through tests/conftest.py).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
 
 from moetrain.data.tokenizer import write_byte_level_tokenizer
+from moetrain.interop import architecture, hf_job_config
 
 VOCAB = 272  # the byte tokenizer's 259 ids fit; the rest are rows no token uses
 SPECIAL_IDS = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "glm4_moe")
+_FULL_ROTARY = {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 1.0}
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                  "mscale": 0.9, "mscale_all_dim": 1.0, "beta_fast": 16.0, "beta_slow": 2.0}
+# variant -> (seed, config overrides): every tiny model a family test builds. The family is the name before
+# the first "-"; the rest says what the variant changes from the family's tiny default.
+VARIANTS: dict[str, tuple[int, dict]] = {
+    "qwen3_moe": (0, {}),
+    "qwen3_moe-dense0-tied-nonorm": (1, {"mlp_only_layers": [0], "tie_word_embeddings": True,
+                                         "norm_topk_prob": False}),
+    "olmoe": (2, {}),
+    "olmoe-clip-norm": (3, {"clip_qkv": 0.3, "norm_topk_prob": True}),
+    "mixtral": (10, {}),
+    "mixtral-window-tied": (11, {"sliding_window": 6, "tie_word_embeddings": True}),
+    "qwen2_moe": (12, {}),
+    "qwen2_moe-dense0-norm": (13, {"mlp_only_layers": [0], "norm_topk_prob": True}),
+    "gpt_oss": (14, {}),
+    "gpt_oss-nobias-alltypes": (15, {"attention_bias": False, "num_hidden_layers": 4,
+                                     "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+                                                     "full_attention"]}),
+    # YaRN as the released gpt-oss models ship it (scaled down: original context 16, factor 8, no truncation)
+    "gpt_oss-yarn": (16, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 8.0,
+                                              "beta_fast": 32.0, "beta_slow": 1.0,
+                                              "original_max_position_embeddings": 16, "truncate": False}}),
+    "deepseek_v3": (10, {}),
+    "deepseek_v3-fullq-half": (11, {"q_lora_rank": None, "rope_interleave": False}),
+    "deepseek_v3-yarn-nonorm": (12, {"rope_parameters": _DEEPSEEK_YARN, "norm_topk_prob": False}),
+    "deepseek_v3-widev-ungrouped": (13, {"v_head_dim": 16, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
+                                         "tie_word_embeddings": True, "n_shared_experts": 2}),
+    "glm4_moe": (14, {}),
+    "glm4_moe-fullrotary-nobias": (15, {"rope_parameters": _FULL_ROTARY, "attention_bias": False,
+                                        "use_qk_norm": False}),
+    "glm4_moe-fullrotary-bias": (16, {"rope_parameters": _FULL_ROTARY}),
+}
+
+
+def family_of(variant: str) -> str:
+    return variant.split("-")[0]
+
+
+def build_variant(variant: str):
+    """The transformers model of a `VARIANTS` entry."""
+    seed, overrides = VARIANTS[variant]
+    return build(family_of(variant), seed=seed, **overrides)
 
 
 def config(family: str, **overrides):
@@ -120,3 +168,28 @@ def save(model, directory: str | Path) -> Path:
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| / max |want|."""
     return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+def edit_config(directory: str | Path, tmp_path: Path, **changes) -> Path:
+    """A copy of a saved directory (tmp_path/edited) whose config.json has `changes` applied."""
+    copy = tmp_path / "edited"
+    shutil.copytree(directory, copy)
+    data = json.loads((copy / "config.json").read_text())
+    data.update(changes)
+    (copy / "config.json").write_text(json.dumps(data))
+    return copy
+
+
+def tokens(seed: int = 0, shape=(2, 24)) -> torch.Tensor:
+    """Random byte-tokenizer ids."""
+    return torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def architecture_args(directory) -> list[str]:
+    """--model.* overrides describing the directory's architecture (the TOML must agree with config.json)."""
+    cfg = hf_job_config(directory)
+    args = []
+    for name, value in architecture(cfg.model).items():
+        if value is not None:
+            args += [f"--model.{name}", str(value)]
+    return args

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from test_parity_support import (
+from parity_support import (
     MODEL_CFG,
     initial_state,
     relative_error,

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from test_parity_support import (
+from parity_support import (
     MODEL_CFG,
     N_MICRO,
     N_STEPS,

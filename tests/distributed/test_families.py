@@ -1,19 +1,21 @@
-"""The Hugging Face families on 4 gloo ranks (HSDP 2×2), against one process.
+"""Every Hugging Face family on 4 gloo ranks (HSDP 2×2, and expert parallelism over 2 ranks of a 1×4 mesh),
+against one process.
 
-One spawn of 4 ranks serves three checks; this process, as a 1-rank group, the reference round trip:
-- global-batch balance loss (HSDP 2×2, and expert parallelism over 2 ranks of a 1×4 mesh): every
-  rank holds 2 microbatches of 1 sequence of an 8-sequence batch; the step's loss terms and
+One spawn of 4 ranks serves every check; this process, as a 1-rank group, the reference round trips:
+- global-batch balance loss, for grouped-query attention with softmax routing and for multi-head latent
+  attention with group-limited sigmoid routing, a shared expert and a dense first layer (`BALANCE_CFGS`):
+  every rank holds 2 microbatches of 1 sequence of an 8-sequence batch; the step's loss terms and
   gradients equal a float64 single-process step on the whole batch in one microbatch (where the
   global and per-microbatch forms coincide);
-- sharded import: the Trainer builds the model on the 2×2 mesh from an OLMoE directory
-  (`model.init_from`), each rank reading its own shards and experts, kept in the interleaved RoPE
-  layout (q/k rows permuted across shards): its weights equal a one-process import and its logits
-  transformers' own;
-- the same import on 4 ranks with expert parallelism over 2 (each rank's 3 experts FSDP-sharded on
-  dim 1 over the 2 ranks holding them);
-- sharded export: a checkpoint written by the 4 ranks (HSDP 2×2, and EP), exported by
-  `moetrain export-hf` on those ranks, gives bit for bit the tensors of the same round trip on
-  1 rank, which are the original directory's tensors.
+- sharded import (`FOUR_RANK_RUNS`, tiny models of `hf_tiny.VARIANTS`): the Trainer builds the model on
+  the mesh from a directory (`model.init_from`), each rank reading its own shards and experts, kept in
+  the interleaved RoPE layout (q/k rows and their biases permuted across shards) where the family allows:
+  its weights equal a one-process import and its logits transformers' own. With EP each rank's 3
+  experts are FSDP-sharded on dim 1 over the 2 ranks holding them; GPT-OSS's interleaved gate/up
+  experts, their biases and the sinks are read into FSDP shards;
+- sharded export: a checkpoint written by the 4 ranks, exported by `moetrain export-hf` on those
+  ranks, gives bit for bit the original directory's tensors (as does the same round trip on 1 rank),
+  and `from_pretrained` loads it with the one-process logits.
 """
 
 from __future__ import annotations
@@ -51,6 +53,28 @@ BALANCE_CFG = ModelConfig(
     vocab_size=19, dim=16, n_layers=3, n_heads=2, n_dense_layers=1, ffn_hidden=12, qk_norm="per_head",
     max_seq_len=16, moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=6, impl="memory_efficient",
                                   aux_loss_coef=0.3, z_loss_coef=0.02, aux_loss_scope="global_batch"))
+MLA_BALANCE_CFG = ModelConfig(
+    vocab_size=19, dim=16, n_layers=3, n_heads=2, n_dense_layers=1, ffn_hidden=12, max_seq_len=16,
+    kv_lora_rank=8, q_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+    moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=6, n_shared_experts=1, score_func="sigmoid", n_group=4,
+                  topk_group=2, routed_scaling_factor=2.5, impl="memory_efficient", aux_loss_coef=0.3,
+                  z_loss_coef=0.02, aux_loss_scope="global_batch"))
+BALANCE_CFGS = {"gqa": BALANCE_CFG, "mla": MLA_BALANCE_CFG}
+# Each balance model under HSDP 2x2, and FSDP 1x4 with 2 experts per EP rank.
+BALANCE_LAYOUTS = {"hsdp_2x2": {"dp_replicate": 2}, "ep_2_on_1x4": {"ep": 2}}
+# run name -> (tiny model of hf_tiny.VARIANTS, dp_replicate, ep): imported, checkpointed and exported on 4 ranks.
+# With EP over 2 ranks of 1x4, each rank's 3 experts are FSDP-sharded on dim 1 over 2 ranks (3 rows do not split).
+FOUR_RANK_RUNS = {
+    "olmoe-hsdp": ("olmoe-clip-norm", 2, 1),
+    "olmoe-ep": ("olmoe-clip-norm", 1, 2),
+    "deepseek_v3-hsdp": ("deepseek_v3", 2, 1),
+    "deepseek_v3-ep": ("deepseek_v3", 1, 2),
+    "glm4_moe-hsdp": ("glm4_moe-fullrotary-bias", 2, 1),  # full rotary: kept in the interleaved layout
+    "gpt_oss-hsdp": ("gpt_oss", 2, 1),
+}
+# run name -> tiny model: the same round trip in this process alone.
+ONE_RANK_RUNS = {"olmoe-one": "olmoe-clip-norm", "deepseek_v3-one": "deepseek_v3",
+                 "glm4_moe-one": "glm4_moe-fullrotary-bias"}
 
 
 def balance_batch() -> Batch:
@@ -94,9 +118,12 @@ def balance_step(model, microbatches: list[Batch], policy=None) -> tuple[torch.T
 
 
 def import_checkpoint_export(cfg: JobConfig, logits_tokens: torch.Tensor) -> dict:
-    """Trainer from model.init_from on cfg's mesh; its full weights and logits; checkpoint; export-hf."""
+    """Trainer from model.init_from on cfg's mesh; its full weights, logits and split parameters; checkpoint;
+    export-hf."""
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = Trainer(cfg, load_training_data(cfg), build_mesh(cfg.parallel, world, "cpu"), torch.device("cpu"))
+    sharded = [name for name, p in trainer.model.named_parameters()
+               if isinstance(p, DTensor) and p.to_local().shape != p.shape]
     weights = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                for name, p in trainer.model.named_parameters()}
     with torch.no_grad():
@@ -107,7 +134,7 @@ def import_checkpoint_export(cfg: JobConfig, logits_tokens: torch.Tensor) -> dic
         run_dir.config.write_text(json.dumps(cfg.to_dict()))
     Checkpointer(run_dir.checkpoints, cfg.checkpoint, 1, cfg.logging.run_dir).maybe_save(1, trainer)
     export(ExportOptions(run_dir=cfg.logging.run_dir, out=str(run_dir.root / "hf")))
-    return {"weights": weights, "logits": logits}
+    return {"weights": weights, "logits": logits, "sharded": sharded}
 
 
 def family_worker(cfgs: list[JobConfig], balance_cfgs: list[JobConfig], logits_tokens: torch.Tensor) -> dict:
@@ -162,37 +189,47 @@ def read_dir(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """(variant -> (transformers model, directory), logits tokens, 4-rank results, 1-rank results, tmp)."""
     tmp = tmp_path_factory.mktemp("families")
     corpus = tmp / "corpus"
     corpus.mkdir()
     for name in ("bisect.py", "colorsys.py", "keyword.py"):
         shutil.copyfile(stdlib_root() / name, corpus / name)
-    hf_model = hf_tiny.build("olmoe", seed=11, clip_qkv=0.5)
-    directory = hf_tiny.save(hf_model, tmp / "olmoe")
-    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
-    hsdp, ep = JobConfig(model=BALANCE_CFG), JobConfig(model=BALANCE_CFG)
-    hsdp.parallel.dp_replicate, ep.parallel.ep = 2, 2  # HSDP 2x2; FSDP 1x4 with 2 experts per EP rank
-    # HSDP 2x2; and FSDP 1x4 with expert parallelism over 2 ranks, where each rank's 3 experts are
-    # FSDP-sharded on dim 1 over the 2 ranks holding them (3 rows do not split over 2)
-    jobs = [job(directory, tmp, corpus, "hsdp", replicate=2), job(directory, tmp, corpus, "ep", ep=2)]
-    four = to_torch(run_on_ranks(family_worker, 4, jobs, [hsdp, ep], tokens, timeout=300)[0])
+    models = {}
+    for variant in dict.fromkeys(v for v, _, _ in FOUR_RANK_RUNS.values()):
+        model = hf_tiny.build_variant(variant)
+        models[variant] = (model, hf_tiny.save(model, tmp / variant))
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))  # GPT-OSS's window 5 < 20
+    balance = []
+    for model_cfg in BALANCE_CFGS.values():
+        for layout in BALANCE_LAYOUTS.values():
+            cfg = JobConfig(model=model_cfg)
+            cfg.parallel.dp_replicate, cfg.parallel.ep = layout.get("dp_replicate", 1), layout.get("ep", 1)
+            balance.append(cfg)
+    jobs = [job(models[variant][1], tmp, corpus, name, replicate=replicate, ep=ep)
+            for name, (variant, replicate, ep) in FOUR_RANK_RUNS.items()]
+    four = to_torch(run_on_ranks(family_worker, 4, jobs, balance, tokens, timeout=900)[0])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # 1 rank: this process
     try:
-        one = to_torch(family_worker([job(directory, tmp, corpus, "one")], [], tokens))
+        one = to_torch(family_worker([job(models[variant][1], tmp, corpus, name)
+                                      for name, variant in ONE_RANK_RUNS.items()], [], tokens))
     finally:
         dist.destroy_process_group()
-    return hf_model, directory, tokens, four, one, tmp
+    return models, tokens, four, one, tmp
 
 
-@pytest.mark.parametrize("layout", [0, 1], ids=["hsdp_2x2", "ep_2_on_1x4"])
-def test_global_batch_balance_loss_on_4_ranks_equals_one_process_on_the_whole_batch(runs, layout):
-    four = runs[3]
-    reference = Transformer(BALANCE_CFG).double()
+@pytest.mark.parametrize("attention", BALANCE_CFGS)
+@pytest.mark.parametrize("layout", BALANCE_LAYOUTS)
+def test_global_batch_balance_loss_on_4_ranks_equals_one_process_on_the_whole_batch(runs, attention, layout):
+    four = runs[2]
+    reference = Transformer(BALANCE_CFGS[attention]).double()
     reference.init_weights(seed=0)  # the sharded init equals the unsharded one bit for bit
     want_parts, want_grads = balance_step(reference, [balance_batch()])
-    got_parts, got_grads = four["balance"][layout]
+    index = list(BALANCE_CFGS).index(attention) * len(BALANCE_LAYOUTS) + list(BALANCE_LAYOUTS).index(layout)
+    got_parts, got_grads = four["balance"][index]
     torch.testing.assert_close(got_parts, want_parts, rtol=1e-6, atol=0)
     assert want_parts[1] > 0 and want_parts[2] > 0
     for name, want in want_grads.items():
@@ -200,30 +237,51 @@ def test_global_batch_balance_loss_on_4_ranks_equals_one_process_on_the_whole_ba
         assert error < 1e-5, (name, error)
 
 
-@pytest.mark.parametrize("layout", ["hsdp", "ep"])
-def test_sharded_import_equals_one_process_and_transformers(runs, layout):
-    hf_model, directory, tokens, four, _, _ = runs
+@pytest.mark.parametrize("run", FOUR_RANK_RUNS)
+def test_sharded_import_equals_one_process_and_transformers(runs, run):
+    models, tokens, four, _, _ = runs
+    hf_model, directory = models[FOUR_RANK_RUNS[run][0]]
     cfg = hf_job_config(directory)
     reference = Transformer(dataclasses.replace(cfg.model, rope_layout="interleaved"))
     load_hf_weights(reference, directory)
     for name, param in reference.named_parameters():
-        assert torch.equal(four[layout]["weights"][name], param.detach()), name
+        assert torch.equal(four[run]["weights"][name], param.detach()), name
     with torch.no_grad():
-        assert hf_tiny.relative_error(four[layout]["logits"], hf_model(tokens).logits) < 1e-5
+        assert hf_tiny.relative_error(four[run]["logits"], hf_model(tokens).logits) < 1e-5
 
 
-def test_exports_from_4_rank_checkpoints_equal_the_1_rank_round_trip_and_the_original(runs):
+# family -> (its runs, a tensor name the original directory must hold for the check to mean what it says)
+EXPORTS = {
+    "olmoe": (["olmoe-hsdp", "olmoe-ep", "olmoe-one"], "model.layers.0.self_attn.q_norm.weight"),
+    "deepseek_v3": (["deepseek_v3-hsdp", "deepseek_v3-ep", "deepseek_v3-one"],
+                    "model.layers.2.mlp.gate.e_score_correction_bias"),
+    "glm4_moe": (["glm4_moe-hsdp", "glm4_moe-one"], "model.layers.0.self_attn.q_proj.bias"),
+    "gpt_oss": (["gpt_oss-hsdp"], "model.layers.0.mlp.experts.gate_up_proj_bias"),
+}
+
+
+@pytest.mark.parametrize("family", EXPORTS)
+def test_exports_from_4_rank_checkpoints_equal_the_1_rank_round_trip_and_the_original(runs, family):
     from transformers import AutoModelForCausalLM
 
-    _, directory, tokens, _, one, tmp = runs
-    original = read_dir(directory)
-    exports = {name: read_dir(tmp / name / "hf") for name in ("hsdp", "ep", "one")}
-    for name, tensors in exports.items():
+    models, tokens, four, one, tmp = runs
+    names, held = EXPORTS[family]
+    original = read_dir(models[FOUR_RANK_RUNS[names[0]][0]][1])
+    assert held in original
+    for name in names:
+        tensors = read_dir(tmp / name / "hf")
         assert set(tensors) == set(original), name
         for key, tensor in original.items():
             assert torch.equal(tensors[key], tensor), (name, key)
         assert not (tmp / name / "hf" / "sharded").exists()
-    loaded, info = AutoModelForCausalLM.from_pretrained(tmp / "hsdp" / "hf", output_loading_info=True)
-    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
-    with torch.no_grad():
-        assert hf_tiny.relative_error(loaded(tokens).logits, one["one"]["logits"]) < 1e-5
+    reference = one.get(f"{family}-one", four[names[0]])["logits"]
+    for name in (n for n in names if n in FOUR_RANK_RUNS):
+        loaded, info = AutoModelForCausalLM.from_pretrained(tmp / name / "hf", output_loading_info=True)
+        assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+        with torch.no_grad():
+            assert hf_tiny.relative_error(loaded.float().eval()(tokens).logits, reference) < 1e-5
+
+
+def test_gpt_oss_experts_their_biases_and_the_sinks_are_split_over_the_shard_ranks(runs):
+    assert {"layers.0.moe.experts.w1", "layers.0.moe.experts.b1", "layers.0.attention.sinks"} <= set(
+        runs[2]["gpt_oss-hsdp"]["sharded"])

@@ -148,7 +148,7 @@ def _cases():
 def _dtype_worker(cases):
     """Per case: None on success with the gathered grads, or the error message."""
     import torch.distributed as dist
-    from test_parity_support import load_full_state
+    from parity_support import load_full_state
 
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
     from moetrain.parallel.mesh import build_mesh, init_distributed

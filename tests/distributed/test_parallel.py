@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from test_parity_support import (
+from parity_support import (
     MODEL_CFG,
     initial_state,
     load_full_state,
@@ -214,7 +214,7 @@ _SINGLE_PROCESS = textwrap.dedent("""
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy, clip_grad_norm_
     from moetrain.train.loss import token_loss_sum, microbatch_loss
     from moetrain.model.transformer import Transformer
-    from test_parity_support import MODEL_CFG, initial_state, load_full_state, make_batches
+    from parity_support import MODEL_CFG, initial_state, load_full_state, make_batches
 
     pcfg = ParallelConfig()
     rank, world, device = init_distributed(pcfg)

@@ -22,7 +22,7 @@ import itertools
 
 import pytest
 import torch
-from test_parity_support import (
+from parity_support import (
     PRECISIONS,
     grid_worker,
     initial_state,

@@ -13,10 +13,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the conversation generator
 
 from test_chat_training import many_conversations, write_jsonl  # noqa: E402
-from test_hf_roundtrip import architecture_args  # noqa: E402
 
 import hf_tiny  # noqa: E402
 from chat_fixtures import TEMPLATES, tokenizer_dir  # noqa: E402
+from hf_tiny import architecture_args  # noqa: E402
 from moetrain import cli  # noqa: E402
 
 

@@ -6,7 +6,6 @@ zero count in config.json, a FIFO as a weight file, weights stored as integers o
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -25,17 +24,8 @@ from moetrain.train.build import load_hf_model
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "olmoe"])
 def hf_dir(request, tmp_path_factory):
-    model = hf_tiny.build(request.param, seed=0)
+    model = hf_tiny.build_variant(request.param)
     return hf_tiny.save(model, tmp_path_factory.mktemp(request.param))
-
-
-def _edited(directory, tmp_path, **changes):
-    copy = tmp_path / "edited"
-    shutil.copytree(directory, copy)
-    data = json.loads((copy / "config.json").read_text())
-    data.update(changes)
-    (copy / "config.json").write_text(json.dumps(data))
-    return copy
 
 
 def _refused(directory, *expected: str) -> str:
@@ -57,11 +47,11 @@ def _refused(directory, *expected: str) -> str:
     ({"mlp_only_layers": [0, 99]}, "mlp_only_layers = [0, 99] is invalid"),
 ])
 def test_bad_counts_in_config_json_are_one_line(hf_dir, tmp_path, changes, expected):
-    _refused(_edited(hf_dir, tmp_path, **changes), expected, "config.json")
+    _refused(hf_tiny.edit_config(hf_dir, tmp_path, **changes), expected, "config.json")
 
 
 def test_a_huge_num_hidden_layers_is_refused_at_once(hf_dir, tmp_path):
-    directory = _edited(hf_dir, tmp_path, num_hidden_layers=10**12)
+    directory = hf_tiny.edit_config(hf_dir, tmp_path, num_hidden_layers=10**12)
     code = (f"from moetrain.train.build import load_hf_model\n"
             f"from moetrain.errors import ConfigError\n"
             f"try:\n    load_hf_model({str(directory)!r})\nexcept ConfigError as err:\n    print(err)\n")

@@ -1,6 +1,7 @@
 """Interoperability with Hugging Face model directories (config.json, safetensors, tokenizer.json).
 
-Per-family knowledge lives in `interop.families` (one module per family, a registry by model_type);
+Per-family knowledge lives in `interop.families` (one module per family, a registry by model_type,
+and `families.base` with the field names and readings they share);
 the shared modules convert through those adapters: `config_json` (reading config.json),
 `config_map` (config.json <-> ModelConfig, checks, the JobConfig of a directory), `hf_io` (the
 safetensors files, plain or sharded), `shards` (shard-local tensor helpers), `layouts` (tensor
@@ -10,7 +11,6 @@ collectives) and below `train`; it builds no process group and parses no command
 
 from moetrain.interop.config_json import hf_dir
 from moetrain.interop.config_map import (
-    ARCH_FIELDS,
     architecture,
     check_architecture,
     export_family,
@@ -20,6 +20,7 @@ from moetrain.interop.config_map import (
     read_hf_config,
 )
 from moetrain.interop.families import FAMILIES, SUPPORTED
+from moetrain.interop.families.base import ARCH_FIELDS
 from moetrain.interop.hf_io import INDEX_FILE, MAX_FILE_BYTES, check_output_dir, load_hf_weights, save_hf
 
 __all__ = [

@@ -53,7 +53,8 @@ class Family:
     model_type: str  # config.json "model_type", the registry key
     architecture: str  # config.json "architectures"[0], the transformers class
     label: str  # the family's name in messages
-    # moetrain architecture field (`config_map.ARCH_FIELDS`) -> what fixes it in config.json, for messages.
+    # moetrain architecture field (every one of `families.base.ARCH_FIELDS`) -> what fixes it in config.json,
+    # for messages.
     field_names: dict[str, str]
     # The moetrain fields, with values, that make a ModelConfig this family's kind of model for export
     # (dotted for MoE fields: "moe.score_func"); no two families may have the same key.
@@ -82,40 +83,6 @@ class Family:
     # What a job importing this family's files must set beyond the architecture fields for the files to
     # mean the same model (DeepSeek-V3's correction bias chooses experts only under aux-free balancing).
     import_refusals: Callable[[ModelConfig], list[Refusal]] | None = None
-
-
-# The architecture fields of multi-head latent attention, partial rotary, YaRN and group-limited
-# routing, for the field names of a family that has none of them.
-SIGMOID_ERA_FIELDS = (
-    "moe.n_group", "moe.topk_group", "moe.routed_scaling_factor", "partial_rotary_factor",
-    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_layout",
-    "rope_scaling", "rope_yarn_factor", "rope_yarn_original_max_seq_len", "rope_yarn_beta_fast",
-    "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "rope_yarn_truncate",
-)
-
-
-def absent_field_names(label: str) -> dict[str, str]:
-    """`field_names` entries for the SIGMOID_ERA_FIELDS a family lacks (it keeps their defaults)."""
-    return {name: f"(not in {label})" for name in SIGMOID_ERA_FIELDS}
-
-
-# What families without the newer options call them in messages (merged into their field_names).
-# Where config.json keeps the YaRN fields (transformers 5's `rope_parameters`).
-YARN_FIELD_NAMES = {
-    "rope_scaling": "rope_parameters.rope_type", "rope_yarn_factor": "rope_parameters.factor",
-    "rope_yarn_original_max_seq_len": "rope_parameters.original_max_position_embeddings",
-    "rope_yarn_beta_fast": "rope_parameters.beta_fast", "rope_yarn_beta_slow": "rope_parameters.beta_slow",
-    "rope_yarn_mscale": "rope_parameters.mscale", "rope_yarn_mscale_all_dim": "rope_parameters.mscale_all_dim",
-    "rope_yarn_truncate": "rope_parameters.truncate",
-}
-
-PLAIN_FIELD_NAMES = {
-    "attention_bias": "(no attention bias)", "attention_sinks": "(no attention sinks)",
-    "sliding_window": "(no sliding window)", "layer_types": "(every layer full attention)",
-    "moe.router_bias": "(no router bias)", "moe.expert_proj_bias": "(no expert biases)",
-    "moe.shared_expert_hidden": "(no shared expert)", "moe.shared_expert_gate": "(no shared expert gate)",
-    "moe.swiglu_alpha": "(plain SwiGLU)", "moe.swiglu_limit": "(plain SwiGLU)",
-}
 
 
 def gpt_oss_era_checks(cfg: ModelConfig, label: str) -> list[tuple[bool, str, Any, str]]:

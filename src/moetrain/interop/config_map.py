@@ -17,18 +17,9 @@ from moetrain.config import JobConfig, ModelConfig
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.errors import ConfigError
 from moetrain.interop import families
-from moetrain.interop.adapter import SIGMOID_ERA_FIELDS
 from moetrain.interop.config_json import read_config_json
+from moetrain.interop.families.base import ARCH_FIELDS
 
-# The architecture fields a Hugging Face directory fixes (each family names what sets them in config.json).
-ARCH_FIELDS = (
-    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_dense_layers", "ffn_hidden",
-    "rope_theta", "qk_norm", "clip_qkv", "norm_eps", "tie_embeddings", "moe.n_experts", "moe.top_k",
-    "moe.expert_hidden", "moe.n_shared_experts", "moe.score_func", "moe.renormalize", "moe.activation",
-    "attention_bias", "attention_sinks", "sliding_window", "layer_types", "moe.router_bias", "moe.expert_proj_bias",
-    "moe.shared_expert_hidden", "moe.shared_expert_gate", "moe.swiglu_alpha", "moe.swiglu_limit",
-    *SIGMOID_ERA_FIELDS,
-)
 MLA_FIELDS = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 YARN_FIELDS = tuple(name for name in ARCH_FIELDS if name.startswith("rope_yarn_"))
 

@@ -17,20 +17,10 @@ def decoder_names(cfg: ModelConfig, router: str = "mlp.gate") -> dict[str, str]:
     a router bias, a shared expert (`mlp.shared_expert.*`) and its gate (`mlp.shared_expert_gate`).
     `router` is the router's module path inside a layer (GPT-OSS: "mlp.router").
     """
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
+    names = embedding_names(cfg)
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        for a, b in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            names[f"{ours}.attention.{a}.weight"] = f"{theirs}.self_attn.{b}.weight"
-            if cfg.attention_bias == "all" or (cfg.attention_bias == "qkv" and a != "wo"):
-                names[f"{ours}.attention.{a}.bias"] = f"{theirs}.self_attn.{b}.bias"
-        if cfg.attention_sinks:
-            names[f"{ours}.attention.sinks"] = f"{theirs}.self_attn.sinks"
-        if cfg.qk_norm != "none":
-            names[f"{ours}.attention.q_norm.weight"] = f"{theirs}.self_attn.q_norm.weight"
-            names[f"{ours}.attention.k_norm.weight"] = f"{theirs}.self_attn.k_norm.weight"
+        names.update(attention_names(cfg, i))
         names[f"{ours}.attention_norm.weight"] = f"{theirs}.input_layernorm.weight"
         names[f"{ours}.ffn_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
         if i < cfg.n_dense_layers:
@@ -45,6 +35,30 @@ def decoder_names(cfg: ModelConfig, router: str = "mlp.gate") -> dict[str, str]:
                     names[f"{ours}.moe.shared_expert.{a}.weight"] = f"{theirs}.mlp.shared_expert.{b}.weight"
             if cfg.moe.shared_expert_gate:
                 names[f"{ours}.moe.shared_expert_gate.weight"] = f"{theirs}.mlp.shared_expert_gate.weight"
+    return names
+
+
+def embedding_names(cfg: ModelConfig) -> dict[str, str]:
+    """The token embeddings, the final norm and (untied) the output head."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    return names
+
+
+def attention_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+    """Grouped-query attention of layer i: q/k/v/o projections, the biases, sinks and QK-norm the config has."""
+    ours, theirs = f"layers.{i}.attention", f"model.layers.{i}.self_attn"
+    names = {}
+    for a, b in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        names[f"{ours}.{a}.weight"] = f"{theirs}.{b}.weight"
+        if cfg.attention_bias == "all" or (cfg.attention_bias == "qkv" and a != "wo"):
+            names[f"{ours}.{a}.bias"] = f"{theirs}.{b}.bias"
+    if cfg.attention_sinks:
+        names[f"{ours}.sinks"] = f"{theirs}.sinks"
+    if cfg.qk_norm != "none":
+        names[f"{ours}.q_norm.weight"] = f"{theirs}.q_norm.weight"
+        names[f"{ours}.k_norm.weight"] = f"{theirs}.k_norm.weight"
     return names
 
 

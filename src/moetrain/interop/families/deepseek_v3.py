@@ -19,7 +19,7 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, YARN_FIELD_NAMES, Family, Refusal, gpt_oss_era_checks
+from moetrain.interop.adapter import Family, Refusal, gpt_oss_era_checks
 from moetrain.interop.config_json import (
     decoder_config_json,
     decoder_fields,
@@ -27,27 +27,24 @@ from moetrain.interop.config_json import (
     rope_parameters,
     unsupported,
 )
-from moetrain.interop.layouts import fused_expert_names, per_expert_names
+from moetrain.interop.families.base import YARN_FIELD_NAMES, family_field_names
+from moetrain.interop.layouts import embedding_names, fused_expert_names, per_expert_names
 from moetrain.logging import get_logger
 
 MODEL_TYPE, ARCHITECTURE, LABEL = "deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3"
 
-FIELD_NAMES = {
-    **PLAIN_FIELD_NAMES,
-    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads", "n_kv_heads": "(num_key_value_heads = num_attention_heads)",
-    "head_dim": "(MLA: qk_nope_head_dim + qk_rope_head_dim)", "n_dense_layers": "first_k_dense_replace",
-    "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta", "qk_norm": "(no QK-norm)",
-    "clip_qkv": "(no clip_qkv)", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
-    "moe.n_experts": "n_routed_experts", "moe.top_k": "num_experts_per_tok",
-    "moe.expert_hidden": "moe_intermediate_size", "moe.n_shared_experts": "n_shared_experts",
-    "moe.score_func": "(sigmoid router)", "moe.renormalize": "norm_topk_prob", "moe.activation": "hidden_act",
+# Where DeepSeek-V3 differs from the Llama-style names (GLM-4.5 starts from these too).
+OWN_FIELD_NAMES = {
+    "n_kv_heads": "(num_key_value_heads = num_attention_heads)",
+    "head_dim": "(MLA: qk_nope_head_dim + qk_rope_head_dim)",
+    "n_dense_layers": "first_k_dense_replace", "moe.n_experts": "n_routed_experts",
+    "moe.n_shared_experts": "n_shared_experts", "moe.score_func": "(sigmoid router)",
     "moe.n_group": "n_group", "moe.topk_group": "topk_group", "moe.routed_scaling_factor": "routed_scaling_factor",
     "kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
     "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "rope_layout": "rope_interleave",
-    "partial_rotary_factor": "(every rope channel rotates)",
-    **YARN_FIELD_NAMES,
+    "partial_rotary_factor": "(every rope channel rotates)", **YARN_FIELD_NAMES,
 }
+FIELD_NAMES = family_field_names(LABEL, OWN_FIELD_NAMES)
 
 # transformers keeps the router and the correction bias in float32 (`_keep_in_fp32_modules_strict`).
 FLOAT32_NAMES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -153,9 +150,7 @@ def correction_bias_refusals(cfg: ModelConfig) -> list[Refusal]:
 
 
 def tensor_names(cfg: ModelConfig) -> dict[str, str]:
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
+    names = embedding_names(cfg)
     attention = {"wkv_a": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
     attention.update({"wq": "q_proj"} if cfg.q_lora_rank is None else
                      {"wq_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "wq_b": "q_b_proj"})

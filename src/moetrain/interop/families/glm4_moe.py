@@ -20,11 +20,10 @@ from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.interop.adapter import Family, Refusal
 from moetrain.interop.config_json import decoder_config_json, decoder_fields, rope_fields, unsupported
-from moetrain.interop.families.deepseek_v3 import (
-    FIELD_NAMES as DEEPSEEK_FIELD_NAMES,
-)
+from moetrain.interop.families.base import family_field_names
 from moetrain.interop.families.deepseek_v3 import (
     FLOAT32_NAMES,
+    OWN_FIELD_NAMES,
     correction_bias_refusals,
     moe_config_json,
     moe_layer_names,
@@ -32,16 +31,15 @@ from moetrain.interop.families.deepseek_v3 import (
     sigmoid_routing_refusals,
     skipped_tensors,
 )
-from moetrain.interop.layouts import fused_expert_names, per_expert_names
+from moetrain.interop.layouts import attention_names, embedding_names, fused_expert_names, per_expert_names
 
 MODEL_TYPE, ARCHITECTURE, LABEL = "glm4_moe", "Glm4MoeForCausalLM", "GLM-4.5"
 
-FIELD_NAMES = {
-    **DEEPSEEK_FIELD_NAMES, "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-    "attention_bias": "attention_bias",
+FIELD_NAMES = family_field_names(LABEL, {
+    **OWN_FIELD_NAMES, "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "attention_bias": "attention_bias",
     "qk_norm": "use_qk_norm", "partial_rotary_factor": "rope_parameters.partial_rotary_factor",
     "rope_layout": "(the half layout)", "kv_lora_rank": "(no MLA)",
-}
+})
 DEFAULT_PARTIAL_ROTARY = 0.5  # transformers' Glm4MoeConfig default when config.json has none
 
 
@@ -80,18 +78,9 @@ def export_refusals(cfg: ModelConfig) -> list[Refusal]:
 
 
 def tensor_names(cfg: ModelConfig) -> dict[str, str]:
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
+    names = embedding_names(cfg)
     for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}.attention", f"model.layers.{i}.self_attn"
-        for a, b in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            names[f"{ours}.{a}.weight"] = f"{theirs}.{b}.weight"
-            if cfg.attention_bias == "qkv" and a != "wo":
-                names[f"{ours}.{a}.bias"] = f"{theirs}.{b}.bias"
-        if cfg.qk_norm == "per_head":
-            names[f"{ours}.q_norm.weight"] = f"{theirs}.q_norm.weight"
-            names[f"{ours}.k_norm.weight"] = f"{theirs}.k_norm.weight"
+        names.update(attention_names(cfg, i))
         names.update(moe_layer_names(cfg, i))
     return names
 

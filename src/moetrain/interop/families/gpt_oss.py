@@ -20,41 +20,22 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import (
-    PLAIN_FIELD_NAMES,
-    YARN_FIELD_NAMES,
-    Family,
-    Refusal,
-    absent_field_names,
-    plain_top_k_refusals,
-)
-from moetrain.interop.config_json import (
-    decoder_config_json,
-    decoder_fields,
-    rope_fields,
-    rope_parameters,
-    unsupported,
-)
+from moetrain.interop.adapter import Family, Refusal, plain_top_k_refusals
+from moetrain.interop.config_json import decoder_fields, rope_fields, rope_parameters, unsupported
+from moetrain.interop.families.base import YARN_FIELD_NAMES, family_field_names
+from moetrain.interop.families.mixtral import LOCAL_EXPERTS_FIELD_NAMES, local_experts_config_json
 from moetrain.interop.layouts import decoder_names, interleaved_expert_names
 
 MODEL_TYPE, ARCHITECTURE, LABEL = "gpt_oss", "GptOssForCausalLM", "GPT-OSS"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
-FIELD_NAMES = {
-    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-    "n_dense_layers": "(every layer MoE)", "ffn_hidden": "(no dense layer)", "rope_theta": "rope_theta",
-    "qk_norm": "(no QK-norm)", "clip_qkv": "(no clip_qkv)", "norm_eps": "rms_norm_eps",
-    "tie_embeddings": "tie_word_embeddings", "moe.n_experts": "num_local_experts",
-    "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "intermediate_size",
-    "moe.n_shared_experts": "(no shared expert)", "moe.score_func": "(softmax over the top-k logits)",
+FIELD_NAMES = family_field_names(LABEL, {
+    **LOCAL_EXPERTS_FIELD_NAMES, "moe.score_func": "(softmax over the top-k logits)",
     "moe.renormalize": "(softmax over the top-k logits)", "moe.activation": "(clamped SwiGLU)",
-    **PLAIN_FIELD_NAMES, **absent_field_names(LABEL),
-    "attention_bias": "attention_bias", "attention_sinks": "(attention sinks)",
-    "sliding_window": "sliding_window", "layer_types": "layer_types", "moe.router_bias": "(router bias)",
-    "moe.expert_proj_bias": "(expert biases)", "moe.swiglu_alpha": "swiglu_alpha", "moe.swiglu_limit": "swiglu_limit",
-    **YARN_FIELD_NAMES,
-}
+    "attention_bias": "attention_bias", "attention_sinks": "(attention sinks)", "layer_types": "layer_types",
+    "moe.router_bias": "(router bias)", "moe.expert_proj_bias": "(expert biases)",
+    "moe.swiglu_alpha": "swiglu_alpha", "moe.swiglu_limit": "swiglu_limit", **YARN_FIELD_NAMES,
+})
 
 
 def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -80,13 +61,11 @@ def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
 
 
 def config_json(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict[str, Any]:
-    out = decoder_config_json(cfg, MODEL_TYPE, ARCHITECTURE, tokenizer, dtype)
-    del out["num_experts"], out["norm_topk_prob"]
+    out = local_experts_config_json(cfg, MODEL_TYPE, ARCHITECTURE, tokenizer, dtype)
     layer_types = ["full_attention" if cfg.window_of(i) is None else "sliding_attention" for i in range(cfg.n_layers)]
-    out.update(head_dim=cfg.attention_head_dim(), intermediate_size=cfg.moe.expert_hidden,
-               num_local_experts=cfg.moe.n_experts, attention_bias=cfg.attention_bias == "all",
-               layer_types=layer_types, sliding_window=cfg.sliding_window, swiglu_alpha=cfg.moe.swiglu_alpha,
-               swiglu_limit=cfg.moe.swiglu_limit, rope_parameters=rope_parameters(cfg))
+    out.update(attention_bias=cfg.attention_bias == "all", layer_types=layer_types, sliding_window=cfg.sliding_window,
+               swiglu_alpha=cfg.moe.swiglu_alpha, swiglu_limit=cfg.moe.swiglu_limit,
+               rope_parameters=rope_parameters(cfg))
     return out
 
 

@@ -17,24 +17,21 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, absent_field_names, plain_top_k_refusals
+from moetrain.interop.adapter import Family, Refusal, plain_top_k_refusals
 from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
+from moetrain.interop.families.base import EVERY_LAYER_MOE_FIELD_NAMES, family_field_names
 from moetrain.interop.layouts import decoder_names
 
 MODEL_TYPE, ARCHITECTURE, LABEL = "mixtral", "MixtralForCausalLM", "Mixtral"
 
-FIELD_NAMES = {
-    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-    "n_dense_layers": "(every layer MoE)", "ffn_hidden": "(no dense layer)", "rope_theta": "rope_theta",
-    "qk_norm": "(no QK-norm)", "clip_qkv": "(no clip_qkv)", "norm_eps": "rms_norm_eps",
-    "tie_embeddings": "tie_word_embeddings", "moe.n_experts": "num_local_experts",
-    "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "intermediate_size",
-    "moe.n_shared_experts": "(no shared expert)", "moe.score_func": "(softmax router)",
-    "moe.renormalize": "(top-k renormalised)", "moe.activation": "hidden_act",
-    **PLAIN_FIELD_NAMES, **absent_field_names(LABEL),
-    "sliding_window": "sliding_window", "layer_types": "sliding_window (every layer)",
+# What Mixtral and GPT-OSS (the same config.json layout, every layer MoE over num_local_experts) call alike.
+LOCAL_EXPERTS_FIELD_NAMES = {
+    **EVERY_LAYER_MOE_FIELD_NAMES, "moe.n_experts": "num_local_experts", "sliding_window": "sliding_window",
 }
+FIELD_NAMES = family_field_names(LABEL, {
+    **LOCAL_EXPERTS_FIELD_NAMES, "moe.renormalize": "(top-k renormalised)",
+    "layer_types": "sliding_window (every layer)",
+})
 
 
 def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -50,11 +47,20 @@ def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
                        moe=MoEConfig(**moe, expert_hidden=int(hf["intermediate_size"])))
 
 
-def config_json(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict[str, Any]:
-    out = decoder_config_json(cfg, MODEL_TYPE, ARCHITECTURE, tokenizer, dtype)
+def local_experts_config_json(cfg: ModelConfig, model_type: str, architecture: str, tokenizer: Tokenizer,
+                              dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json fields Mixtral and GPT-OSS write alike: num_local_experts of intermediate_size, a free
+    head_dim, no norm_topk_prob (the family fixes it)."""
+    out = decoder_config_json(cfg, model_type, architecture, tokenizer, dtype)
     del out["num_experts"], out["norm_topk_prob"]
     out.update(head_dim=cfg.attention_head_dim(), intermediate_size=cfg.moe.expert_hidden,
-               num_local_experts=cfg.moe.n_experts, sliding_window=cfg.sliding_window, router_jitter_noise=0.0)
+               num_local_experts=cfg.moe.n_experts)
+    return out
+
+
+def config_json(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict[str, Any]:
+    out = local_experts_config_json(cfg, MODEL_TYPE, ARCHITECTURE, tokenizer, dtype)
+    out.update(sliding_window=cfg.sliding_window, router_jitter_noise=0.0)
     return out
 
 

@@ -14,23 +14,17 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, absent_field_names, plain_top_k_refusals
+from moetrain.interop.adapter import Family, Refusal, plain_top_k_refusals
 from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
+from moetrain.interop.families.base import EVERY_LAYER_MOE_FIELD_NAMES, family_field_names
 from moetrain.interop.layouts import decoder_names, fused_expert_names, per_expert_names
 
 MODEL_TYPE, ARCHITECTURE, LABEL = "olmoe", "OlmoeForCausalLM", "OLMoE"
 
-FIELD_NAMES = {
-    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-    "head_dim": "hidden_size / num_attention_heads", "n_dense_layers": "(every layer MoE)",
-    "ffn_hidden": "(no dense layer)", "rope_theta": "rope_theta", "qk_norm": "(QK-norm over the full width)",
-    "clip_qkv": "clip_qkv", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
-    "moe.n_experts": "num_experts", "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "intermediate_size",
-    "moe.n_shared_experts": "(no shared expert)", "moe.score_func": "(softmax router)",
-    "moe.renormalize": "norm_topk_prob", "moe.activation": "hidden_act",
-    **PLAIN_FIELD_NAMES, **absent_field_names(LABEL),
-}
+FIELD_NAMES = family_field_names(LABEL, {
+    **EVERY_LAYER_MOE_FIELD_NAMES, "head_dim": "hidden_size / num_attention_heads",
+    "qk_norm": "(QK-norm over the full width)", "clip_qkv": "clip_qkv",
+})
 
 
 def model_config(hf: dict[str, Any], where: str) -> ModelConfig:

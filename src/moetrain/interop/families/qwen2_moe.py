@@ -17,25 +17,18 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, absent_field_names, plain_top_k_refusals
+from moetrain.interop.adapter import Family, Refusal, plain_top_k_refusals
 from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
+from moetrain.interop.families.base import dense_first_layers, dense_first_layers_json, family_field_names
 from moetrain.interop.layouts import decoder_names, fused_expert_names, per_expert_names
 
 MODEL_TYPE, ARCHITECTURE, LABEL = "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE"
 
-FIELD_NAMES = {
-    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-    "head_dim": "hidden_size / num_attention_heads", "n_dense_layers": "mlp_only_layers",
-    "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta", "qk_norm": "(no QK-norm)",
-    "clip_qkv": "(no clip_qkv)", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
-    "moe.n_experts": "num_experts", "moe.top_k": "num_experts_per_tok", "moe.expert_hidden": "moe_intermediate_size",
-    "moe.n_shared_experts": "(one shared expert)", "moe.score_func": "(softmax router)",
-    "moe.renormalize": "norm_topk_prob", "moe.activation": "hidden_act",
-    **PLAIN_FIELD_NAMES, **absent_field_names(LABEL),
+FIELD_NAMES = family_field_names(LABEL, {
+    "head_dim": "hidden_size / num_attention_heads", "moe.n_shared_experts": "(one shared expert)",
     "attention_bias": "qkv_bias", "moe.shared_expert_hidden": "shared_expert_intermediate_size",
     "moe.shared_expert_gate": "(shared_expert_gate)",
-}
+})
 
 
 def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -45,19 +38,13 @@ def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
     dim, n_heads = model["dim"], model["n_heads"]
     if dim % n_heads:
         raise unsupported(where, "hidden_size", dim, f"Qwen2-MoE needs it divisible by num_attention_heads = {n_heads}")
-    n_layers = model["n_layers"]
-    step = int(hf.get("decoder_sparse_step", 1))
-    mlp_only = set(hf.get("mlp_only_layers") or [])
-    dense = [i for i in range(n_layers) if i in mlp_only or (i + 1) % step != 0]
-    if dense != list(range(len(dense))):
-        raise unsupported(where, "mlp_only_layers / decoder_sparse_step", (sorted(mlp_only), step),
-                          "moetrain's dense layers must be the first ones (layers 0..k-1)")
+    dense = dense_first_layers(hf, where, model["n_layers"])
     shared = int(hf["shared_expert_intermediate_size"])
     if shared < 1:
         raise unsupported(where, "shared_expert_intermediate_size", shared, "Qwen2-MoE always has a shared expert")
     moe.update(n_shared_experts=1, shared_expert_hidden=shared, shared_expert_gate=True)
     return ModelConfig(**model, head_dim=dim // n_heads, ffn_hidden=int(hf.get("intermediate_size", 1)),
-                       n_dense_layers=len(dense), attention_bias="qkv",
+                       n_dense_layers=dense, attention_bias="qkv",
                        moe=MoEConfig(**moe, expert_hidden=int(hf["moe_intermediate_size"])))
 
 
@@ -65,8 +52,7 @@ def config_json(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> d
     out = decoder_config_json(cfg, MODEL_TYPE, ARCHITECTURE, tokenizer, dtype)
     del out["attention_bias"]  # Qwen2-MoE's key is qkv_bias
     out.update(qkv_bias=True, intermediate_size=cfg.ffn_hidden, moe_intermediate_size=cfg.moe.expert_hidden,
-               shared_expert_intermediate_size=cfg.moe.shared_width(), decoder_sparse_step=1,
-               mlp_only_layers=list(range(cfg.n_dense_layers)), use_sliding_window=False, sliding_window=None)
+               shared_expert_intermediate_size=cfg.moe.shared_width(), **dense_first_layers_json(cfg))
     return out
 
 

@@ -15,44 +15,28 @@ import torch
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.data.tokenizer import Tokenizer
-from moetrain.interop.adapter import PLAIN_FIELD_NAMES, Family, Refusal, absent_field_names, plain_top_k_refusals
-from moetrain.interop.config_json import decoder_config_json, decoder_fields, unsupported
+from moetrain.interop.adapter import Family, Refusal, plain_top_k_refusals
+from moetrain.interop.config_json import decoder_config_json, decoder_fields
+from moetrain.interop.families.base import dense_first_layers, dense_first_layers_json, family_field_names
 from moetrain.interop.layouts import decoder_names, fused_expert_names, per_expert_names
 
 MODEL_TYPE, ARCHITECTURE, LABEL = "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE"
 
-FIELD_NAMES = {
-    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-    "n_dense_layers": "mlp_only_layers", "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta",
-    "qk_norm": "(QK-norm per head)", "clip_qkv": "(no clip_qkv)", "norm_eps": "rms_norm_eps",
-    "tie_embeddings": "tie_word_embeddings", "moe.n_experts": "num_experts", "moe.top_k": "num_experts_per_tok",
-    "moe.expert_hidden": "moe_intermediate_size", "moe.n_shared_experts": "(no shared expert)",
-    "moe.score_func": "(softmax router)", "moe.renormalize": "norm_topk_prob", "moe.activation": "hidden_act",
-    **PLAIN_FIELD_NAMES, **absent_field_names(LABEL),
-}
+FIELD_NAMES = family_field_names(LABEL, {"qk_norm": "(QK-norm per head)"})
 
 
 def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
     model, moe = decoder_fields(hf, where)
-    n_layers = model["n_layers"]
-    step = int(hf.get("decoder_sparse_step", 1))
-    mlp_only = set(hf.get("mlp_only_layers") or [])
-    dense = [i for i in range(n_layers) if i in mlp_only or (i + 1) % step != 0]
-    if dense != list(range(len(dense))):
-        raise unsupported(where, "mlp_only_layers / decoder_sparse_step", (sorted(mlp_only), step),
-                          "moetrain's dense layers must be the first ones (layers 0..k-1)")
     head_dim = int(hf.get("head_dim") or model["dim"] // model["n_heads"])
     return ModelConfig(**model, head_dim=head_dim, ffn_hidden=int(hf.get("intermediate_size", 1)),
-                       n_dense_layers=len(dense), qk_norm="per_head",
+                       n_dense_layers=dense_first_layers(hf, where, model["n_layers"]), qk_norm="per_head",
                        moe=MoEConfig(**moe, expert_hidden=int(hf["moe_intermediate_size"])))
 
 
 def config_json(cfg: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype) -> dict[str, Any]:
     out = decoder_config_json(cfg, MODEL_TYPE, ARCHITECTURE, tokenizer, dtype)
     out.update(head_dim=cfg.attention_head_dim(), intermediate_size=cfg.ffn_hidden,
-               moe_intermediate_size=cfg.moe.expert_hidden, decoder_sparse_step=1,
-               mlp_only_layers=list(range(cfg.n_dense_layers)), use_sliding_window=False, sliding_window=None)
+               moe_intermediate_size=cfg.moe.expert_hidden, **dense_first_layers_json(cfg))
     return out
 
 
