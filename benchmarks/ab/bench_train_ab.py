@@ -1,7 +1,7 @@
 """`moetrain bench train` of two trees side by side: one process at the issue's shape and four ranks.
 
-    .venv/bin/python benchmarks/bench_train_ab.py --baseline /tmp/base --candidate . \
-        --out benchmarks/results/bench_train_ab_issue26 [--rounds 2] [--report-only]
+    PYTHONPATH=$PWD/src:$PWD python benchmarks/ab/bench_train_ab.py --baseline ../base --candidate . \
+        --out benchmarks/results/bench_train_ab_NAME [--rounds 2] [--report-only]
 
 Scenarios (qwen3_moe_debug):
   one process   vocabulary 2048, one microbatch of 2 x 512 tokens, 2 threads, `--one-warmup` (1)
@@ -27,44 +27,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib
-from bf16_mfu_ab import ARGS
+from benchmarks.ab import runner
+from benchmarks.issue_shape import ARGS
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-HERE = Path(__file__).resolve().parents[1]
 ONE_PROCESS = [*ARGS, "--train.num_threads", "2"]
 FOUR_RANKS = ["--config", "configs/qwen3_moe_debug.toml", "--data.seq_len", "128", "--data.max_documents", "300",
               "--train.microbatch_size", "1", "--train.grad_accum", "2", "--train.num_threads", "1", "--steps", "2",
               "--warmup", "1"]
 
 
-def run(tree: Path, argv: list[str], out: Path, ranks: int) -> None:
-    python = Path(sys.executable)
-    launcher = ([str(python.parent / "torchrun"), "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1
-                else [str(python)])
-    command = [*launcher, "-m", "moetrain", "bench", "train", *argv, "--json", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-    load = os.getloadavg()[0]
-    print(f"== {out.stem} (load {load:.2f})", flush=True)
-    subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+def run(tree: runner.Tree, argv: list[str], out: Path, ranks: int) -> None:
+    print(f"== {out.stem}", flush=True)
+    report = runner.run(tree, ["-m", "moetrain", "bench", "train", *argv, "--json", "{json}"], ranks=ranks)
+    out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def measure(args: argparse.Namespace) -> None:
-    trees = {"A": Path(args.baseline).resolve(), "B": Path(args.candidate).resolve()}
+    trees = runner.two_trees(args.baseline, args.candidate)
     for dtype in ("bfloat16", "float32"):
-        for round_ in range(args.rounds):
-            for label in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
-                run(trees[label], [*ONE_PROCESS, "--steps", str(args.one_steps), "--warmup", str(args.one_warmup),
-                                   "--parallel.param_dtype", dtype],
-                    args.out / f"one_{label}_{dtype}_r{round_}.json", 1)
+        for round_, label in runner.alternate(["A", "B"], args.rounds):
+            run(trees[label], [*ONE_PROCESS, "--steps", str(args.one_steps), "--warmup", str(args.one_warmup),
+                               "--parallel.param_dtype", dtype],
+                args.out / f"one_{label}_{dtype}_r{round_}.json", 1)
     if args.skip_four_ranks:
         return
     for dtype in ("float32", "bfloat16"):
@@ -117,24 +105,17 @@ def report(args: argparse.Namespace) -> None:
     print(text)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "summary.json").write_text(json.dumps({"fixed_peak_gflops": fixed, "rows": rows}, indent=2) + "\n")
-    fig, ax = plt.subplots(figsize=(9, 4))
     short = {"bfloat16": "bf16", "float32": "fp32"}
-    names = [f"{r['scenario']} {short[r['dtype']]}\n{r['label']}" for r in rows]
-    ax.bar(range(len(rows)), [r["tokens_per_s_median"] for r in rows],
-           color=["tab:gray" if r["label"].startswith("A") else "tab:blue" for r in rows])
-    for i, r in enumerate(rows):
-        ax.plot([i] * len(r["tokens_per_s"]), r["tokens_per_s"], "k.", ms=4)
-    ax.set_xticks(range(len(rows)), names, fontsize=7)
-    ax.set_ylabel("tokens/s (median, dots: runs)")
-    ax.set_title("bench train, A (baseline) grey, B blue; qwen3_moe_debug")
-    fig.tight_layout()
-    fig.savefig(args.out / "tokens_per_s.png", dpi=110)
+    runner.plot([{"case": f"{r['scenario']} {short[r['dtype']]}", "label": r["label"],
+                  "tokens_per_s": r["tokens_per_s_median"], "tokens_per_s_runs": r["tokens_per_s"]} for r in rows],
+                "tokens_per_s", args.out / "tokens_per_s.png",
+                "bench train, A (baseline) grey, B blue; qwen3_moe_debug")
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", help="tree A (a checkout with src/ and configs/)")
-    parser.add_argument("--candidate", default=str(HERE), help="tree B (default: this one)")
+    parser.add_argument("--candidate", default=str(runner.REPO), help="tree B (default: this one)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--report-only", action="store_true")

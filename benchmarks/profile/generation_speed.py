@@ -42,7 +42,7 @@ from moetrain.model.kv_cache import KVCache
 from moetrain.train.build import build_model
 from moetrain.train.sample import generate_tokens
 
-HERE = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[2]
 
 
 def _minimum(fn, repeats: int) -> float:

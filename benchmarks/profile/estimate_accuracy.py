@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15
 TRAIN_OFF = ["--train.warmup_steps", "1", "--train.eval_every", "0", "--train.sample_tokens", "0",
              "--checkpoint.enabled", "False", "--logging.log_every", "1", "--logging.progress_bar", "False"]

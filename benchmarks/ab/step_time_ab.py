@@ -5,10 +5,11 @@ both alike), each tree with its own interpreter and sources; `worker` is what ea
 it builds the job exactly as `moetrain train` does (config, data, process group, mesh, Trainer,
 and, where the tree has it, the host-memory setting `moetrain train` applies), takes warm-up
 steps, then times steps and prints one JSON line on rank 0: median step time of the slowest
-rank, tokens/s, losses, peak RSS per rank. Multi-rank scenarios run under torchrun.
+rank, tokens/s, losses, peak RSS per rank. Multi-rank scenarios run under torchrun. Trees are
+run through `benchmarks/ab/runner.py`, each with its own .venv.
 
-    flock /tmp/moetrain-heavy.lock .venv/bin/python benchmarks/step_time_ab.py driver \
-        --baseline /work/wt/baseline --out benchmarks/results/step_time_ab
+    PYTHONPATH=$PWD/src:$PWD python benchmarks/ab/step_time_ab.py driver \
+        --baseline ../base --out benchmarks/results/step_time_ab
 
 Benchmark only: nothing here asserts a time.
 """
@@ -17,15 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+from benchmarks.ab import runner
+
+MARKER = "AB_RESULT "
 CONFIG = "configs/qwen3_moe_debug.toml"
 # Short rows and few documents keep one measurement at about a minute on 2 busy cores.
 COMMON = ["--data.seq_len", "128", "--data.max_documents", "300", "--train.microbatch_size", "1",
@@ -73,45 +74,33 @@ def worker(argv: list[str]) -> None:
     if rank == 0:
         step_s = statistics.median(max(r["step_s"][i] for r in every) for i in range(steps))
         tokens = cfg.train.microbatch_size * cfg.train.grad_accum * cfg.data.seq_len * world
-        print("AB_RESULT " + json.dumps({"step_s": step_s, "tokens_per_s": tokens / step_s,
+        print(MARKER + json.dumps({"step_s": step_s, "tokens_per_s": tokens / step_s,
                                           "losses": [r.loss for r in results],
                                           "peak_rss_mib_per_rank": [r["rss"] / 2**20 for r in every]}), flush=True)
     dist.destroy_process_group()
 
 
-def run_one(tree: Path, scenario: dict, steps: int, warmup: int) -> dict:
-    python = str(tree / ".venv" / "bin" / "python")
-    job = ["--config", str(HERE / CONFIG), *COMMON, *scenario["args"],
-           "--logging.progress_bar", "False"]
-    script = [str(Path(__file__).resolve()), "worker", str(steps), str(warmup), *job]
-    if scenario["ranks"] == 1:
-        command = [python, *script]
-    else:
-        command = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={scenario['ranks']}",
-                   *script]
-    env = {**os.environ, "PYTHONPATH": str(tree / "src"), "OMP_NUM_THREADS": "1"}
+def run_one(tree: runner.Tree, scenario: dict, steps: int, warmup: int) -> dict:
+    job = ["--config", str(runner.REPO / CONFIG), *COMMON, *scenario["args"], "--logging.progress_bar", "False"]
     start = time.time()
-    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("AB_RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{tree} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return {**json.loads(lines[-1][len("AB_RESULT "):]), "wall_s": time.time() - start}
+    result = runner.run(tree, [str(Path(__file__).resolve()), "worker", str(steps), str(warmup), *job],
+                        ranks=scenario["ranks"], marker=MARKER, env=tree.env(OMP_NUM_THREADS="1"), timeout=1800)
+    return {**result, "wall_s": time.time() - start}
 
 
 def driver(args: argparse.Namespace) -> None:
-    trees = {"A (main)": Path(args.baseline).resolve(), "B (this tree)": HERE}
+    trees = runner.two_trees(args.baseline, python_from_tree=True, labels=("A (main)", "B (this tree)"))
     results: dict[str, dict[str, list[dict]]] = {}
     for name, scenario in SCENARIOS.items():
         if args.only and not any(o in name for o in args.only):
             continue
         results[name] = {label: [] for label in trees}
-        order = list(trees)
-        for round_ in range(args.rounds if scenario["ranks"] == 1 else args.multi_rank_rounds):
-            for label in (order if round_ % 2 == 0 else order[::-1]):
-                result = run_one(trees[label], scenario, args.steps, args.warmup)
-                results[name][label].append(result)
-                print(f"{name} | {label} | {result['tokens_per_s']:.1f} tok/s | step {result['step_s']:.2f} s | "
-                      f"RSS/rank max {max(result['peak_rss_mib_per_rank']):.0f} MiB", flush=True)
+        rounds = args.rounds if scenario["ranks"] == 1 else args.multi_rank_rounds
+        for _, label in runner.alternate(list(trees), rounds):
+            result = run_one(trees[label], scenario, args.steps, args.warmup)
+            results[name][label].append(result)
+            print(f"{name} | {label} | {result['tokens_per_s']:.1f} tok/s | step {result['step_s']:.2f} s | "
+                  f"RSS/rank max {max(result['peak_rss_mib_per_rank']):.0f} MiB", flush=True)
         save(args, results)
 
 
@@ -128,22 +117,20 @@ def save(args: argparse.Namespace, results: dict) -> None:
         b_rss = max(max(r["peak_rss_mib_per_rank"]) for r in b)
         rows.append(f"| {name} | {a_tps:.1f} | {b_tps:.1f} | {b_tps / a_tps:.2f}x | {a_rss:.0f} | {b_rss:.0f} |")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"config": CONFIG, "common_overrides": COMMON, "scenarios": SCENARIOS, "steps": args.steps,
             "warmup": args.warmup, "rounds": args.rounds,
-            "multi_rank_rounds": args.multi_rank_rounds, "baseline": str(args.baseline), "time": time.time()}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(rows) + "\n")
+            "multi_rank_rounds": args.multi_rank_rounds}
+    runner.save(out, {"meta": meta, "results": results}, "\n".join(rows))
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "worker":
+    if sys.argv[1:2] == ["worker"]:
         worker(sys.argv[2:])
     else:
-        parser = argparse.ArgumentParser()
+        parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
         parser.add_argument("mode", choices=["driver"])
-        parser.add_argument("--baseline", required=True)
-        parser.add_argument("--out", default="benchmarks/results/step_time_ab")
+        parser.add_argument("--baseline", required=True, help="tree A: a checkout with src/ and .venv/")
+        parser.add_argument("--out", default=str(runner.RESULTS / "step_time_ab"))
         parser.add_argument("--steps", type=int, default=3)
         parser.add_argument("--warmup", type=int, default=1)
         parser.add_argument("--rounds", type=int, default=2)

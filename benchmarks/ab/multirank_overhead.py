@@ -18,10 +18,13 @@ mesh, Trainer), takes `--warmup` steps, then `--steps` timed steps and one count
 
 It prints a table and writes JSON (and the table) under benchmarks/results/:
 
-    python benchmarks/multirank_overhead.py driver --baseline /work/wt/r26b_base \
+    PYTHONPATH=$PWD/src:$PWD python benchmarks/ab/multirank_overhead.py driver --baseline ../base \
         --out benchmarks/results/multirank_overhead
-    python benchmarks/multirank_overhead.py driver --baseline . --b-args "--parallel.ep 4" --ranks 4 \
-        --out benchmarks/results/multirank_fsdp_vs_ep     # A: FSDP over 4 ranks, B: the same with EP 4
+    PYTHONPATH=$PWD/src:$PWD python benchmarks/ab/multirank_overhead.py driver --baseline . \
+        --b-args "--parallel.ep 4" --ranks 4 --out benchmarks/results/multirank_fsdp_vs_ep
+        # A: FSDP over 4 ranks, B: the same with EP 4
+
+Trees are run through `benchmarks/ab/runner.py`.
 
 Benchmark only: it asserts nothing about time.
 """
@@ -30,16 +33,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+from benchmarks.ab import runner
+
+MARKER = "OVERHEAD_RESULT "
 CONFIG = "configs/qwen3_moe_debug.toml"
 # bench train's multi-rank shape (benchmarks/results/bench_train_qwen3_moe_debug_fsdp4_*.json).
 COMMON = ["--data.seq_len", "128", "--data.max_documents", "300", "--train.microbatch_size", "1",
@@ -162,7 +165,7 @@ def worker(argv: list[str]) -> None:
     if rank == 0:
         step_s = statistics.median(max(r["steps"][i]["wall_s"] for r in every) for i in range(steps))
         tokens_per_s = trainer.tokens_per_rank_step * world / step_s
-        print("OVERHEAD_RESULT " + json.dumps({
+        print(MARKER + json.dumps({
             "world": world, "param_dtype": cfg.parallel.param_dtype, "step_s": step_s, "tokens_per_s": tokens_per_s,
             "mfu": trainer.flops_per_token * tokens_per_s / (peak * world), "peak_flops_per_rank": peak,
             "flops_per_token": trainer.flops_per_token, "tokens_per_rank_step": trainer.tokens_per_rank_step,
@@ -200,47 +203,34 @@ def _top_ops(result: dict, n: int = 12) -> list[tuple[str, float, float, float]]
     return [(name, row["calls"], row["written"] / 1e9, row["allocated"] / 1e9) for name, row in ranked]
 
 
-def run_one(tree: Path, ranks: int, dtype: str, steps: int, warmup: int, profile: bool, log,
+def run_one(tree: runner.Tree, ranks: int, dtype: str, steps: int, warmup: int, profile: bool,
             extra: tuple[str, ...] = ()) -> dict:
     args = [CONFIG, *COMMON, "--parallel.param_dtype", dtype, *extra]
-    cmd_args = [str(steps), str(warmup), "1" if profile else "0", "--config", *args]
-    if ranks > 1:
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(ranks),
-               __file__, "worker", *cmd_args, "--parallel.dp_shard", str(ranks)]
-    else:
-        cmd = [sys.executable, __file__, "worker", *cmd_args]
-    env = {**os.environ, "PYTHONPATH": str(tree / "src"), "OMP_NUM_THREADS": "1"}
+    argv = [str(Path(__file__).resolve()), "worker", str(steps), str(warmup), "1" if profile else "0", "--config",
+            *args, *(["--parallel.dp_shard", str(ranks)] if ranks > 1 else [])]
     started = time.time()
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
-    log.write(f"$ (cd {tree}; {' '.join(cmd)})\n{proc.stderr[-3000:]}\n")
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("OVERHEAD_RESULT ")), None)
-    if proc.returncode or line is None:
-        raise RuntimeError(f"{tree} ranks={ranks} {dtype} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads(line.split(" ", 1)[1])
+    result = runner.run(tree, argv, ranks=ranks, marker=MARKER, env=tree.env(OMP_NUM_THREADS="1"))
     result["wall_of_run_s"] = time.time() - started
     return result
 
 
 def driver(ns: argparse.Namespace) -> None:
-    trees = {"A": Path(ns.baseline).resolve(), "B": HERE}
+    trees = runner.two_trees(ns.baseline)
     out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
-    with open(out.with_suffix(".log"), "w") as log:
-        for ranks in ns.ranks:
-            for dtype in ns.dtypes:
-                order = ["A", "B"] if ranks > 1 else ["B"]  # the 1-process floor is the same code in both trees
-                for label in order:
-                    extra = tuple((ns.b_args if label == "B" else ns.a_args).split()) if ranks > 1 else ()
-                    result = run_one(trees[label], ranks, dtype, ns.steps, ns.warmup, ns.profile and ranks > 1, log,
-                                     extra)
-                    row = {"tree": label, "path": str(trees[label]), "args": " ".join(extra), "ranks": ranks,
-                           "dtype": dtype,
-                           **_summary(result), "top_ops_rank0": _top_ops(result), "raw": result}
-                    results.append(row)
-                    print(f"{label} ranks={ranks} {dtype}: {row['tokens_per_s']:.1f} tok/s, "
-                          f"{row['cpu_s_per_rank_step']:.2f} CPU-s/rank-step", flush=True)
-                    (out.with_suffix(".json")).write_text(json.dumps(results, indent=1) + "\n")
+    for ranks in ns.ranks:
+        for dtype in ns.dtypes:
+            order = ["A", "B"] if ranks > 1 else ["B"]  # the 1-process floor is the same code in both trees
+            for label in order:
+                extra = tuple((ns.b_args if label == "B" else ns.a_args).split()) if ranks > 1 else ()
+                result = run_one(trees[label], ranks, dtype, ns.steps, ns.warmup, ns.profile and ranks > 1, extra)
+                row = {"tree": label, "revision": runner.revision(trees[label]), "args": " ".join(extra),
+                       "ranks": ranks, "dtype": dtype, **_summary(result), "top_ops_rank0": _top_ops(result),
+                       "raw": result}
+                results.append(row)
+                print(f"{label} ranks={ranks} {dtype}: {row['tokens_per_s']:.1f} tok/s, "
+                      f"{row['cpu_s_per_rank_step']:.2f} CPU-s/rank-step", flush=True)
+                runner.save(out, {"rows": results})
     text = table(results)
     print(text)
     out.with_suffix(".txt").write_text(text + "\n")
@@ -279,7 +269,7 @@ def main() -> None:
     parser.add_argument("--b-args", default="", help="config overrides for B's multi-rank runs only, e.g. "
                         "'--parallel.ep 4' (A: FSDP over all ranks, B: the same with expert parallelism)")
     parser.add_argument("--a-args", default="", help="config overrides for A's multi-rank runs only")
-    parser.add_argument("--out", default=str(HERE / "benchmarks/results/multirank_overhead"))
+    parser.add_argument("--out", default=str(runner.RESULTS / "multirank_overhead"))
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 1])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=2)

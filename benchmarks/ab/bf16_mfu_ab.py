@@ -1,6 +1,6 @@
 """bf16 (and float32) MFU of one process on qwen3_moe_debug, main (A) against this tree (B), alternating in one run.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bf16_mfu_ab.py driver --baseline /work/wt/r26c_base \
+    PYTHONPATH=$PWD/src:$PWD python benchmarks/ab/bf16_mfu_ab.py driver --baseline ../base \
         [--rounds 2] [--threads 1,2] [--dtypes bfloat16,float32] [--json benchmarks/results/bf16_mfu_ab.json]
 
 The issue's shape: vocabulary 2048, microbatches of 2 x 512 tokens (grad_accum 1), `bench train`'s
@@ -10,7 +10,8 @@ process CPU time (user + system, all threads), and the 1024^2 GEMM peak taken in
 the same two ways (best of 8). MFU = model FLOPs per step / step time / peak. On a shared,
 oversubscribed machine the wall-clock MFU depends on what else runs; the CPU-time MFU (FLOPs per
 CPU-second of the step over FLOPs per CPU-second of the GEMM) does much less, so both are
-reported, with the load average. Benchmark only: nothing asserts a time.
+reported, with the load average. Trees are run through `benchmarks/ab/runner.py`. Benchmark
+only: nothing asserts a time.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
-ARGS = ["--config", "configs/qwen3_moe_debug.toml", "--model.vocab_size", "2048", "--data.seq_len", "512",
-        "--train.microbatch_size", "2", "--train.grad_accum", "1", "--data.max_documents", "300"]
+from benchmarks.ab import runner
+from benchmarks.issue_shape import ARGS
+
+MARKER = "MFU_RESULT "
 
 
 def _cpu() -> float:
@@ -70,7 +71,7 @@ def worker(argv: list[str]) -> None:
     flops = trainer.flops_per_token * trainer.tokens_per_rank_step
     gemm_flops = 2.0 * 1024**3
     step_wall, step_cpu = statistics.median(walls), statistics.median(cpus)
-    print(json.dumps({"step_wall_s": step_wall, "step_cpu_s": step_cpu, "losses": losses,
+    print(MARKER + json.dumps({"step_wall_s": step_wall, "step_cpu_s": step_cpu, "losses": losses,
                       "phases_wall_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
                       "tokens_per_s": trainer.tokens_per_rank_step / step_wall,
                       "gemm_wall_flops": gemm_flops / gemm_wall, "gemm_cpu_flops": gemm_flops / max(gemm_cpu, 1e-9),
@@ -81,9 +82,9 @@ def worker(argv: list[str]) -> None:
 
 
 def driver(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--baseline", required=True)
-    parser.add_argument("--candidate", default=str(HERE), help="the B tree (default: this one); a snapshot "
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="tree A: a checkout with src/")
+    parser.add_argument("--candidate", default=str(runner.REPO), help="the B tree (default: this one); a snapshot "
                         "(git archive) keeps edits made while the run goes on out of it")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
@@ -91,23 +92,16 @@ def driver(argv: list[str]) -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args(argv)
-    trees = {"A": Path(opts.baseline).resolve(), "B": Path(opts.candidate).resolve()}
+    trees = runner.two_trees(opts.baseline, opts.candidate)
     rows = []
     for round_ in range(opts.rounds):
         for threads in opts.threads.split(","):
             for dtype in opts.dtypes.split(","):
-                for label in ("AB" if round_ % 2 == 0 else "BA"):
-                    tree = trees[label]
+                for label in runner.order("AB", round_):
                     args = [*ARGS, "--train.num_threads", threads, "--parallel.param_dtype", dtype]
-                    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-                    proc = subprocess.run([sys.executable, str(HERE / "benchmarks/bf16_mfu_ab.py"), "worker",
-                                           str(opts.steps), *args], cwd=tree, env=env, capture_output=True,
-                                          text=True, check=False)
-                    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")), None)
-                    if line is None:
-                        print(proc.stderr[-2000:], file=sys.stderr)
-                        continue
-                    row = {"tree": label, "round": round_, "dtype": dtype, **json.loads(line)}
+                    result = runner.run(trees[label], [str(Path(__file__).resolve()), "worker", str(opts.steps),
+                                                       *args], marker=MARKER)
+                    row = {"tree": label, "round": round_, "dtype": dtype, **result}
                     rows.append(row)
                     print(f"round {round_} {label} {dtype:8s} {threads} thr: step {row['step_wall_s']:6.2f} s wall "
                           f"{row['step_cpu_s']:6.2f} s cpu | MFU wall {100 * row['mfu_wall']:5.1f}% "
@@ -137,4 +131,7 @@ def driver(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    {"worker": worker, "driver": driver}[sys.argv[1]](sys.argv[2:])
+    if sys.argv[1:2] == ["worker"]:
+        worker(sys.argv[2:])
+    else:
+        driver(sys.argv[2:] if sys.argv[1:2] == ["driver"] else sys.argv[1:])

@@ -1,25 +1,28 @@
 """The memory-efficient MoE layer against the same-dtype GEMM peak, main (A) against this tree (B), alternating.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/moe_layer_ab.py driver --baseline /work/wt/r26c_base [--rounds 3]
+    PYTHONPATH=$PWD/src:$PWD python benchmarks/ab/moe_layer_ab.py driver --baseline ../base [--rounds 3] [--json PATH]
 
 One thread, process CPU time (the machine is shared: CPU time measures the work, not the queue).
 Each round runs one fresh process per tree (A B, then B A): forward+backward of the routed experts
 of one qwen3_moe_debug layer on a 2 x 512-token microbatch (1024 tokens, dim 256, 64 experts,
 top-8, SwiGLU width 768) through `memory_efficient_experts`, best of 3 after a warm-up, float32
 and bf16, plus the 1024^2 GEMM peak of each dtype in the same process. The layer's FLOPs are its
-GEMMs' (`moetrain.bench.moe.layer_flops`'s closed form). Benchmark only: nothing asserts a time.
+GEMMs' (`moetrain.bench.moe.layer_flops`'s closed form). Trees are run through
+`benchmarks/ab/runner.py`. Benchmark only: nothing asserts a time.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+from benchmarks.ab import runner
+
+MARKER = "LAYER_RESULT "
 TOKENS, DIM, EXPERTS, TOP_K, WIDTH = 1024, 256, 64, 8, 768
 FLOPS = 3 * 2 * TOKENS * TOP_K * DIM * 3 * WIDTH
 
@@ -63,26 +66,25 @@ def worker() -> None:
         name = str(dtype).removeprefix("torch.")
         result[name] = {"layer_s": best, "layer_flops": FLOPS / best, "peak_flops": 2 * 1024**3 / gemm,
                         "fraction_of_peak": (FLOPS / best) / (2 * 1024**3 / gemm)}
-    print(json.dumps({**result, "loadavg": os.getloadavg()[0]}), flush=True)
+    print(MARKER + json.dumps({**result, "loadavg": os.getloadavg()[0]}), flush=True)
 
 
 def driver(argv: list[str]) -> None:
-    baseline = Path(argv[argv.index("--baseline") + 1]).resolve()
-    rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 3
-    out = Path(argv[argv.index("--json") + 1]) if "--json" in argv else None
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="tree A: a checkout with src/")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    opts = parser.parse_args(argv)
+    trees = runner.two_trees(opts.baseline)
     rows = []
-    for round_ in range(rounds):
-        for label in ("AB" if round_ % 2 == 0 else "BA"):
-            tree = baseline if label == "A" else HERE
-            proc = subprocess.run([sys.executable, str(HERE / "benchmarks/moe_layer_ab.py"), "worker"], cwd=tree,
-                                  env={**os.environ, "PYTHONPATH": str(tree / "src")}, capture_output=True, text=True,
-                                  check=True)
-            row = {"tree": label, "round": round_, **json.loads(proc.stdout.strip().splitlines()[-1])}
-            rows.append(row)
-            print(f"round {round_} {label}: " + " | ".join(
-                f"{d} {1e3 * row[d]['layer_s']:.0f} ms, {row[d]['layer_flops'] / 1e9:.1f} GFLOP/s = "
-                f"{100 * row[d]['fraction_of_peak']:.1f}% of {row[d]['peak_flops'] / 1e9:.0f}"
-                for d in ("float32", "bfloat16")) + f" | load {row['loadavg']:.1f}", flush=True)
+    for round_, label in runner.alternate(["A", "B"], opts.rounds):
+        result = runner.run(trees[label], [str(Path(__file__).resolve()), "worker"], marker=MARKER)
+        row = {"tree": label, "round": round_, **result}
+        rows.append(row)
+        print(f"round {round_} {label}: " + " | ".join(
+            f"{d} {1e3 * row[d]['layer_s']:.0f} ms, {row[d]['layer_flops'] / 1e9:.1f} GFLOP/s = "
+            f"{100 * row[d]['fraction_of_peak']:.1f}% of {row[d]['peak_flops'] / 1e9:.0f}"
+            for d in ("float32", "bfloat16")) + f" | load {row['loadavg']:.1f}", flush=True)
     summary = {}
     for d in ("float32", "bfloat16"):
         best = {t: min(r[d]["layer_s"] for r in rows if r["tree"] == t) for t in "AB"}
@@ -91,9 +93,12 @@ def driver(argv: list[str]) -> None:
                       "A_best_fraction_of_peak": frac["A"], "B_best_fraction_of_peak": frac["B"]}
         print(f"{d}: A {1e3 * best['A']:.0f} ms ({100 * frac['A']:.1f}% of peak), B {1e3 * best['B']:.0f} ms "
               f"({100 * frac['B']:.1f}% of peak), B/A speed {best['A'] / best['B']:.2f}x")
-    if out:
-        out.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2) + "\n")
+    if opts.json:
+        runner.save(opts.json, {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":
-    worker() if sys.argv[1] == "worker" else driver(sys.argv[2:])
+    if sys.argv[1:2] == ["worker"]:
+        worker()
+    else:
+        driver(sys.argv[2:] if sys.argv[1:2] == ["driver"] else sys.argv[1:])
