@@ -1,6 +1,6 @@
 """Measured logits differences between moetrain and transformers for each family and conversion path.
 
-    .venv/bin/python benchmarks/hf_parity.py [--layers 2] [--json benchmarks/results/hf_parity.json]
+    .venv/bin/python benchmarks/parity/hf_parity.py [--layers 2] [--json benchmarks/results/hf_parity.json]
 
 Builds Qwen3-MoE and OLMoE models at the presets' widths (Qwen3: dim 256, 16/8 heads, head_dim 128,
 64 experts top-8, expert width 768; OLMoE: dim 256, 8 heads, 64 experts top-8, width 128), and

@@ -1,9 +1,10 @@
 """bf16 import parity: moetrain's imported model in bfloat16 is no further from the exact logits than transformers'.
 
-    .venv/bin/python benchmarks/hf_parity_bf16.py [--device cuda] [--layers 2] [--json PATH]
+    .venv/bin/python benchmarks/parity/hf_parity_bf16.py [--device cuda] [--layers 2] [--json PATH]
 
 For each family (Qwen3-MoE and OLMoE at the presets' widths, random weights, as in
-benchmarks/hf_parity.py): the reference is transformers' model in float32 on the CPU (its grouped GEMM has no float64);
+benchmarks/parity/hf_parity.py): the reference is transformers' model in float32 on the CPU (its
+grouped GEMM has no float64);
 moetrain imports the saved directory (`load_hf`) and runs in bfloat16 on `--device`, and so
 does transformers' own model. bf16 keeps 8 significant bits, so neither matches the reference
 closely; the check is relative: moetrain's max |diff| / max |logit| must stay within 2x
@@ -22,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hf_parity import diff, hf_model  # benchmarks/, next to this script
+from benchmarks.parity.hf_parity import diff, hf_model
 
 from moetrain.args import take_option
 from moetrain.data.tokenizer import write_byte_level_tokenizer

@@ -1,6 +1,6 @@
 """Measured logits differences between moetrain and transformers for DeepSeek-V3 and GLM-4.5.
 
-    .venv/bin/python benchmarks/hf_parity_deepseek_glm.py [--layers 3] [--json FILE]
+    .venv/bin/python benchmarks/parity/hf_parity_deepseek_glm.py [--layers 3] [--json FILE]
 
 (FILE defaults to benchmarks/results/hf_parity_deepseek_glm.json.)
 
@@ -12,7 +12,7 @@ and with YaRN (factor 4, mscale 0.9, mscale_all_dim 1); GLM-4.5 at reduced GLM-4
 one shared expert). transformers' random init with norm weights perturbed and a random correction
 bias (std 0.05), float32, CPU, 2 × 128 tokens; packed: documents of 50, 7, 1 and 70 tokens;
 export after 3 AdamW steps (lr 1e-3) with the aux-free bias update, reloaded with `from_pretrained`.
-Numbers: max |diff| and max |diff| / max |logit| (the measure of benchmarks/hf_parity.py).
+Numbers: max |diff| and max |diff| / max |logit| (the measure of benchmarks/parity/hf_parity.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from hf_parity import SPECIAL, diff
+from benchmarks.parity.hf_parity import SPECIAL, diff
 
 from moetrain.args import take_option
 from moetrain.data.tokenizer import write_byte_level_tokenizer

@@ -1,6 +1,6 @@
 """Activation checkpointing modes side by side: forward+backward time and peak memory per mode.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/activation_checkpointing.py \
+    PYTHONPATH=src .venv/bin/python benchmarks/profile/activation_checkpointing.py \
         [--config configs/qwen3_moe_debug.toml] [--repeats 2] [--steps 2] \
         [--json benchmarks/results/activation_checkpointing.json] [--section.field value ...]
 

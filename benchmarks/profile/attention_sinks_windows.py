@@ -1,6 +1,6 @@
 """CPU cost of attention sinks and sliding windows in each SDPA attention method (forward + backward).
 
-    .venv/bin/python benchmarks/attention_sinks_windows.py
+    .venv/bin/python benchmarks/profile/attention_sinks_windows.py
 
 2 rows of 1024 tokens, documents of 100, 300, 24 and 600 tokens, 8 query / 2 kv heads of 64,
 float32, one thread; median of 5 forward+backward passes after one warm-up, per method and option.

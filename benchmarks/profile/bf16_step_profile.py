@@ -1,6 +1,6 @@
 """Where one `bench train` step's time goes, by op kind: GEMMs, elementwise, casts, attention, gather/scatter.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bf16_step_profile.py [--dtype bfloat16] [--threads 2]
+    PYTHONPATH=src .venv/bin/python benchmarks/profile/bf16_step_profile.py [--dtype bfloat16] [--threads 2]
         [--steps 1] [--out benchmarks/results/bf16_step_profile.txt]
 
 Builds the Trainer exactly as `moetrain bench train` does for qwen3_moe_debug at the issue's shape
@@ -17,7 +17,7 @@ import sys
 import time
 
 import torch
-from bf16_mfu_ab import ARGS
+from benchmarks.issue_shape import ARGS
 from torch.profiler import ProfilerActivity, profile
 
 from moetrain.args import take_option

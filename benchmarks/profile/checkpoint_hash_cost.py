@@ -1,6 +1,6 @@
 """What the checkpoint manifest costs: sha256 of every file against the whole save, and against reading.
 
-    flock /tmp/moetrain-heavy.lock .venv/bin/python benchmarks/checkpoint_hash_cost.py [--pairs 7]
+    .venv/bin/python benchmarks/profile/checkpoint_hash_cost.py [--pairs 7]
 
 One process, the default model (`configs/tiny_moe.toml`) after one AdamW step, so the checkpoint
 holds weights and both moment buffers. Each round, side by side: a whole `save_checkpoint` (DCP

@@ -1,6 +1,6 @@
 """How long a checkpoint save blocks the training loop: synchronous against `checkpoint.async_save`, side by side.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/checkpoint_stall.py [--rounds 3] [--steps 8] [--threads 1]
+    PYTHONPATH=src .venv/bin/python benchmarks/profile/checkpoint_stall.py [--rounds 3] [--steps 8] [--threads 1]
 
 One process, the Qwen3-MoE debug architecture (`configs/qwen3_moe_debug.toml`) cut to 2 layers of
 16 experts so that its state (weights and both AdamW moments) is a few hundred MB, trained on

@@ -1,6 +1,6 @@
 """Graph breaks of `torch.compile` per transformer block, per block kind and MoE implementation.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/compile_graph_breaks.py [--json PATH]
+    PYTHONPATH=src .venv/bin/python benchmarks/profile/compile_graph_breaks.py [--json PATH]
 
 Runs `torch._dynamo.explain` on every block kind (the dense block, the MoE block under each expert
 implementation) of a small model with two documents per row (document-masked attention, the

@@ -1,6 +1,6 @@
 """Is `moetrain estimate`'s CPU peak within 15% of the peak RSS a real run reaches? One row per preset.
 
-    flock /tmp/moetrain-heavy.lock .venv/bin/python benchmarks/estimate_accuracy.py \
+    .venv/bin/python benchmarks/profile/estimate_accuracy.py \
         [--steps=3] [--only=NAME[,NAME]] [--json=benchmarks/results/estimate_accuracy.json] [--from=JSON]
 
 For each case (a config, overrides, a world size) it trains a few steps in a subprocess exactly

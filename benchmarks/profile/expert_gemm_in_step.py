@@ -1,6 +1,6 @@
 """The GEMMs of a real training step, by kind, against the same shapes run again in isolation.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/expert_gemm_in_step.py [--dtype bfloat16] [--threads 2] \
+    PYTHONPATH=src .venv/bin/python benchmarks/profile/expert_gemm_in_step.py [--dtype bfloat16] [--threads 2] \
         [--warmup 1] [--out benchmarks/results/expert_gemm_in_step_bfloat16_2threads]
 
 Builds the Trainer as `moetrain bench train` does for qwen3_moe_debug at the issue's shape
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from bf16_step_profile import issue_shape_trainer
+from benchmarks.profile.bf16_step_profile import issue_shape_trainer
 from torch.profiler import ProfilerActivity, profile
 
 DIM, EXPERT_HIDDEN = 256, 768

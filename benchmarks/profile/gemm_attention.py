@@ -1,6 +1,6 @@
 """The GEMM attention against SDPA's CPU flash kernel, forward + backward, one thread, process CPU time.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/gemm_attention.py [--json benchmarks/results/gemm_attention.json]
+    PYTHONPATH=src .venv/bin/python benchmarks/profile/gemm_attention.py [--json benchmarks/results/gemm_attention.json]
 
 Both paths run through `attention.attend` on the same inputs: the GEMM path below its size bound
 (the default), the flash kernel with the bound set to 0 (what main runs). Shapes: qwen3_moe_debug's

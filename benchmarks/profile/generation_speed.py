@@ -13,7 +13,7 @@ path A runs per new token) and one cached one-token step after L - 1 cached toke
 five context lengths across the generation; the ratio of their means estimates the speed-up on an
 idle core.
 
-    flock /tmp/moetrain-heavy.lock /work/main/.venv/bin/python benchmarks/generation_speed.py \
+    .venv/bin/python benchmarks/profile/generation_speed.py \
         --out benchmarks/results/generation_speed.json
 
 `--profile N` also records where one cached decode step (batch 1, context 100) spends its time:

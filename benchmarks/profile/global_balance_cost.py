@@ -1,6 +1,6 @@
 """What the global-batch balance loss costs per step: the no-grad routing pre-pass against the whole step.
 
-    flock /tmp/moetrain-heavy.lock .venv/bin/python benchmarks/global_balance_cost.py \
+    .venv/bin/python benchmarks/profile/global_balance_cost.py \
         --config configs/qwen3_moe_debug.toml --pairs 5 [--section.field value ...]
 
 One Trainer (one process, the configured model and data); its steps alternate between

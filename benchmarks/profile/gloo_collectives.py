@@ -1,6 +1,6 @@
 """CPU-seconds and wall time of FSDP's collectives on gloo, against the same bytes moved by broadcasts and send/recv.
 
-    torchrun --standalone --nproc-per-node 4 benchmarks/gloo_collectives.py [--numel N] [--dtype float32]
+    torchrun --standalone --nproc-per-node 4 benchmarks/profile/gloo_collectives.py [--numel N] [--dtype float32]
 
 Each rank times 3 calls of each way to all-gather and reduce-scatter one buffer (default 37 748 736
 elements: one Qwen3-MoE debug layer's expert weights, 151 MB in float32), after one untimed call,

@@ -1,6 +1,6 @@
 """Why the MoE layer sits far below the GEMM peak on CPU: its GEMM shapes, hot and cold, float32 and bf16.
 
-    .venv/bin/python benchmarks/moe_gemm_shapes.py [--rounds 2] > benchmarks/results/moe_gemm_shapes.txt
+    .venv/bin/python benchmarks/profile/moe_gemm_shapes.py [--rounds 2] > benchmarks/results/moe_gemm_shapes.txt
 
 One thread. (1) Best-of-30 GFLOP/s of single GEMMs at the 1024² probe shape `bench train`'s MFU uses
 and at the expert shapes of qwen3_moe_debug (M tokens of one expert x dim 256 -> 2 x 768 and

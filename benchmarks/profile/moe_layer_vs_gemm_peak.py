@@ -1,6 +1,6 @@
 """The memory-efficient MoE layer against the GEMM peak, float32 and bf16, eager op path vs the old Function.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/moe_layer_vs_gemm_peak.py [--rounds 5] [--json PATH]
+    PYTHONPATH=src .venv/bin/python benchmarks/profile/moe_layer_vs_gemm_peak.py [--rounds 5] [--json PATH]
 
 In one process with one thread, rounds alternate: a 1024² GEMM (best of 8) per dtype, then
 forward+backward of the memory-efficient routed experts at the qwen3_moe_debug shape (512

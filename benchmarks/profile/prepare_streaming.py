@@ -1,6 +1,6 @@
 """Peak memory of `moetrain data prepare --streaming` as its input grows (Parquet and JSON Lines, text and chat).
 
-`python benchmarks/prepare_streaming.py [--sizes 16 64 256] [--inputs parquet json] [--formats text chat]
+`python benchmarks/profile/prepare_streaming.py [--sizes 16 64 256] [--inputs parquet json] [--formats text chat]
 [--chat-sizes 4 16] [--map-style-max-mb 64] [--row-group-rows 2000] [--shard-mb 1]
 [--out benchmarks/results/prepare_streaming.json]`
 

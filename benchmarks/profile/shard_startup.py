@@ -1,6 +1,6 @@
 """Start-up cost of training from token shards: what is checked at start vs at each shard's first read.
 
-`python benchmarks/shard_startup.py [--tokens 250000000] [--shard-tokens 32000000] [--repeats 2]`
+`python benchmarks/profile/shard_startup.py [--tokens 250000000] [--shard-tokens 32000000] [--repeats 2]`
 writes synthetic byte shards (moetrain.bench.data.synthetic_corpus) in a temporary directory and
 times `load_training_data` (manifest, headers, sizes, offsets), `data verify` (every file's sha256,
 what start-up cost before hashing moved to the first read), the first batch of shard 0 (which pays

@@ -1,6 +1,6 @@
 """How full token-budget bins are on a job's training data (no timing: the numbers are deterministic).
 
-`python benchmarks/token_budget_bins.py [--config configs/tiny_moe.toml] [--budgets 128 256 512]
+`python benchmarks/profile/token_budget_bins.py [--config configs/tiny_moe.toml] [--budgets 128 256 512]
 [--json benchmarks/results/token_budget_bins.json]`: for each budget, the number of bins and
 pieces, the mean fill (tokens / (bins x budget)) and the share of documents cut into pieces.
 """

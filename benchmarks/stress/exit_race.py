@@ -1,6 +1,6 @@
 """The SIGABRT-at-exit race in miniature: a 2-rank gloo collective, then interpreter exit.
 
-`python benchmarks/exit_race.py --pairs 10` alternates two torchrun launches of this file
+`python benchmarks/stress/exit_race.py --pairs 10` alternates two torchrun launches of this file
 as a worker: "barrier" ends with a plain `dist.barrier()` (the old end of a run), "leave"
 with `moetrain.parallel.collectives.leave_together()`. Each worker sets a long GIL switch
 interval so the main thread keeps the GIL from the last collective to interpreter

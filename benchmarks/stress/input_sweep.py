@@ -1,6 +1,6 @@
 """Every subcommand x bad inputs: none may end in a traceback (issue 28's sweep).
 
-`python benchmarks/input_sweep.py [--only PREFIX] [--json PATH] [--timeout-s 60]`: builds fixtures in a
+`python benchmarks/stress/input_sweep.py [--only PREFIX] [--json PATH] [--timeout-s 60]`: builds fixtures in a
 temporary directory (a 2-step tiny training run, a prepared token directory, a FIFO, a binary file,
 a directory where a file is expected, deeply nested JSON, ...), then runs `moetrain.cli.main(argv)` in
 this process for each (command, input) case with file descriptor 2 captured and an alarm as a time

@@ -1,6 +1,6 @@
 """Is a multi-rank run memory-flat? RSS per rank and step over a long run, and its slope after warm-up.
 
-    flock /tmp/moetrain-heavy.lock .venv/bin/python benchmarks/memory_flat.py \
+    .venv/bin/python benchmarks/stress/memory_flat.py \
         [--config configs/qwen3_moe_debug.toml] [--world 4] [--steps 200] [--warmup 50] \
         [--json benchmarks/results/memory_flat.json] [--section.field value ...]
 

@@ -7,9 +7,8 @@ tiny end-to-end job (a few steps, a checkpoint at the last step) `--runs` times 
 each world size in `--world-sizes`, one run at a time, and reports per world size
 how many runs exited non-zero and, for those, the lines that say why.
 
-Not part of the test suite (minutes, not seconds). On a shared machine run it under
-the heavy lock:
-    flock /tmp/moetrain-heavy.lock .venv/bin/python benchmarks/stress_exit.py --runs 50
+Not part of the test suite (minutes, not seconds). On a shared machine run it alone:
+    .venv/bin/python benchmarks/stress/stress_exit.py --runs 50
 The counts and the failing runs' last lines go to --out (JSON, rewritten after every run, so
 an interrupted stress run still reports what it counted) as well as stdout.
 """
