@@ -86,8 +86,42 @@ def diff(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
     return {"max_abs": float(error), "max_rel": float(error / want.double().abs().max())}
 
 
-def measure(family: str, layers: int, work: Path) -> dict[str, dict[str, float]]:
+def packed_diff(model: Transformer, reference, tokens: torch.Tensor) -> dict[str, float]:
+    """Packed documents (document masking on) against the reference run on each document alone."""
+    lengths = [50, 7, 1, 70]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+    packed = model(tokens[:1], document_ids=document_ids)[0]
+    pieces, start = [], 0
+    for n in lengths:
+        pieces.append(reference(tokens[:1, start:start + n]).logits[0])
+        start += n
+    return diff(packed, torch.cat(pieces))
+
+
+def export_diff(model: Transformer, cfg, directory: Path, tokens: torch.Tensor,
+                want: torch.Tensor) -> dict[str, dict[str, float]]:
+    """The trained model exported and reloaded by transformers against itself, and how far training moved it."""
     from transformers import AutoModelForCausalLM
+
+    exported = save_hf(model, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None)), directory)
+    reloaded = AutoModelForCausalLM.from_pretrained(exported).float().eval()
+    with torch.no_grad():
+        trained = model(tokens)
+        return {"export after 3 steps": diff(reloaded(tokens).logits, trained),
+                "(3 steps moved the logits by)": diff(trained, want)}
+
+
+def report(results: dict, label: str, width: int, path: Path, layers: int) -> None:
+    """The table on stdout and the JSON at `path`."""
+    print(f"{label:<{width}} {'path':<36} {'max |diff|':>11} {'max |diff| / max |logit|':>25}")
+    for name, paths in results.items():
+        for kind, numbers in paths.items():
+            print(f"{name:<{width}} {kind:<36} {numbers['max_abs']:>11.2e} {numbers['max_rel']:>25.2e}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"layers": layers, "results": results}, indent=2) + "\n")
+
+
+def measure(family: str, layers: int, work: Path) -> dict[str, dict[str, float]]:
 
     reference = hf_model(family, layers)
     directory = work / family
@@ -102,14 +136,7 @@ def measure(family: str, layers: int, work: Path) -> dict[str, dict[str, float]]
         interleaved = Transformer(dataclasses.replace(cfg.model, rope_layout="interleaved"))
         load_hf_weights(interleaved, directory)
         out["import (interleaved layout)"] = diff(interleaved(tokens), want)
-        lengths = [50, 7, 1, 70]
-        document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
-        packed = model(tokens[:1], document_ids=document_ids)[0]
-        pieces, start = [], 0
-        for n in lengths:
-            pieces.append(reference(tokens[:1, start:start + n]).logits[0])
-            start += n
-        out["packed documents vs per-document"] = diff(packed, torch.cat(pieces))
+        out["packed documents vs per-document"] = packed_diff(model, reference, tokens)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(3):
         batch = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(10 + step))
@@ -118,14 +145,7 @@ def measure(family: str, layers: int, work: Path) -> dict[str, dict[str, float]]
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    exported = save_hf(model, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None)),
-                       work / f"{family}-export")
-    reloaded = AutoModelForCausalLM.from_pretrained(exported).float().eval()
-    with torch.no_grad():
-        trained = model(tokens)
-        out["export after 3 steps"] = diff(reloaded(tokens).logits, trained)
-        out["(3 steps moved the logits by)"] = diff(trained, want)
-    return out
+    return {**out, **export_diff(model, cfg, work / f"{family}-export", tokens, want)}
 
 
 def main() -> int:
@@ -136,13 +156,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for family in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss"):
             results[family] = measure(family, int(layers or 2), Path(tmp))
-    print(f"{'family':<10} {'path':<36} {'max |diff|':>11} {'max |diff| / max |logit|':>25}")
-    for family, paths in results.items():
-        for path, numbers in paths.items():
-            print(f"{family:<10} {path:<36} {numbers['max_abs']:>11.2e} {numbers['max_rel']:>25.2e}")
-    path = Path(json_path or "benchmarks/results/hf_parity.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"layers": int(layers or 2), "results": results}, indent=2) + "\n")
+    report(results, "family", 10, Path(json_path or "benchmarks/results/hf_parity.json"), int(layers or 2))
     return 0
 
 

@@ -17,19 +17,16 @@ Numbers: max |diff| and max |diff| / max |logit| (the measure of benchmarks/pari
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchmarks.parity.hf_parity import SPECIAL, diff
+from benchmarks.parity.hf_parity import SPECIAL, diff, export_diff, packed_diff, report
 
 from moetrain.args import take_option
 from moetrain.data.tokenizer import write_byte_level_tokenizer
-from moetrain.interop import save_hf
 from moetrain.train.build import load_hf_model
 
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 128,
@@ -73,7 +70,6 @@ def hf_model(family: str, layers: int, overrides: dict):
 
 
 def measure(variant: str, layers: int, work: Path) -> dict[str, dict[str, float]]:
-    from transformers import AutoModelForCausalLM
 
     family, overrides = VARIANTS[variant]
     reference = hf_model(family, layers, overrides)
@@ -86,14 +82,7 @@ def measure(variant: str, layers: int, work: Path) -> dict[str, dict[str, float]
     with torch.no_grad():
         want = reference(tokens).logits
         out[f"import ({cfg.model.rope_layout} layout)"] = diff(model(tokens), want)
-        lengths = [50, 7, 1, 70]
-        document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
-        packed = model(tokens[:1], document_ids=document_ids)[0]
-        pieces, start = [], 0
-        for n in lengths:
-            pieces.append(reference(tokens[:1, start:start + n]).logits[0])
-            start += n
-        out["packed documents vs per-document"] = diff(packed, torch.cat(pieces))
+        out["packed documents vs per-document"] = packed_diff(model, reference, tokens)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     for step in range(3):
@@ -104,14 +93,7 @@ def measure(variant: str, layers: int, work: Path) -> dict[str, dict[str, float]
         optimizer.step()
         model.update_expert_bias()
     model.eval()
-    exported = save_hf(model, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=None)),
-                       work / f"{directory.name}-export")
-    reloaded = AutoModelForCausalLM.from_pretrained(exported).float().eval()
-    with torch.no_grad():
-        trained = model(tokens)
-        out["export after 3 steps"] = diff(reloaded(tokens).logits, trained)
-        out["(3 steps moved the logits by)"] = diff(trained, want)
-    return out
+    return {**out, **export_diff(model, cfg, work / f"{directory.name}-export", tokens, want)}
 
 
 def main() -> int:
@@ -122,13 +104,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for variant in VARIANTS:
             results[variant] = measure(variant, int(layers or 3), Path(tmp))
-    print(f"{'variant':<30} {'path':<36} {'max |diff|':>11} {'max |diff| / max |logit|':>25}")
-    for variant, paths in results.items():
-        for path, numbers in paths.items():
-            print(f"{variant:<30} {path:<36} {numbers['max_abs']:>11.2e} {numbers['max_rel']:>25.2e}")
-    path = Path(json_path or "benchmarks/results/hf_parity_deepseek_glm.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"layers": int(layers or 3), "results": results}, indent=2) + "\n")
+    report(results, "variant", 30, Path(json_path or "benchmarks/results/hf_parity_deepseek_glm.json"),
+           int(layers or 3))
     return 0
 
 

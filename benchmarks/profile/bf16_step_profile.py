@@ -54,7 +54,7 @@ def kind_of(name: str) -> str:
 
 
 def issue_shape_trainer(dtype: str, threads: int, overrides: list[str] | None = None) -> Trainer:
-    """The Trainer `moetrain bench train` builds for qwen3_moe_debug at the issue's shape (bf16_mfu_ab.ARGS)."""
+    """The Trainer `moetrain bench train` builds for qwen3_moe_debug at the issue's shape (`issue_shape.ARGS`)."""
     argv = [*ARGS, "--train.num_threads", str(threads), "--parallel.param_dtype", dtype, *(overrides or [])]
     cfg = parse_job_args(argv, prog="issue-shape trainer")
     data = load_training_data(cfg)
