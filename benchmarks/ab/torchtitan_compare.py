@@ -77,8 +77,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.ab import runner
-from benchmarks.ab.torchtitan_sides import BATCH, MARKER, THREADS, VOCAB
-from benchmarks.issue_shape import SEQ
+from benchmarks.ab.torchtitan_sides import MARKER, THREADS
+from benchmarks.issue_shape import BATCH, SEQ, VOCAB
 
 SIDES = Path(__file__).resolve().with_name("torchtitan_sides.py")
 
