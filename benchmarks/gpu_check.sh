@@ -7,13 +7,15 @@
 #   1. the CUDA-marked tests (pytest -m cuda; a skipped or missing test counts as a failure)
 #   2. moetrain bench moe in bf16 on the GPU (expert implementations side by side)
 #   3. moetrain bench train on configs/qwen3_moe_debug.toml, flex attention, bf16 (tokens/s, MFU, memory)
-#   4. bf16 import parity against transformers (benchmarks/hf_parity_bf16.py)
+#   4. bf16 import parity against transformers (benchmarks/parity/hf_parity_bf16.py)
 # A step that fails is reported and the others still run; the script exits 1 when any failed,
 # printing FAILED in the table and the tail of that step's log. Run it from the repository root
 # with the project's environment (.venv, or PYTHON=... / MOETRAIN=...).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
+# The benchmark scripts import each other as the `benchmarks` package (benchmarks/parity/...).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${1:-benchmarks/results/gpu_check}"
 PYTHON="${PYTHON:-.venv/bin/python}"
 MOETRAIN="${MOETRAIN:-.venv/bin/moetrain}"
@@ -68,7 +70,7 @@ run_step bench_train_flex_bf16 150 "$MOETRAIN" bench train --config configs/qwen
     --model.attention flex --parallel.param_dtype bfloat16 --parallel.device "$DEVICE" \
     --steps 20 --json "$OUT/bench_train_flex_bf16.json"
 
-run_step hf_parity_bf16 90 "$PYTHON" benchmarks/hf_parity_bf16.py --device "$DEVICE" --json "$OUT/hf_parity_bf16.json"
+run_step hf_parity_bf16 90 "$PYTHON" benchmarks/parity/hf_parity_bf16.py --device "$DEVICE" --json "$OUT/hf_parity_bf16.json"
 
 # One table: step, status, seconds, and the headline numbers of each step's JSON (whatever scalars it holds).
 echo

@@ -27,7 +27,7 @@ Resumable: a run whose metrics.jsonl holds a "final" record is not run again; th
 figures are rebuilt from whatever runs have finished, so a partial grid still gives a table.
 
     PYTHONPATH=src .venv/bin/python benchmarks/quality/grid.py --steps 300 --jobs 2
-    PYTHONPATH=src .venv/bin/python benchmarks/quality/grid.py --quick --out /tmp/quality_quick
+    PYTHONPATH=src .venv/bin/python benchmarks/quality/grid.py --quick --out quality_quick
 
 Benchmark only: nothing here asserts a number. `--quick` runs a few rows for a handful of steps on a
 shrunken sequence length, to check that the pipeline produces its outputs.

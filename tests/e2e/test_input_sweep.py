@@ -1,4 +1,4 @@
-"""The input sweep (benchmarks/input_sweep.py) over the commands that do not train: no case ends in a traceback.
+"""The input sweep (benchmarks/stress/input_sweep.py) over the commands that do not train: no case ends in a traceback.
 
 The whole sweep (train included, ~400 cases) is the benchmark script; here the commands whose cases
 take milliseconds to a second each: sample, plot, export-hf, data prepare, simulate, init-report.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "input_sweep.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "stress" / "input_sweep.py"
 FAST = ("sample", "plot", "export-hf", "data ", "simulate", "init-report", "unknown", "bench")
 
 
