@@ -27,7 +27,7 @@ from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
 from moetrain.interop import hf_job_config, load_hf_weights
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.mesh import build_mesh
+from moetrain.parallel.mesh import JobMesh, MeshDims
 from moetrain.runtime.run_dir import RunDir
 from moetrain.testing import run_on_ranks
 from moetrain.train.checkpoint import Checkpointer
@@ -37,7 +37,7 @@ from moetrain.train.trainer import Trainer
 
 def worker(cfg: JobConfig, tokens: torch.Tensor) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(cfg, load_training_data(cfg), build_mesh(cfg.parallel, world, "cpu"), torch.device("cpu"))
+    trainer = Trainer(cfg, load_training_data(cfg), JobMesh.build(MeshDims.from_config(cfg.parallel, world), "cpu"))
     sharded = [name for name, p in trainer.model.named_parameters()
                if isinstance(p, DTensor) and p.to_local().shape != p.shape]
     weights = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone().numpy()
