@@ -72,11 +72,15 @@ class MeshDims:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     def root_layout(self) -> tuple[tuple[str, int], ...]:
-        """(name, size) of the root mesh's dimensions, outermost first; pp, cp and tp only when used."""
-        shard = (("dp_shard", self.dp_shard),) if self.ep == 1 else \
-            ((EXPERT_DIM_NAMES[0], self.dp_shard // self.ep), (EXPERT_DIM_NAMES[1], self.ep))
-        return (*((("pp", self.pp),) if self.pp > 1 else ()), ("dp_replicate", self.dp_replicate), *shard,
-                *((("cp", self.cp),) if self.cp > 1 else ()), *((("tp", self.tp),) if self.tp > 1 else ()))
+        """(name, size) of the root mesh's dimensions, outermost first.
+
+        dp_replicate and the shard dimensions are always there (a plain job's mesh is 2-D);
+        pp, cp and tp only when used, so the meshes and groups of today's jobs stay as they are.
+        """
+        efsdp, ep = EXPERT_DIM_NAMES
+        shard = [("dp_shard", self.dp_shard)] if self.ep == 1 else [(efsdp, self.dp_shard // self.ep), (ep, self.ep)]
+        layout = [("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("cp", self.cp), ("tp", self.tp)]
+        return tuple((name, size) for name, size in layout if size > 1 or name not in ("pp", "cp", "tp"))
 
 
 @dataclass(frozen=True)
