@@ -141,9 +141,9 @@ class JobMesh:
             # The same ranks and order as without EP (s = efsdp * ep + e), so non-expert parameters,
             # the data loader and the sync policies see no difference.
             data = DeviceMesh._concatenate([root["dp_replicate"], root[EXPERT_DIM_NAMES]._flatten("dp_shard")])
-            efsdp = EXPERT_DIM_NAMES[0]
-            experts = ExpertMeshes(ep=root[EXPERT_DIM_NAMES[1]],
-                                   fsdp=root["dp_replicate", efsdp] if dims.dp_replicate > 1 else root[efsdp])
+            efsdp, ep = EXPERT_DIM_NAMES
+            replicated = dims.dp_replicate > 1  # expert weights are replicated like the rest
+            experts = ExpertMeshes(ep=root[ep], fsdp=root["dp_replicate", efsdp] if replicated else root[efsdp])
         return cls(dims, dist.get_rank(), device, root, data=data,
                    fsdp=data if dims.dp_replicate > 1 else data["dp_shard"], experts=experts,
                    pipeline=root["pp"] if "pp" in names else None, context=root["cp"] if "cp" in names else None,

@@ -123,7 +123,7 @@ class Trainer:
         self.cfg = cfg
         self.data = data
         self.job = job
-        self.device = device = job.device
+        self.device = job.device
         self.rank, self.world = job.rank, job.world
         self.eval_tasks = read_choice_tasks(cfg.train.eval_tasks)  # checked before anything is built
         self.policy = resolve_sync_policy(cfg.parallel, job.dims, cfg.train.grad_accum)
@@ -137,13 +137,13 @@ class Trainer:
         self.loader = DataLoader(batching, seed=cfg.train.seed, dp_rank=job.data_rank, dp_world=job.data_world,
                                  microbatches_per_rank=cfg.train.grad_accum)
         self.step_input_tokens = 0  # all ranks' input tokens in the last step (varies under token budgets)
-        self.token_bytes = data.token_bytes.to(device)
+        self.token_bytes = data.token_bytes.to(self.device)
         self.params = count_params(cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.step = 0
         self.skipped_steps = 0
         self.tokens_seen = 0
-        self.memory = PeakMemory(device)  # the first record's peak includes building the model
+        self.memory = PeakMemory(self.device)  # the first record's peak includes building the model
         self._peak_flops: float | None = None
 
     @property
