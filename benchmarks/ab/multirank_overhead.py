@@ -116,7 +116,8 @@ def worker(argv: list[str]) -> None:
 
     from moetrain.config import parse_job_args
     from moetrain.data.dataset import load_training_data
-    from moetrain.parallel.mesh import build_mesh, init_distributed
+    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.process_group import init_distributed
     from moetrain.runtime.allocator import reuse_freed_host_memory
     from moetrain.runtime.threads import set_intra_op_threads
     from moetrain.train.trainer import Trainer
@@ -127,8 +128,8 @@ def worker(argv: list[str]) -> None:
     set_intra_op_threads(cfg.train.num_threads)
     rank, world, device = init_distributed(cfg.parallel)
     reuse_freed_host_memory(world)
-    mesh = build_mesh(cfg.parallel, world, device.type)
-    trainer = Trainer(cfg, data, mesh, device)
+    mesh = JobMesh.build(MeshDims.from_config(cfg.parallel, world), device)
+    trainer = Trainer(cfg, data, mesh)
     for _ in range(warmup):
         trainer.train_step()
     timed = []

@@ -51,7 +51,8 @@ def worker(argv: list[str]) -> None:
 
     from moetrain.config import parse_job_args
     from moetrain.data.dataset import load_training_data
-    from moetrain.parallel.mesh import build_mesh, init_distributed
+    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.process_group import init_distributed
     from moetrain.train.trainer import Trainer
 
     steps, warmup = int(argv[0]), int(argv[1])
@@ -64,8 +65,8 @@ def worker(argv: list[str]) -> None:
         reuse_freed_host_memory(world)
     except ImportError:
         pass
-    mesh = build_mesh(cfg.parallel, world, device.type)
-    trainer = Trainer(cfg, data, mesh, device)
+    mesh = JobMesh.build(MeshDims.from_config(cfg.parallel, world), device)
+    trainer = Trainer(cfg, data, mesh)
     results = [trainer.train_step() for _ in range(warmup + steps)][warmup:]
     mine = {"step_s": [r.step_s for r in results], "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     every = [None] * world

@@ -28,6 +28,7 @@ from moetrain.data.batching import build_batching
 from moetrain.data.dataset import load_training_data
 from moetrain.data.loader import DataLoader
 from moetrain.observe.metrics import expert_health
+from moetrain.parallel.mesh import JobMesh, MeshDims
 from moetrain.train.build import build_for_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(args.config)
         cfg.train.seed = seed
         torch.manual_seed(seed)
-        model = build_for_job(cfg, None, "cpu").eval()
+        model = build_for_job(cfg, JobMesh.build(MeshDims(), "cpu")).eval()
         batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, seed)
         (first,) = DataLoader(batching, seed=seed).next_microbatches()
         gen = torch.Generator().manual_seed(seed)

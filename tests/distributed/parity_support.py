@@ -177,7 +177,8 @@ def grid_worker(state, batches: Batch, cases: list[tuple[tuple[int, int], str, s
     import torch.distributed as dist
 
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import build_mesh, init_distributed
+    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.process_group import init_distributed
 
     rank, world, device = init_distributed(ParallelConfig())
     meshes = {}
@@ -185,12 +186,12 @@ def grid_worker(state, batches: Batch, cases: list[tuple[tuple[int, int], str, s
     for shape, policy_name, precision in cases:
         pcfg = parallel_cfg(shape, policy_name, precision)
         if shape not in meshes:
-            meshes[shape] = build_mesh(pcfg, world, device.type)
+            meshes[shape] = JobMesh.build(MeshDims.from_config(pcfg, world), device)
         mesh = meshes[shape]
         model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
         load_full_state(model, state)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        policy = resolve_sync_policy(pcfg, mesh, N_MICRO)
+        policy = resolve_sync_policy(pcfg, mesh.dims, N_MICRO)
         grads0 = {}
         for step in range(len(batches)):
             microbatches = batches[step][rank]
@@ -269,15 +270,16 @@ def token_budget_hsdp_worker(state, batching, statistic, micro: int, steps: int)
     import torch.distributed as dist
 
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import build_mesh, init_distributed
+    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.process_group import init_distributed
 
     pcfg = parallel_cfg((2, 2), "delayed_all_reduce", "fp32")
     rank, world, device = init_distributed(pcfg)
-    mesh = build_mesh(pcfg, world, device.type)
+    mesh = JobMesh.build(MeshDims.from_config(pcfg, world), device)
     model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
     load_full_state(model, state)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    policy = resolve_sync_policy(pcfg, mesh, micro)
+    policy = resolve_sync_policy(pcfg, mesh.dims, micro)
     loader = DataLoader(batching(), seed=5, dp_rank=rank, dp_world=world, microbatches_per_rank=micro)
     grads0, lengths = {}, []
     for step in range(steps):

@@ -82,14 +82,14 @@ class _DivisionsByOne(TorchDispatchMode):
 
 def _model_case(state, batches, shape, ep, policy_name, rank, world, device, model_cfg=MODEL_CFG) -> dict:
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import build_mesh
+    from moetrain.parallel.mesh import JobMesh, MeshDims
 
     pcfg = ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1], ep=ep, sync_policy=policy_name)
-    mesh = build_mesh(pcfg, world, device.type)
+    mesh = JobMesh.build(MeshDims.from_config(pcfg, world), device)
     model = build_model(model_cfg, pcfg, mesh, device, weights="none")
     load_full_state(model, state)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    policy = resolve_sync_policy(pcfg, mesh, N_MICRO)
+    policy = resolve_sync_policy(pcfg, mesh.dims, N_MICRO)
     # Count the replicate-dim all-reduces FSDP issues in each microbatch's backward.
     all_reduces = []
     original_all_reduce = dist.all_reduce
@@ -200,12 +200,12 @@ class _Fp32GradW1:
 def _guard_case(state, batches, guard: bool, rank, world, device) -> tuple[str | None, dict | None]:
     """EP=2 x 2 FSDP, bf16 parameters and fp32 reduce, 3 microbatches: (error or None, rank 0's gathered grads)."""
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import build_mesh
+    from moetrain.parallel.mesh import JobMesh, MeshDims
     from moetrain.parallel.parallelize import apply_ep
     from moetrain.parallel.shard import apply_fsdp
 
     pcfg = ParallelConfig(ep=2, param_dtype="bfloat16", reduce_dtype="float32")
-    mesh = build_mesh(pcfg, world, device.type)
+    mesh = JobMesh.build(MeshDims.from_config(pcfg, world), device)
     with torch.device("meta"):
         model = Transformer(MODEL_CFG)
     apply_ep(model, mesh, 2)
@@ -217,7 +217,7 @@ def _guard_case(state, batches, guard: bool, rank, world, device) -> tuple[str |
     microbatches = batches[0][rank]
     global_tokens = count_global_tokens(sum(_valid(t) for _, t in microbatches))
     try:
-        for (tokens, targets), _ in accumulation(model, microbatches, resolve_sync_policy(pcfg, mesh, N_MICRO)):
+        for (tokens, targets), _ in accumulation(model, microbatches, resolve_sync_policy(pcfg, mesh.dims, N_MICRO)):
             loss_sum, n_valid = token_loss_sum(model(tokens), targets)
             microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss()).backward()
     except (AssertionError, RuntimeError) as err:
@@ -267,13 +267,13 @@ def _moe_loss(moe: MoE, out: torch.Tensor, cotangent: torch.Tensor) -> torch.Ten
 def _moe_case(ep: int, top_k: int, rank: int, world: int) -> dict:
     from moetrain.parallel.collectives import all_reduce_sum
     from moetrain.parallel.expert_parallel import apply_expert_parallel
-    from moetrain.parallel.mesh import build_mesh, expert_meshes
+    from moetrain.parallel.mesh import JobMesh, MeshDims
 
     cfg, state = _moe_state(top_k)
     moe = MoE(MOE_DIM, cfg)
     moe.load_state_dict(state, strict=False)
-    mesh = build_mesh(ParallelConfig(ep=ep), world, "cpu")
-    ep_mesh = expert_meshes(mesh).ep
+    mesh = JobMesh.build(MeshDims.from_config(ParallelConfig(ep=ep), world), "cpu")
+    ep_mesh = mesh.experts.ep
     stats = apply_expert_parallel(moe, ep_mesh)
     x, cotangent = _moe_inputs(top_k)[rank]
     x = x.clone().requires_grad_()
@@ -318,7 +318,7 @@ def _moe_reference(top_k: int) -> dict:
 # ---- the worker -----------------------------------------------------------------------------------
 
 def _worker(state, batches, run_dir: str, corpus: str) -> dict:
-    from moetrain.parallel.mesh import init_distributed
+    from moetrain.parallel.process_group import init_distributed
 
     rank, world, device = init_distributed(ParallelConfig())
     result: dict = {"model": {}, "moe": {}}

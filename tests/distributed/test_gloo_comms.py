@@ -94,16 +94,15 @@ class _TwoLayers(nn.Module):
 
 
 def _installed_worker():
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
     from moetrain.config import ParallelConfig
     from moetrain.parallel.gloo_comms import BroadcastAllGather, PointToPointReduceScatter
+    from moetrain.parallel.mesh import JobMesh, MeshDims
     from moetrain.parallel.shard import apply_fsdp
 
     model = _TwoLayers()
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    apply_fsdp(model, mesh, ParallelConfig(dp_shard=2))
+    apply_fsdp(model, JobMesh.build(MeshDims(dp_shard=2), "cpu"), ParallelConfig(dp_shard=2))
     kinds = []
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -151,7 +151,8 @@ def _dtype_worker(cases):
     from parity_support import load_full_state
 
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import build_mesh, init_distributed
+    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.process_group import init_distributed
     from moetrain.parallel.shard import apply_fsdp
 
     rank, world, device = init_distributed(ParallelConfig())
@@ -163,13 +164,13 @@ def _dtype_worker(cases):
         pcfg = ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1], sync_policy=policy_name,
                               param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         if shape not in meshes:
-            meshes[shape] = build_mesh(pcfg, world, device.type)
+            meshes[shape] = JobMesh.build(MeshDims.from_config(pcfg, world), device)
         with torch.device("meta"):
             model = ToyModel(scenario)
         apply_fsdp(model, meshes[shape], pcfg, gradient_guard=guard)
         model.to_empty(device=device)
         load_full_state(model, _state(scenario))
-        policy = resolve_sync_policy(pcfg, meshes[shape], N_MICRO)
+        policy = resolve_sync_policy(pcfg, meshes[shape].dims, N_MICRO)
         global_tokens = count_global_tokens(sum(int((t != IGNORE_INDEX).sum()) for _, t in batches[rank]))
         try:
             _run_microbatches(model, batches[rank], global_tokens, scenario,

@@ -26,7 +26,7 @@ from parity_support import (
 from moetrain.config import ParallelConfig
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.errors import ConfigError
-from moetrain.parallel.mesh import build_mesh
+from moetrain.parallel.mesh import JobMesh, MeshDims
 from moetrain.testing import run_on_ranks
 from moetrain.train.build import build_model
 
@@ -40,7 +40,7 @@ def valid_targets(targets: torch.Tensor) -> int:
 def _sharded_model(shape, device, pcfg=None, state=None):
 
     pcfg = pcfg or ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1])
-    mesh = build_mesh(pcfg, torch.distributed.get_world_size(), device.type)
+    mesh = JobMesh.build(MeshDims.from_config(pcfg, torch.distributed.get_world_size()), device)
     model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
     load_full_state(model, state if state is not None else initial_state(0))
     return model, mesh, pcfg
@@ -68,7 +68,7 @@ def _worker():
         count_global_tokens,
         resolve_sync_policy,
     )
-    from moetrain.parallel.mesh import init_distributed
+    from moetrain.parallel.process_group import init_distributed
     from moetrain.train.loss import microbatch_loss, token_loss_sum
 
     rank, world, device = init_distributed(ParallelConfig())
@@ -79,7 +79,7 @@ def _worker():
     for shape in [*SHAPES, (2, -1)]:
         model, mesh, _ = _sharded_model(shape, device, ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1]))
         weight = model.layers[0].attention.wq.weight
-        out["layout"][shape] = (tuple(mesh.shape), tuple(weight.device_mesh.shape),
+        out["layout"][shape] = (tuple(mesh.data.shape), tuple(weight.device_mesh.shape),
                                 tuple(repr(p) for p in weight.placements), tuple(weight.to_local().shape))
         assert weight.placements[-1] == Shard(0) and all(p == Replicate() for p in weight.placements[:-1])
 
@@ -110,14 +110,14 @@ def _worker():
     out["clip"] = {}
     for shape in SHAPES:
         model, mesh, pcfg = _sharded_model(shape, device)
-        _step_grads(model, batches[0][rank], resolve_sync_policy(pcfg, mesh, 3))
+        _step_grads(model, batches[0][rank], resolve_sync_policy(pcfg, mesh.dims, 3))
         norm = float(clip_grad_norm_(model, max_norm=0.05))
         clipped = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
         out["clip"][shape] = (norm, clipped if rank == 0 else None)
 
     # HSDP 2x2: a few AdamW steps under the auto policy (delayed all-reduce); replicas agree.
     model, mesh, pcfg = _sharded_model((2, 2), device)
-    policy = resolve_sync_policy(pcfg, mesh, grad_accum=3)
+    policy = resolve_sync_policy(pcfg, mesh.dims, grad_accum=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     fixed = batches[0][rank]
     losses = []
@@ -200,7 +200,7 @@ def test_hsdp_2x2_training_steps(ranks):
 @pytest.mark.parametrize("replicate,shard,world", [(3, -1, 4), (2, 3, 4), (1, 3, 4), (4, 2, 4)])
 def test_mesh_that_does_not_fit_the_world_is_a_one_line_config_error(replicate, shard, world):
     with pytest.raises(ConfigError) as err:
-        build_mesh(ParallelConfig(dp_replicate=replicate, dp_shard=shard), world, "cpu")
+        JobMesh.build(MeshDims.from_config(ParallelConfig(dp_replicate=replicate, dp_shard=shard), world), "cpu")
     message = str(err.value)
     assert "\n" not in message and f"world size {world}" in message
 
@@ -209,7 +209,8 @@ _SINGLE_PROCESS = textwrap.dedent("""
     import json, torch
     import torch.distributed as dist
     from moetrain.config import ParallelConfig
-    from moetrain.parallel.mesh import init_distributed, build_mesh
+    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.process_group import init_distributed
     from moetrain.parallel.shard import apply_fsdp
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy, clip_grad_norm_
     from moetrain.train.loss import token_loss_sum, microbatch_loss
@@ -218,7 +219,7 @@ _SINGLE_PROCESS = textwrap.dedent("""
 
     pcfg = ParallelConfig()
     rank, world, device = init_distributed(pcfg)
-    mesh = build_mesh(pcfg, world, device.type)
+    mesh = JobMesh.build(MeshDims.from_config(pcfg, world), device)
     # FSDP on a one-rank group on purpose (the builder leaves one rank unwrapped): DTensor gradients.
     with torch.device("meta"):
         model = Transformer(MODEL_CFG)
@@ -229,7 +230,7 @@ _SINGLE_PROCESS = textwrap.dedent("""
     plain.load_state_dict(initial_state(0))
     mbs = make_batches(0, world=1, n_steps=1)[0][0]
     n = count_global_tokens(sum(int((t != -100).sum()) for _, t in mbs))
-    for (tok, tgt), _ in accumulation(model, mbs, resolve_sync_policy(pcfg, mesh, len(mbs))):
+    for (tok, tgt), _ in accumulation(model, mbs, resolve_sync_policy(pcfg, mesh.dims, len(mbs))):
         s, v = token_loss_sum(model(tok), tgt)
         microbatch_loss(s, v, n, model.aux_loss()).backward()
     for tok, tgt in mbs:
@@ -238,7 +239,7 @@ _SINGLE_PROCESS = textwrap.dedent("""
     ref = dict(plain.named_parameters())
     err = max(float((p.grad.full_tensor() - ref[k].grad).abs().max() / ref[k].grad.abs().max())
               for k, p in model.named_parameters())
-    print(json.dumps({"rank": rank, "world": world, "backend": dist.get_backend(), "mesh": list(mesh.shape),
+    print(json.dumps({"rank": rank, "world": world, "backend": dist.get_backend(), "mesh": list(mesh.data.shape),
                       "tokens": n, "grad_err": err, "norm": float(clip_grad_norm_(model, 1e9))}))
 """)
 
@@ -258,7 +259,7 @@ def test_single_process_without_launcher_env():
 
 
 def test_backend_follows_the_device_and_nccl_on_cpu_is_rejected():
-    from moetrain.parallel.mesh import _backend_for, _device_type
+    from moetrain.parallel.process_group import _backend_for, _device_type
 
     assert _backend_for("cpu", ParallelConfig()) == "gloo"
     assert _backend_for("cuda", ParallelConfig()) == "nccl"

@@ -5,6 +5,7 @@ import pytest
 from moetrain.config import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.grad_sync import SYNC_POLICIES, SyncFlags, accumulation, resolve_sync_policy
+from moetrain.parallel.mesh import MeshDims
 
 
 class _Plain:
@@ -12,16 +13,6 @@ class _Plain:
 
     def modules(self):
         return iter(())
-
-
-class _Mesh:
-    """Only what resolve_sync_policy reads from a DeviceMesh: its two dim sizes."""
-
-    def __init__(self, replicate: int, shard: int):
-        self.sizes = (replicate, shard)
-
-    def size(self, dim: int) -> int:
-        return self.sizes[dim]
 
 
 def test_table_flags_per_position():
@@ -42,21 +33,21 @@ def test_table_flags_per_position():
     ((4, 1), 2, "delayed_all_reduce"),   # pure replication with accumulation
     ((2, 2), 1, "every_microbatch"),     # nothing to delay
     ((1, 4), 8, "every_microbatch"),     # FSDP: no replicate all-reduce to delay
-    (None, 8, "every_microbatch"),       # unsharded single process
+    ((1, 1), 8, "every_microbatch"),     # unsharded single process
 ])
 def test_auto_resolution(shape, accum, expected):
-    mesh = _Mesh(*shape) if shape else None
-    assert resolve_sync_policy(ParallelConfig(sync_policy="auto"), mesh, accum).name == expected
+    dims = MeshDims(dp_replicate=shape[0], dp_shard=shape[1])
+    assert resolve_sync_policy(ParallelConfig(sync_policy="auto"), dims, accum).name == expected
 
 
 @pytest.mark.parametrize("name", sorted(SYNC_POLICIES))
 def test_explicit_policy_is_kept(name):
-    assert resolve_sync_policy(ParallelConfig(sync_policy=name), _Mesh(2, 2), 4).name == name
+    assert resolve_sync_policy(ParallelConfig(sync_policy=name), MeshDims(dp_replicate=2, dp_shard=2), 4).name == name
 
 
 def test_unknown_policy_is_a_one_line_config_error():
     with pytest.raises(ConfigError, match="parallel.sync_policy = 'sometimes'") as err:
-        resolve_sync_policy(ParallelConfig(sync_policy="sometimes"), None, 2)  # type: ignore[arg-type]
+        resolve_sync_policy(ParallelConfig(sync_policy="sometimes"), MeshDims(), 2)  # type: ignore[arg-type]
     assert "\n" not in str(err.value)
 
 

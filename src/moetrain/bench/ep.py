@@ -1,7 +1,7 @@
 """`moetrain bench ep`: FSDP-only against expert parallelism on spawned gloo ranks, same model and global batch.
 
 Modes are expert-parallel degrees (`--eps 1 2 4`; 1 = FSDP-only), all on the 1-D data-parallel
-mesh of `--world` ranks, built by the project's own path (`mesh.build_mesh`, `build.build_for_job`:
+mesh of `--world` ranks, built by the project's own path (`mesh.JobMesh`, `build.build_for_job`:
 EP, FSDP, init). Every rank feeds the same synthetic token batches to every mode, so the global
 batch is identical.
 
@@ -48,7 +48,8 @@ from moetrain.errors import ConfigError
 from moetrain.parallel.collectives import all_gather_floats
 from moetrain.parallel.expert_parallel import all_to_all_stats, expert_parameters
 from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-from moetrain.parallel.mesh import build_mesh, expert_meshes, init_distributed
+from moetrain.parallel.mesh import JobMesh, MeshDims
+from moetrain.parallel.process_group import init_distributed
 from moetrain.testing import run_on_ranks
 from moetrain.train.build import build_for_job
 from moetrain.train.loss import microbatch_loss, token_loss_sum
@@ -175,14 +176,13 @@ def _timing_worker(opts: EpBenchOptions) -> dict[str, Any] | None:
     modes = {}
     for ep in opts.eps:
         job = _job(opts, ep)
-        mesh = build_mesh(job.parallel, world, device.type)
+        mesh = JobMesh.build(MeshDims.from_config(job.parallel, world), device)
         torch.manual_seed(job.train.seed)
-        model = build_for_job(job, mesh, device)
-        experts = expert_meshes(mesh)
+        model = build_for_job(job, mesh)
         modes[ep] = {
-            "model": model, "optimizer": build_optimizer(model, job.train),
-            "policy": resolve_sync_policy(job.parallel, mesh, opts.grad_accum), "a2a": all_to_all_stats(model),
-            "expert_group": None if experts is None else experts.fsdp.get_group(),
+            "model": model, "optimizer": build_optimizer(model, job.train), "mesh": mesh,
+            "policy": resolve_sync_policy(job.parallel, mesh.dims, opts.grad_accum), "a2a": all_to_all_stats(model),
+            "expert_group": None if mesh.experts is None else mesh.experts.fsdp.get_group(),
             "moe_block_gather": _gathered_bytes(model.moe_layers()[0].experts.parameters(), world),
             "moe_block_bytes": _gathered_bytes(next(b for b in model.layers if b.is_moe).parameters(), world),
         }
@@ -249,7 +249,7 @@ def _calibrate(opts: EpBenchOptions, modes: dict, rank: int, world: int) -> dict
     groups: dict[str, tuple] = {"world": (dist.group.WORLD, world)}
     a2a_groups: dict[str, tuple] = {}
     for ep in opts.eps[1:]:
-        meshes = expert_meshes(build_mesh(_job(opts, ep).parallel, world, "cpu"))
+        meshes = modes[ep]["mesh"].experts
         groups[f"efsdp{ep}"] = (meshes.fsdp.get_group(), meshes.fsdp.size())
         a2a_groups[f"ep{ep}"] = (meshes.ep.get_group(), ep)
     layout = _layout(opts, modes, world)
@@ -276,11 +276,11 @@ def _memory_worker(opts: EpBenchOptions, ep: int) -> dict[str, float]:
     rank, world, device = init_distributed(_job(opts, ep).parallel)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     job = _job(opts, ep)
-    mesh = build_mesh(job.parallel, world, device.type)
+    mesh = JobMesh.build(MeshDims.from_config(job.parallel, world), device)
     torch.manual_seed(job.train.seed)
-    model = build_for_job(job, mesh, device)
+    model = build_for_job(job, mesh)
     optimizer = build_optimizer(model, job.train)
-    policy = resolve_sync_policy(job.parallel, mesh, opts.grad_accum)
+    policy = resolve_sync_policy(job.parallel, mesh.dims, opts.grad_accum)
     for step in range(opts.memory_steps):
         _step(model, optimizer, policy, _batches(opts, job.model.vocab_size, step, rank))
         optimizer.step()

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from moetrain.args import take_option
 from moetrain.config import CommandOption, JobConfig, parse_job_args
@@ -34,8 +33,8 @@ from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
 from moetrain.logging import setup_logging
 from moetrain.observe.step_phases import PHASES
-from moetrain.parallel.collectives import all_gather_floats, barrier, distributed
-from moetrain.parallel.mesh import build_mesh, init_distributed
+from moetrain.parallel.collectives import all_gather_floats
+from moetrain.parallel.process_group import distributed_job
 from moetrain.runtime.allocator import reuse_freed_host_memory
 from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train.trainer import Trainer
@@ -69,10 +68,13 @@ def measure(cfg: JobConfig, steps: int, warmup: int) -> dict[str, Any]:
     """Build the Trainer for `cfg`, take `warmup` + `steps` steps; every rank returns the same summary."""
     data = load_training_data(cfg)
     set_intra_op_threads(cfg.train.num_threads)  # as `moetrain train` does
-    rank, world, device = init_distributed(cfg.parallel)
-    reuse_freed_host_memory(world)  # as `moetrain train` does
-    mesh = build_mesh(cfg.parallel, world, device.type)
-    trainer = Trainer(cfg, data, mesh, device)
+    with distributed_job(cfg.parallel) as job:
+        reuse_freed_host_memory(job.world)  # as `moetrain train` does
+        return _measure(Trainer(cfg, data, job), steps, warmup)
+
+
+def _measure(trainer: Trainer, steps: int, warmup: int) -> dict[str, Any]:
+    cfg, rank, world, device = trainer.cfg, trainer.rank, trainer.world, trainer.device
     timed = []
     for index in range(warmup + steps):
         result = trainer.train_step()
@@ -91,7 +93,8 @@ def measure(cfg: JobConfig, steps: int, warmup: int) -> dict[str, Any]:
     tokens_per_s = trainer.tokens_per_rank_step * world / step_s
     peak_per_rank = trainer.peak_flops_per_rank()
     return {
-        "rank": rank, "config": cfg.to_dict(), "world_size": world, "mesh": None if mesh is None else list(mesh.shape),
+        "rank": rank, "config": cfg.to_dict(), "world_size": world,
+        "mesh": None if trainer.job.data is None else list(trainer.job.data.shape),
         "device": str(device), "threads_per_rank": torch.get_num_threads(), "param_dtype": cfg.parallel.param_dtype,
         "steps": steps, "warmup": warmup, "tokens_per_step": trainer.tokens_per_rank_step * world,
         "step_s_median": step_s, "tokens_per_s": tokens_per_s, "phases_s_median": phase_s,
@@ -141,14 +144,7 @@ def main(argv: list[str]) -> int:
     warmup = _count(warmup_arg, "warmup", 2, 0)
     cfg = parse_job_args(argv, prog=PROG, description=" ".join(__doc__.split("\n\n")[1].split()), options=OPTIONS)
     setup_logging()
-    owns_process_group = not distributed()
-    try:
-        result = measure(cfg, steps, warmup)
-        if owns_process_group:
-            barrier()
-    finally:
-        if owns_process_group and distributed():
-            dist.destroy_process_group()
+    result = measure(cfg, steps, warmup)
     if result["rank"] != 0:
         return 0
     print(table(result), flush=True)

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import torch
-import torch.distributed as dist
 import tyro
 
 from moetrain.args import parse_typed_args
@@ -38,7 +37,7 @@ from moetrain.evaluate.harness import harness_model, import_lm_eval, task_config
 from moetrain.evaluate.tasks import read_task
 from moetrain.logging import get_logger
 from moetrain.observe.metrics import MetricsWriter
-from moetrain.parallel.mesh import init_distributed
+from moetrain.parallel.process_group import init_distributed, owned_process_group
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model, load_hf_model
 
@@ -170,9 +169,6 @@ def evaluate(args: EvalOptions) -> dict[str, Any] | None:
 
 def main(argv: list[str]) -> int:
     args = parse_typed_args(EvalOptions, argv, "moetrain eval")
-    try:
+    with owned_process_group():
         evaluate(args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0

@@ -26,8 +26,9 @@ from moetrain.checkpoint.storage import load_model_weights
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.interop import FAMILIES, check_output_dir, export_family, save_hf
-from moetrain.parallel.collectives import barrier, distributed
-from moetrain.parallel.mesh import build_mesh, init_distributed
+from moetrain.parallel.collectives import barrier
+from moetrain.parallel.mesh import JobMesh, MeshDims
+from moetrain.parallel.process_group import init_distributed, owned_process_group
 from moetrain.runtime.disk import no_space_left
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import build_model
@@ -68,17 +69,17 @@ def export(args: ExportOptions) -> Path:
     export_family(cfg.model)
     ref = checkpoint_ref(run_dir, args.step, args.run_dir)
     check_output_dir(args.out)
-    owns_process_group = not distributed()
-    try:
+    with owned_process_group():
         _, world, device = init_distributed(cfg.parallel)
         # Sharded parameters keep their own dtype whatever the compute policy: export them as stored.
         parallel = dataclasses.replace(cfg.parallel, param_dtype="float32", reduce_dtype="float32", output_dtype=None)
         try:
-            mesh = build_mesh(parallel, world, device.type)
+            dims = MeshDims.from_config(parallel, world)
         except ConfigError:  # the run's mesh does not fit this world: plain FSDP over all of it
             parallel = dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1, ep=1)
-            mesh = build_mesh(parallel, world, device.type)
-        model = build_model(cfg.model, parallel, mesh, device, weights="none")  # the weights: the checkpoint's
+            dims = MeshDims.from_config(parallel, world)
+        job = JobMesh.build(dims, device)
+        model = build_model(cfg.model, parallel, job, device, weights="none")  # the weights: the checkpoint's
         load_model_weights(ref, model)
         with no_space_left(args.out, "Hugging Face export"):
             out = save_hf(model, cfg, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)
@@ -86,9 +87,6 @@ def export(args: ExportOptions) -> Path:
             print(f"wrote {out} from {ref.path} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
         barrier()
         return out
-    finally:
-        if owns_process_group and distributed():
-            dist.destroy_process_group()
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """Expert parallelism (EP): each rank computes only its own experts; routed tokens travel by all-to-all.
 
 Layout (torchtitan's "dp2ep"): the EP group is `parallel.ep` consecutive ranks of the data-parallel
-shard dimension (`moetrain.parallel.mesh.expert_meshes`). `apply_expert_parallel` turns every MoE
+shard dimension (`moetrain.parallel.mesh.JobMesh.experts`). `apply_expert_parallel` turns every MoE
 layer's stacked expert weights `w1` [E, d, N] and `w2` [E, n, d] into DTensors sharded on dim 0 over
 the EP group, so EP rank r owns experts [r·E/ep, (r+1)·E/ep) whole, and FSDP later shards each rank's
 block over the ranks that hold the same experts (`moetrain.parallel.shard`). The global [E, ...]

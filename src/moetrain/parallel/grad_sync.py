@@ -21,13 +21,12 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from moetrain.config import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.collectives import all_reduce_int
-from moetrain.parallel.mesh import mesh_shape
+from moetrain.parallel.mesh import MeshDims
 from moetrain.parallel.shard import fsdp_modules
 
 Microbatch = TypeVar("Microbatch")
@@ -71,13 +70,12 @@ SYNC_POLICIES: dict[str, SyncPolicy] = {
 }
 
 
-def resolve_sync_policy(parallel: ParallelConfig, mesh: DeviceMesh | None, grad_accum: int) -> SyncPolicy:
+def resolve_sync_policy(parallel: ParallelConfig, dims: MeshDims, grad_accum: int) -> SyncPolicy:
     """The configured policy; "auto" = delayed_all_reduce when gradients are replicated
     (dp_replicate > 1: HSDP or pure replication) and accumulated, else every_microbatch."""
     name = parallel.sync_policy
     if name == "auto":
-        replicate, _ = mesh_shape(mesh)
-        name = "delayed_all_reduce" if replicate > 1 and grad_accum > 1 else "every_microbatch"
+        name = "delayed_all_reduce" if dims.dp_replicate > 1 and grad_accum > 1 else "every_microbatch"
     if name not in SYNC_POLICIES:
         raise ConfigError(f"parallel.sync_policy = {name!r} is invalid: use auto or one of {sorted(SYNC_POLICIES)}")
     return SYNC_POLICIES[name]

@@ -1,135 +1,91 @@
-"""Process group and device mesh from the parallel config.
+"""The job's device mesh: every parallel dimension named once, and the sub-mesh each consumer needs.
 
-`init_distributed` joins (or reuses) the process group: under `torchrun` it reads the
-standard environment variables, under the test harness it finds the group already
-initialised, and a plain single process gets a private one-rank group backed by an
-in-memory store (no port, no network), so every later step runs one code path.
-`build_mesh` turns `dp_replicate x dp_shard` into a 2-D DeviceMesh with dims
-("dp_replicate", "dp_shard"). This module picks devices and backends; it must not
-touch models or gradients.
+`MeshDims` holds the degrees of the six dimensions a job can split its ranks over, and
+`JobMesh.build` lays them out once per job as one root DeviceMesh, outermost first:
 
-With expert parallelism (`parallel.ep > 1`) `build_mesh` cuts that mesh from a 3-D root
-("dp_replicate", "efsdp", "ep"), dp_shard being "efsdp" and "ep" flattened, so the
-data-parallel layout is unchanged, and `expert_meshes` finds the expert-parallel group
-(consecutive ranks) and the expert-FSDP mesh (the ranks holding the same experts) on
-the same root.
+    pp  >  dp_replicate  >  dp_shard (= efsdp x ep)  >  cp  >  tp
+
+so that a rank is ((((p * dp_replicate + r) * dp_shard + s) * cp + c) * tp + t), the innermost
+dimensions taking consecutive ranks (one node on GPUs, where their traffic is heaviest). Each
+consumer then takes its sub-mesh from the JobMesh instead of slicing the root itself:
+
+- `data` ("dp_replicate", "dp_shard"): the ranks that read different batches: the data
+  loader's rank and world, the sync policy (replicated or not), token counts.
+- `fsdp`: what non-expert parameters are `fully_shard`ed on: the 1-D "dp_shard" mesh when
+  nothing is replicated (a 2-D mesh would add an all-reduce over one-rank groups to every
+  gradient reduction), else the 2-D data mesh (HSDP).
+- `experts` (`ExpertMeshes`, None without expert parallelism): EP borrows its ranks from
+  dp_shard, innermost: the root then has ("efsdp", "ep") where a plain job has "dp_shard", an
+  EP group is `ep` consecutive ranks, and the data mesh is "dp_replicate" with efsdp x ep
+  flattened back into "dp_shard", so the data-parallel layout is the same with and without EP.
+- `pipeline`, `context`, `tensor` ("pp", "cp", "tp"): the hooks for the dimensions still to
+  come. None while their degree is 1, which is all `ParallelConfig` can say today; a degree
+  above 1 gives its dimension its place in the root above and its 1-D sub-mesh here, but no
+  code applies it yet (and context parallelism will have to fold "cp" into the FSDP mesh).
+
+A one-rank world without a process group gets a JobMesh without a root (every sub-mesh None):
+the model then runs unsharded. This module lays out ranks; it must not create or destroy the
+process group (`moetrain.parallel.process_group` does) nor touch models or gradients.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.rendezvous import rendezvous
 
 from moetrain.config import ParallelConfig, check_world_size
 from moetrain.errors import ConfigError
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard")
-# Expert parallelism splits dp_shard into (efsdp, ep): "ep" ranks own different experts,
-# "efsdp" ranks hold the same experts and FSDP-shard them. ep is innermost so an EP group
-# is consecutive ranks (one node on GPUs, where the all-to-all is cheapest).
-EP_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep")
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DATA_DIM_NAMES = ("dp_replicate", "dp_shard")
+EXPERT_DIM_NAMES = ("efsdp", "ep")  # dp_shard split in two: ranks holding the same experts x ranks splitting them
 
 
-def _device_type(parallel: ParallelConfig, backend_in_use: str | None) -> str:
-    if parallel.device != "auto":
-        return parallel.device
-    if backend_in_use is not None:
-        # A group someone else initialised decides: gloo groups carry CPU tensors here
-        # (the harness is gloo even on a GPU machine), NCCL groups carry CUDA tensors.
-        return "cuda" if backend_in_use == "nccl" else "cpu"
-    if parallel.backend == "gloo":
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+@dataclass(frozen=True, kw_only=True)
+class MeshDims:
+    """The degree of every parallel dimension; their product is the world size."""
 
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1  # not a factor of the world: carved out of dp_shard
 
-def _backend_for(device_type: str, parallel: ParallelConfig) -> str:
-    if parallel.backend != "auto":
-        if parallel.backend == "nccl" and device_type != "cuda":
-            raise ConfigError(f"parallel.backend = 'nccl' is invalid with parallel.device = {device_type!r}: "
-                              "use gloo on CPU")
-        return parallel.backend
-    return "nccl" if device_type == "cuda" else "gloo"
+    def __post_init__(self) -> None:
+        for dim in fields(self):
+            if getattr(self, dim.name) < 1:
+                raise ConfigError(f"mesh degree {dim.name} = {getattr(self, dim.name)} is invalid: must be >= 1")
+        if self.dp_shard % self.ep:
+            raise ConfigError(f"mesh degree ep = {self.ep} is invalid: must divide dp_shard = {self.dp_shard}")
 
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> MeshDims:
+        """The degrees `parallel` asks for on `world_size` ranks; ConfigError (one line) when they do not fit."""
+        replicate, shard = check_world_size(parallel, world_size)
+        return cls(dp_replicate=replicate, dp_shard=shard, ep=parallel.ep)
 
-def _local_device(device_type: str) -> torch.device:
-    if device_type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("parallel.device = 'cuda' is invalid: no CUDA device is available (use 'cpu')")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
+    def root_layout(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of the root mesh's dimensions, outermost first.
 
-def init_distributed(parallel: ParallelConfig) -> tuple[int, int, torch.device]:
-    """Join or reuse the default process group; return (rank, world_size, device).
-
-    Order of precedence: an already-initialised group (test harness, caller; its own
-    timeout stays), the torchrun environment (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT,
-    multi-node too), else a private single-rank group on an in-memory store. A group
-    made here times out collectives after `parallel.collective_timeout_s`.
-    """
-    if dist.is_initialized():
-        device_type = _device_type(parallel, dist.get_backend())
-        return dist.get_rank(), dist.get_world_size(), _local_device(device_type)
-    device_type = _device_type(parallel, None)
-    backend = _backend_for(device_type, parallel)
-    device = _local_device(device_type)
-    # Every collective on this group (and the groups the mesh cuts from it) gives up after
-    # this long: a hung peer then ends the run with an error instead of a 30-minute wait.
-    timeout = timedelta(seconds=parallel.collective_timeout_s)
-    if all(var in os.environ for var in _TORCHRUN_VARS):
-        init_kwargs = {"device_id": device} if device.type == "cuda" else {}
-        # torchrun keeps one store for all restarts of a job (`--max-restarts`) and does not
-        # prefix it per attempt, so a restarted rank could read a dead peer's address left by
-        # the previous attempt and fail to connect. One key prefix per attempt avoids that.
-        store, rank, world = next(rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"moetrain.attempt_{attempt}", store), rank=rank,
-                                world_size=world, timeout=timeout, **init_kwargs)
-    else:
-        # One rank, no launcher: a HashStore needs no port, so tests and laptops never
-        # collide on MASTER_PORT, and FSDP still gets the group it requires.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def build_mesh(parallel: ParallelConfig, world_size: int, device_type: str) -> DeviceMesh | None:
-    """A ("dp_replicate", "dp_shard") mesh for the world, or None when no group exists.
-
-    Raises ConfigError (one line) when the sizes do not multiply to the world size.
-    None is only returned for a one-rank world without a process group, where the
-    caller then runs the model unsharded.
-    """
-    replicate, shard = check_world_size(parallel, world_size)
-    if not dist.is_initialized():
-        if world_size != 1:
-            raise ConfigError(f"world size {world_size} needs an initialised process group: "
-                              "call moetrain.parallel.mesh.init_distributed first")
-        return None
-    if dist.get_world_size() != world_size:
-        raise ConfigError(f"world size {world_size} does not match the process group's "
-                          f"{dist.get_world_size()} ranks")
-    if parallel.ep == 1:
-        return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=MESH_DIM_NAMES)
-    root = init_device_mesh(device_type, (replicate, shard // parallel.ep, parallel.ep),
-                            mesh_dim_names=EP_MESH_DIM_NAMES)
-    # The same ranks and order as the plain 2-D mesh (rank = r * shard + f * ep + e), so
-    # non-expert parameters, the data loader and the sync policies see no difference.
-    flat_shard = root["efsdp", "ep"]._flatten("dp_shard")
-    return DeviceMesh._concatenate([root["dp_replicate"], flat_shard])
+        dp_replicate and the shard dimensions are always there (a plain job's mesh is 2-D);
+        pp, cp and tp only when used, so the meshes and groups of today's jobs stay as they are.
+        """
+        efsdp, ep = EXPERT_DIM_NAMES
+        shard = [("dp_shard", self.dp_shard)] if self.ep == 1 else [(efsdp, self.dp_shard // self.ep), (ep, self.ep)]
+        layout = [("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("cp", self.cp), ("tp", self.tp)]
+        return tuple((name, size) for name, size in layout if size > 1 or name not in ("pp", "cp", "tp"))
 
 
 @dataclass(frozen=True)
 class ExpertMeshes:
-    """The meshes expert parallelism runs on, cut from the data-parallel mesh's root.
+    """The meshes expert parallelism runs on, cut from the job's root mesh.
 
     ep: the ranks that split one layer's experts between them (all-to-all group).
     fsdp: the mesh expert weights are FSDP-sharded on: ("efsdp",) or, under HSDP,
@@ -144,30 +100,69 @@ class ExpertMeshes:
         return self.ep.size()
 
 
-def expert_meshes(mesh: DeviceMesh | None) -> ExpertMeshes | None:
-    """The EP meshes of a mesh from `build_mesh`, or None when it was built without expert parallelism."""
-    if mesh is None:
-        return None
-    root = mesh._get_root_mesh()
-    if root.mesh_dim_names != EP_MESH_DIM_NAMES:
-        return None
-    fsdp = root["dp_replicate", "efsdp"] if root.size(0) > 1 else root["efsdp"]
-    return ExpertMeshes(ep=root["ep"], fsdp=fsdp)
+@dataclass(frozen=True)
+class JobMesh:
+    """A job's ranks laid out over its dimensions, with each consumer's sub-mesh; made by `JobMesh.build`."""
 
+    dims: MeshDims
+    rank: int
+    device: torch.device
+    root: DeviceMesh | None = None
+    data: DeviceMesh | None = None
+    fsdp: DeviceMesh | None = None
+    experts: ExpertMeshes | None = None
+    pipeline: DeviceMesh | None = None
+    context: DeviceMesh | None = None
+    tensor: DeviceMesh | None = None
 
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh to hand to fully_shard: 1-D when nothing is replicated, else 2-D (HSDP).
+    @classmethod
+    def build(cls, dims: MeshDims, device: torch.device | str) -> JobMesh:
+        """The mesh of `dims` over the process group's ranks, on `device` (collective: every rank calls it).
 
-    With dp_replicate = 1 a 2-D mesh would add an all-reduce over a one-rank group to
-    every gradient reduction; the 1-D shard mesh is the same layout without it.
-    """
-    if mesh.size(0) == 1:
-        return mesh["dp_shard"]
-    return mesh
+        Without a process group only a one-rank world is possible, and it gets no root.
+        """
+        device = torch.device(device)
+        if not dist.is_initialized():
+            if dims.world != 1:
+                raise ConfigError(f"world size {dims.world} needs an initialised process group: "
+                                  "call moetrain.parallel.process_group.init_distributed first")
+            return cls(dims, 0, device)
+        if dist.get_world_size() != dims.world:
+            raise ConfigError(f"world size {dims.world} does not match the process group's "
+                              f"{dist.get_world_size()} ranks")
+        layout = dims.root_layout()
+        root = init_device_mesh(device.type, tuple(size for _, size in layout),
+                                mesh_dim_names=tuple(name for name, _ in layout))
+        names = {name for name, _ in layout}
+        experts = None
+        if dims.ep == 1:
+            data = root[DATA_DIM_NAMES]
+        else:
+            # The same ranks and order as without EP (s = efsdp * ep + e), so non-expert parameters,
+            # the data loader and the sync policies see no difference.
+            data = DeviceMesh._concatenate([root["dp_replicate"], root[EXPERT_DIM_NAMES]._flatten("dp_shard")])
+            efsdp, ep = EXPERT_DIM_NAMES
+            replicated = dims.dp_replicate > 1  # expert weights are replicated like the rest
+            experts = ExpertMeshes(ep=root[ep], fsdp=root["dp_replicate", efsdp] if replicated else root[efsdp])
+        return cls(dims, dist.get_rank(), device, root, data=data,
+                   fsdp=data if dims.dp_replicate > 1 else data["dp_shard"], experts=experts,
+                   pipeline=root["pp"] if "pp" in names else None, context=root["cp"] if "cp" in names else None,
+                   tensor=root["tp"] if "tp" in names else None)
 
+    @property
+    def world(self) -> int:
+        return self.dims.world
 
-def mesh_shape(mesh: DeviceMesh | None) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) of a mesh; (1, 1) for no mesh."""
-    if mesh is None:
-        return 1, 1
-    return mesh.size(0), mesh.size(1)
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the ranks that read different batches (0 without a root)."""
+        return 0 if self.data is None else self.data.mesh.flatten().tolist().index(self.rank)
+
+    @property
+    def data_world(self) -> int:
+        """How many ranks read different batches."""
+        return self.dims.dp_replicate * self.dims.dp_shard
+
+    def describe(self) -> str:
+        """The data mesh's shape for a log line, "none" without a root."""
+        return "none" if self.data is None else str(tuple(self.data.shape))

@@ -21,7 +21,7 @@ so no step recompiles. Forwards without autograd (evaluation, the global-balance
 sampling, whose sequence grows every token) run the same blocks eagerly: they never trigger a
 compile, so evaluation cannot recompile a training graph either.
 
-Before all of these, when the mesh has an expert-parallel dimension, `apply_ep` splits
+Before all of these, when the job's mesh has an expert-parallel dimension, `apply_ep` splits
 every MoE layer's experts over the EP group and routes their tokens by all-to-all
 (`moetrain.parallel.expert_parallel`); FSDP then shards what EP has split.
 
@@ -38,23 +38,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from moetrain.config import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.model import moe_function  # registers torch.ops.moetrain.memory_efficient_experts
 from moetrain.parallel.expert_parallel import apply_expert_parallel
-from moetrain.parallel.mesh import expert_meshes
+from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.shard import apply_fsdp
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh | None, ep: int) -> None:
-    """Split every MoE layer's experts over the mesh's EP group of `ep` ranks (no-op for ep = 1)."""
-    experts = expert_meshes(mesh)
+def apply_ep(model: nn.Module, job: JobMesh | None, ep: int) -> None:
+    """Split every MoE layer's experts over the job's EP group of `ep` ranks (no-op for ep = 1)."""
+    experts = None if job is None else job.experts
     if (1 if experts is None else experts.degree) != ep:
         raise ConfigError(f"parallel.ep = {ep} does not match the mesh ({'no' if experts is None else experts.degree}"
-                          " EP dimension): build it with moetrain.parallel.mesh.build_mesh from the same config")
+                          " EP dimension): build it with moetrain.parallel.mesh.JobMesh from the same config")
     if experts is not None:
         apply_expert_parallel(model, experts.ep)
 
@@ -162,14 +161,14 @@ def apply_compile(model: nn.Module, device_type: str = "cpu") -> None:
         block.forward = CompiledBlockForward(block)
 
 
-def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, parallel: ParallelConfig, *,
+def parallelize_model(model: nn.Module, job: JobMesh | None, parallel: ParallelConfig, *,
                       activation_checkpointing: bool | str = False, compile: bool = False,
                       activation_checkpointing_every: int = 1, device_type: str = "cpu") -> nn.Module:
     """Apply EP, activation checkpointing, compile and FSDP (not on one rank) to `model` in place; return it.
 
     `device_type` is where the model will run (it may still be on the meta device here).
     """
-    apply_ep(model, mesh, parallel.ep)
+    apply_ep(model, job, parallel.ep)
     mode = checkpointing_mode(activation_checkpointing)
     if compile and mode == "selective":
         raise ConfigError("train.activation_checkpointing = 'selective' is invalid with train.compile = True: the "
@@ -177,11 +176,11 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, parallel: Paral
     apply_activation_checkpointing(model, mode, activation_checkpointing_every)
     if compile:
         apply_compile(model, device_type)
-    if runs_unsharded(mesh):
+    if runs_unsharded(job):
         return model
-    return apply_fsdp(model, mesh, parallel)
+    return apply_fsdp(model, job, parallel)
 
 
-def runs_unsharded(mesh: DeviceMesh | None) -> bool:
-    """Whether `parallelize_model` leaves the model unwrapped: no mesh, or one rank without expert parallelism."""
-    return mesh is None or (mesh.size() == 1 and expert_meshes(mesh) is None)
+def runs_unsharded(job: JobMesh | None) -> bool:
+    """Whether `parallelize_model` leaves the model unwrapped: no mesh, or one rank (never expert-parallel)."""
+    return job is None or job.world == 1

@@ -1,7 +1,7 @@
 """FSDP2 sharding of a model: fully_shard units, mixed precision, SUM reductions, gradient guard.
 
 `apply_fsdp` wraps each transformer block, then the embedding and the LM head, then
-the root, with `fully_shard` on the data-parallel mesh (1-D for FSDP, 2-D for HSDP
+the root, with `fully_shard` on the job's FSDP mesh (`JobMesh.fsdp`: 1-D for FSDP, 2-D for HSDP
 and for pure replication). It configures every unit to reduce gradients with plain
 SUM collectives and no divide factor: the loss is already divided by the global
 token count (see `moetrain.train.loss`), so FSDP's own averaging must be undone, and
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 # Per-parameter meshes inside one unit (torchtitan's expert FSDP uses the same two names);
@@ -39,7 +38,7 @@ from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.parallel.expert_parallel import expert_parameters
 from moetrain.parallel.gloo_comms import HostBufferPool, use_gloo_comms
-from moetrain.parallel.mesh import EP_MESH_DIM_NAMES, ExpertMeshes, data_parallel_mesh, expert_meshes
+from moetrain.parallel.mesh import EXPERT_DIM_NAMES, ExpertMeshes, JobMesh
 
 _GUARD_MARK = "_moetrain_grad_dtype_guard"
 
@@ -74,7 +73,7 @@ def _is_unsharded(param: torch.Tensor) -> bool:
     Unsharded parameters are plain tensors, except expert-parallel weights: those stay DTensors
     on the EP mesh alone. FSDP's sharded parameters are DTensors whose mesh has a data-parallel dim.
     """
-    return not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names == EP_MESH_DIM_NAMES[-1:]
+    return not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names == EXPERT_DIM_NAMES[-1:]
 
 
 @dataclass
@@ -223,33 +222,31 @@ def _sum_without_division(unit: FSDPModule) -> None:
 
 def apply_fsdp(
     model: nn.Module,
-    mesh: DeviceMesh | None,
+    job: JobMesh | None,
     parallel: ParallelConfig,
     *,
     gradient_guard: bool = True,
 ) -> nn.Module:
-    """Shard `model` in place with FSDP2 on `mesh` and return it.
+    """Shard `model` in place with FSDP2 on the job's FSDP mesh (experts on its expert-FSDP mesh) and return it.
 
-    `mesh` is the ("dp_replicate", "dp_shard") mesh from `build_mesh`; None (a one-rank
-    world without a process group) leaves the model unsharded, which is only
+    No mesh (None, or a one-rank world without a process group) leaves the model unsharded, which is only
     allowed in full float32. `gradient_guard=False` exists so tests can reproduce
     the crashes the guard prevents (see `_GradientGuard`); training never turns it off.
     """
-    if mesh is None:
+    if job is None or job.fsdp is None:
         if (parallel.param_dtype, parallel.reduce_dtype) != ("float32", "float32"):
             raise ConfigError(f"parallel.param_dtype = {parallel.param_dtype!r} / parallel.reduce_dtype = "
                               f"{parallel.reduce_dtype!r} need a process group: call init_distributed first")
         return model
-    dp_mesh = data_parallel_mesh(mesh)
     policy = mixed_precision_policy(parallel)
-    experts = expert_meshes(mesh)
+    experts = job.experts
     placement = None if experts is None else _expert_placement_fn(expert_parameters(model), experts)
     for unit in _shard_units(model):
-        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward,
+        fully_shard(unit, mesh=job.fsdp, mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward,
                     shard_placement_fn=placement)
     # The root's parameters (final norm, tied weights) are needed as soon as backward
     # starts, so FSDP's default for the root (keep them gathered) is kept.
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=job.fsdp, mp_policy=policy)
     guard = _GradientGuard(DTYPES[parallel.reduce_dtype])
     pool = HostBufferPool()  # one per model: its units' gathers and reductions share buffers
     for unit in fsdp_modules(model):

@@ -18,23 +18,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.config import JobConfig, ModelConfig, ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.interop import hf_job_config, load_hf_weights
 from moetrain.model.init import reset_buffers
 from moetrain.model.transformer import Transformer
+from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.parallelize import parallelize_model
 
 WEIGHTS = ("init", "none", "hf:DIR")
 
 
-def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = None, mesh: DeviceMesh | None = None,
+def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = None, job: JobMesh | None = None,
                 device: torch.device | str = "cpu", *, weights: str = "init", seed: int = 0,
                 init_scheme: str | None = None, activation_checkpointing: bool | str = False,
                 compile: bool = False, activation_checkpointing_every: int = 1) -> Transformer:
-    """The model of `model_cfg`, parallelized over `mesh` per `parallel_cfg`, on `device`, with `weights`.
+    """The model of `model_cfg`, parallelized over the job's mesh per `parallel_cfg`, on `device`, with `weights`.
 
     Without a mesh (or on one rank without expert parallelism) the model stays a plain module.
     Collective when the model is sharded: every rank of the mesh calls it with the same arguments.
@@ -43,7 +43,7 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
         raise ConfigError(f"weights = {weights!r} is invalid: must be one of {', '.join(WEIGHTS)}")
     with torch.device("meta"):
         model = Transformer(model_cfg)
-    parallelize_model(model, mesh, parallel_cfg or ParallelConfig(), activation_checkpointing=activation_checkpointing,
+    parallelize_model(model, job, parallel_cfg or ParallelConfig(), activation_checkpointing=activation_checkpointing,
                       compile=compile, activation_checkpointing_every=activation_checkpointing_every,
                       device_type=torch.device(device).type)
     model.to_empty(device=device)
@@ -58,9 +58,9 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
     return model
 
 
-def build_for_job(cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device | str) -> Transformer:
+def build_for_job(cfg: JobConfig, job: JobMesh) -> Transformer:
     """The model a training job starts from: `model.init_from` when set, else a fresh init, in train mode."""
-    model = build_model(cfg.model, cfg.parallel, mesh, device, weights=cfg.model.init_from or "init",
+    model = build_model(cfg.model, cfg.parallel, job, job.device, weights=cfg.model.init_from or "init",
                         seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing,
                         compile=cfg.train.compile,
                         activation_checkpointing_every=cfg.train.activation_checkpointing_every)

@@ -7,8 +7,8 @@ group and build the mesh, check the run directory (existing checkpoints need
 with this job's), build the Trainer (model, optimizer, loader), and only
 then restore a checkpoint and start writing into the run directory.
 
-The run owns the process group's lifetime, logging and the schedule of everything
-around the steps: the components decide when they act (`metrics.due(step)`,
+The run owns the process group's lifetime (`parallel.process_group.distributed_job`), logging and the
+schedule of everything around the steps: the components decide when they act (`metrics.due(step)`,
 `checkpointer.maybe_save(step)`, `evaluation.due(step)`: every `train.eval_every` steps), a
 non-finite step is skipped or stops the run per `train.nan_policy`, and the end of
 the run evaluates, samples and writes the final record. The step itself is the
@@ -52,8 +52,7 @@ from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.observe.profiler import ProfilerWindow
-from moetrain.parallel.collectives import distributed, leave_together
-from moetrain.parallel.mesh import build_mesh, init_distributed
+from moetrain.parallel.process_group import distributed_job
 from moetrain.runtime.allocator import reuse_freed_host_memory
 from moetrain.runtime.disk import no_space_left
 from moetrain.runtime.faults import hang_before_step
@@ -78,53 +77,42 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     """Train per `cfg`; return the final record (rank 0's view)."""
     refuse_if_too_big(cfg)  # before reading data or allocating anything
     data = load_training_data(cfg)
-    owns_process_group = not distributed()
-    completed = False
     lock: WriterLock | None = None
     checkpointer: Checkpointer | None = None
     phase = _Phase()
-    try:
-        rank, world, device = init_distributed(cfg.parallel)
-        reuse_freed_host_memory(world)  # one process: large CPU tensors without fresh pages every step
-        mesh = build_mesh(cfg.parallel, world, device.type)
-        run_dir = RunDir(Path(cfg.logging.run_dir))
-        lock = WriterLock(run_dir)
-        lock.acquire()  # before the checkpoint check: a concurrent run could be writing one
-        checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
-                                    cfg.logging.run_dir, collective_timeout_s=cfg.parallel.collective_timeout_s)
-        resume_from = checkpointer.resume_point(cfg)
-        if resume_from is not None:
-            _refuse_schedule_change(resume_from, cfg)
-        interrupted_threads = None if resume_from is None else saved_intra_op_threads(resume_from)
-        threads = set_intra_op_threads(cfg.train.num_threads, interrupted=interrupted_threads)
-        refuse_foreign_outputs(run_dir, cfg)
-        trainer = Trainer(cfg, data, mesh, device)
+    # The group goes also when the Trainer could not be built (e.g. a mesh that does not fit the world).
+    with distributed_job(cfg.parallel) as job:
         try:
-            with StopSignals(rank, grace_s=cfg.parallel.collective_timeout_s) as stop:
-                result = _run(trainer, run_dir, checkpointer, resume_from, stop, phase, threads, lock)
-        except RuntimeError as err:
-            if not _is_collective_failure(err):
-                raise
-            raise CollectiveFailed(_collective_failure(err, rank, phase.where, cfg.parallel.collective_timeout_s)) \
-                from None
-        completed = True
-        return result
-    except ConfigError:
-        if lock is not None and phase.where == _Phase.where:  # refused before its first step
-            lock.undo_start()
-        raise
-    finally:
-        if checkpointer is not None:  # a background save completes before the lock and the group go
-            checkpointer.close(raise_errors=False)
-        if lock is not None:
-            lock.release()
-        # Also when the Trainer could not be built (e.g. a mesh that does not fit the world).
-        if owns_process_group and distributed():
-            if completed:
-                # Ranks leave together, and only once gloo's worker threads have released the
-                # last collective: otherwise a rank can abort at interpreter exit (SIGABRT).
-                leave_together()
-            dist.destroy_process_group()
+            reuse_freed_host_memory(job.world)  # one process: large CPU tensors without fresh pages every step
+            run_dir = RunDir(Path(cfg.logging.run_dir))
+            lock = WriterLock(run_dir)
+            lock.acquire()  # before the checkpoint check: a concurrent run could be writing one
+            checkpointer = Checkpointer(run_dir.checkpoints, cfg.checkpoint, cfg.train.stop_at_step or cfg.train.steps,
+                                        cfg.logging.run_dir, collective_timeout_s=cfg.parallel.collective_timeout_s)
+            resume_from = checkpointer.resume_point(cfg)
+            if resume_from is not None:
+                _refuse_schedule_change(resume_from, cfg)
+            interrupted_threads = None if resume_from is None else saved_intra_op_threads(resume_from)
+            threads = set_intra_op_threads(cfg.train.num_threads, interrupted=interrupted_threads)
+            refuse_foreign_outputs(run_dir, cfg)
+            trainer = Trainer(cfg, data, job)
+            try:
+                with StopSignals(job.rank, grace_s=cfg.parallel.collective_timeout_s) as stop:
+                    return _run(trainer, run_dir, checkpointer, resume_from, stop, phase, threads, lock)
+            except RuntimeError as err:
+                if not _is_collective_failure(err):
+                    raise
+                raise CollectiveFailed(_collective_failure(err, job.rank, phase.where,
+                                                           cfg.parallel.collective_timeout_s)) from None
+        except ConfigError:
+            if lock is not None and phase.where == _Phase.where:  # refused before its first step
+                lock.undo_start()
+            raise
+        finally:
+            if checkpointer is not None:  # a background save completes before the lock and the group go
+                checkpointer.close(raise_errors=False)
+            if lock is not None:
+                lock.release()
 
 
 SCHEDULE_FIELDS = ("steps", "warmup_steps", "schedule", "decay_fraction", "min_lr_ratio", "lr")
@@ -174,6 +162,24 @@ def _start(trainer: Trainer, run_dir: RunDir, resume_from: CheckpointRef | None)
     setup_logging(log_dir=run_dir.logs if trainer.cfg.logging.all_ranks_to_files else None)
 
 
+def _announce(trainer: Trainer, metrics: MetricsWriter, event: str, threads: str) -> None:
+    """The run's first record ("start" or "resume") and its console lines: ranks, mesh, model, data."""
+    data = trainer.data
+    metrics.write({
+        "kind": "event", "event": event, "step": trainer.step,
+        "world_size": trainer.world, "params_total": trainer.params["total"], "params_active": trainer.params["active"],
+        "flops_per_token": trainer.flops_per_token, "train_sequences": len(data.train),
+        "train_documents": data.n_train_documents, "heldout_documents": data.n_heldout_documents,
+        "sync_policy": trainer.policy.name, "intra_op_threads": torch.get_num_threads(), "time": time.time(),
+    })
+    log.info("%s at step %d: %d ranks (mesh %s, sync %s), %.2fM params (%.2fM active/token), %d train documents "
+             "-> %d sequences of %d tokens, %d held-out documents", event, trainer.step,
+             trainer.world, trainer.job.describe(), trainer.policy.name,
+             trainer.params["total"] / 1e6, trainer.params["active"] / 1e6, data.n_train_documents,
+             len(data.train), trainer.cfg.data.seq_len, data.n_heldout_documents)
+    log.info("intra-op threads per rank: %s", threads)
+
+
 def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
          resume_from: CheckpointRef | None, stop: StopSignals, phase: _Phase, threads: str,
          lock: WriterLock) -> dict[str, Any]:
@@ -186,21 +192,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                             wandb_config=cfg.to_dict() if cfg.logging.wandb else None,
                             wandb_project=cfg.logging.wandb_project)
     evaluation = EvalSchedule(cfg.train.eval_every, last_step=cfg.train.steps)
-    data = trainer.data
-    start_record = {
-        "kind": "event", "event": "resume" if resume_from else "start", "step": trainer.step,
-        "world_size": trainer.world, "params_total": trainer.params["total"], "params_active": trainer.params["active"],
-        "flops_per_token": trainer.flops_per_token, "train_sequences": len(data.train),
-        "train_documents": data.n_train_documents, "heldout_documents": data.n_heldout_documents,
-        "sync_policy": trainer.policy.name, "intra_op_threads": torch.get_num_threads(), "time": time.time(),
-    }
-    metrics.write(start_record)
-    log.info("%s at step %d: %d ranks (mesh %s, sync %s), %.2fM params (%.2fM active/token), %d train documents "
-             "-> %d sequences of %d tokens, %d held-out documents", start_record["event"], trainer.step,
-             trainer.world, "none" if trainer.mesh is None else tuple(trainer.mesh.shape), trainer.policy.name,
-             trainer.params["total"] / 1e6, trainer.params["active"] / 1e6, data.n_train_documents,
-             len(data.train), cfg.data.seq_len, data.n_heldout_documents)
-    log.info("intra-op threads per rank: %s", threads)
+    _announce(trainer, metrics, "resume" if resume_from else "start", threads)
     bar = ProgressBar(total=cfg.train.steps, initial=trainer.step, enabled=is_rank0 and cfg.logging.progress_bar)
     profiler = ProfilerWindow(parse_step_range(cfg.profile.steps), run_dir.profile, trainer.rank, trainer.device)
     window: list[StepResult] = []
@@ -228,15 +220,8 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                     window = []
                     metrics.write(record)
                     log.info(console_line(record, cfg.train.steps))
-                if data.heldout is not None and evaluation.due(trainer.step):
-                    phase.where = f"the evaluation after step {trainer.step}"
-                    ev = trainer.evaluate()
-                    metrics.write({"kind": "eval", "step": trainer.step, **ev})
-                    log.info("step %d | held-out loss %.4f | %.4f bits/byte", trainer.step, ev["heldout_loss"],
-                             ev["heldout_bpb"])
-                if trainer.eval_tasks and evaluation.due(trainer.step):
-                    phase.where = f"the task evaluation after step {trainer.step}"
-                    _evaluate_tasks(trainer, metrics)
+                if evaluation.due(trainer.step):
+                    _evaluate_between_steps(trainer, metrics, phase)
                 phase.where = f"the checkpoint of step {trainer.step}"
                 with no_space_left(run_dir.checkpoints, "checkpoint"):
                     saved = checkpointer.maybe_save(trainer.step, trainer)
@@ -317,6 +302,18 @@ def _handle_nonfinite(trainer: Trainer, result: StepResult, metrics: MetricsWrit
     metrics.write({"kind": "event", "event": "skipped_step", "step": trainer.step, "loss": result.loss,
                    "grad_norm": result.grad_norm, "skipped_steps": trainer.skipped_steps})
     log.warning("%s; update skipped (train.nan_policy = 'skip', %d skipped so far)", what, trainer.skipped_steps)
+
+
+def _evaluate_between_steps(trainer: Trainer, metrics: MetricsWriter, phase: _Phase) -> None:
+    """The held-out loss (when there is a held-out split) and the tasks (when any) after this step."""
+    if trainer.data.heldout is not None:
+        phase.where = f"the evaluation after step {trainer.step}"
+        ev = trainer.evaluate()
+        metrics.write({"kind": "eval", "step": trainer.step, **ev})
+        log.info("step %d | held-out loss %.4f | %.4f bits/byte", trainer.step, ev["heldout_loss"], ev["heldout_bpb"])
+    if trainer.eval_tasks:
+        phase.where = f"the task evaluation after step {trainer.step}"
+        _evaluate_tasks(trainer, metrics)
 
 
 def _evaluate_tasks(trainer: Trainer, metrics: MetricsWriter) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """The Trainer: one optimizer step, evaluation, and the state a checkpoint holds.
 
-Built by `moetrain.train.run` once the process group, mesh and data exist. It gets its
+Built by `moetrain.train.run` once the process group, the job's mesh and data exist. It gets its
 model from the one builder (`moetrain.train.build`) and owns the optimizer, schedule and
 data loader.
 
@@ -28,7 +28,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from moetrain.checkpoint.layout import CheckpointRef
@@ -47,9 +46,10 @@ from moetrain.observe.metrics import StepResult, bits_per_byte, train_record
 from moetrain.observe.peak_flops import peak_flops
 from moetrain.observe.peak_memory import PeakMemory
 from moetrain.observe.step_phases import StepPhases
-from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum, rank_and_world
+from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum
 from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
+from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.precision import compute_copy
 from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
@@ -121,31 +121,31 @@ def eval_indices(n_sequences: int, wanted: int, rank: int, world: int) -> list[i
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, data: TrainingData, mesh: DeviceMesh | None, device: torch.device):
+    def __init__(self, cfg: JobConfig, data: TrainingData, job: JobMesh):
         self.cfg = cfg
         self.data = data
-        self.mesh = mesh
-        self.device = device
-        self.rank, self.world = rank_and_world()
+        self.job = job
+        self.device = job.device
+        self.rank, self.world = job.rank, job.world
         self.eval_tasks = read_choice_tasks(cfg.train.eval_tasks)  # checked before anything is built
-        self.policy = resolve_sync_policy(cfg.parallel, mesh, cfg.train.grad_accum)
+        self.policy = resolve_sync_policy(cfg.parallel, job.dims, cfg.train.grad_accum)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_for_job(cfg, mesh, device)
+        self.model = build_for_job(cfg, job)
         self.compute_copy = compute_copy(self.model, cfg.parallel)  # None under FSDP or in float32
         self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.schedule = LRSchedule.from_config(cfg.train)
         batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, cfg.train.seed)
-        self.loader = DataLoader(batching, seed=cfg.train.seed, dp_rank=self.rank, dp_world=self.world,
+        self.loader = DataLoader(batching, seed=cfg.train.seed, dp_rank=job.data_rank, dp_world=job.data_world,
                                  microbatches_per_rank=cfg.train.grad_accum)
         self.step_input_tokens = 0  # all ranks' input tokens in the last step (varies under token budgets)
-        self.token_bytes = data.token_bytes.to(device)
+        self.token_bytes = data.token_bytes.to(self.device)
         self.params = count_params(cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.step = 0
         self.skipped_steps = 0
         self.tokens_seen = 0
-        self.memory = PeakMemory(device)  # the first record's peak includes building the model
+        self.memory = PeakMemory(self.device)  # the first record's peak includes building the model
         self._peak_flops: float | None = None
 
     @property
