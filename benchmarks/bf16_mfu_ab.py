@@ -36,7 +36,7 @@ def _cpu() -> float:
 def worker(argv: list[str]) -> None:
     import torch
 
-    from moetrain.config import parse_job_args
+    from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
     from moetrain.parallel.mesh import build_mesh, init_distributed
     from moetrain.runtime.allocator import reuse_freed_host_memory

@@ -21,7 +21,7 @@ from bf16_mfu_ab import ARGS
 from torch.profiler import ProfilerActivity, profile
 
 from moetrain.args import take_option
-from moetrain.config import parse_job_args
+from moetrain.config.job import parse_job_args
 from moetrain.data.dataset import load_training_data
 from moetrain.parallel.mesh import build_mesh, init_distributed
 from moetrain.runtime.allocator import reuse_freed_host_memory

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from moetrain.args import take_option
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.model.transformer import Transformer
 from moetrain.train import checkpoint as ckpt
 

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from moetrain.args import take_option
-from moetrain.config import CheckpointConfig, load
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import load
 from moetrain.model.transformer import Transformer
 from moetrain.train import checkpoint as ckpt
 

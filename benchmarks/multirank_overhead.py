@@ -111,7 +111,7 @@ def worker(argv: list[str]) -> None:
         pass
     import torch.distributed as dist
 
-    from moetrain.config import parse_job_args
+    from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
     from moetrain.parallel.mesh import build_mesh, init_distributed
     from moetrain.runtime.allocator import reuse_freed_host_memory

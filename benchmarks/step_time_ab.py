@@ -48,7 +48,7 @@ def worker(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from moetrain.config import parse_job_args
+    from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
     from moetrain.parallel.mesh import build_mesh, init_distributed
     from moetrain.train.trainer import Trainer

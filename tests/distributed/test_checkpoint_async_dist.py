@@ -15,7 +15,11 @@ from pathlib import Path
 
 import torch
 
-from moetrain.config import CheckpointConfig, JobConfig, ModelConfig, MoEConfig, ParallelConfig
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.runtime.faults import FAIL_ENV
 from moetrain.testing import run_on_ranks
 from moetrain.train import checkpoint as ckpt

@@ -23,7 +23,9 @@ import torch.distributed as dist
 from test_families import balance_batch, balance_step, family_worker, job, read_dir, to_torch
 
 import hf_tiny
-from moetrain.config import JobConfig, ModelConfig, MoEConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.interop import hf_job_config, load_hf_weights
 from moetrain.model.transformer import Transformer

@@ -97,7 +97,7 @@ def _installed_worker():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
-    from moetrain.config import ParallelConfig
+    from moetrain.config.parallel import ParallelConfig
     from moetrain.parallel.gloo_comms import BroadcastAllGather, PointToPointReduceScatter
     from moetrain.parallel.shard import apply_fsdp
 

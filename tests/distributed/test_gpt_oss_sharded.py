@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import hf_tiny
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
 from moetrain.interop import hf_job_config, load_hf_weights

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.model.transformer import Transformer
 from moetrain.testing import run_on_ranks
 from moetrain.train.init_report import build_initialised, report_rows

@@ -23,7 +23,7 @@ from test_parity_support import (
     relative_error,
 )
 
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.errors import ConfigError
 from moetrain.parallel.mesh import build_mesh
@@ -208,7 +208,7 @@ def test_mesh_that_does_not_fit_the_world_is_a_one_line_config_error(replicate, 
 _SINGLE_PROCESS = textwrap.dedent("""
     import json, torch
     import torch.distributed as dist
-    from moetrain.config import ParallelConfig
+    from moetrain.config.parallel import ParallelConfig
     from moetrain.parallel.mesh import init_distributed, build_mesh
     from moetrain.parallel.shard import apply_fsdp
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy, clip_grad_norm_

@@ -89,7 +89,7 @@ def test_mismatched_or_unsupported_directories_fail_in_one_line_and_write_nothin
 def test_export_errors_name_the_problem(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    from moetrain.config import JobConfig
+    from moetrain.config.job import JobConfig
 
     cfg = JobConfig()
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))

@@ -27,7 +27,7 @@ def _restored(args: list[str]) -> dict:
     )
     from torch.distributed.fsdp import FSDPModule
 
-    from moetrain.config import parse_job_args
+    from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
     from moetrain.parallel.mesh import build_mesh, init_distributed
     from moetrain.train.checkpoint import latest_complete

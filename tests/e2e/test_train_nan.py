@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moetrain import cli
-from moetrain.config import parse_job_args
+from moetrain.config.job import parse_job_args
 from moetrain.train import loss as loss_module
 from moetrain.train import trainer as trainer_module
 from moetrain.train.build import build_model

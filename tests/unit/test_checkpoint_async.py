@@ -18,7 +18,8 @@ import pytest
 import torch
 from test_checkpoint_integrity import _model_and_optimizer
 
-from moetrain.config import CheckpointConfig, JobConfig
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import JobConfig
 from moetrain.errors import TrainingDiverged
 from moetrain.runtime.faults import FAIL_ENV
 from moetrain.train import checkpoint as ckpt

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 from moetrain.errors import ConfigError
 from moetrain.train import checkpoint as ckpt
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from test_checkpoint_integrity import _model_and_optimizer, _rewrite_manifest, _save, _tensor_file
 
-from moetrain.config import CheckpointConfig, JobConfig
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import JobConfig
 from moetrain.errors import ConfigError
 from moetrain.train import checkpoint as ckpt
 

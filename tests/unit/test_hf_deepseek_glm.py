@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import hf_tiny
-from moetrain.config import JobConfig, ModelConfig, MoEConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.errors import ConfigError
 from moetrain.interop import export_family, hf_job_config, load_hf_weights, save_hf
 from moetrain.model.transformer import Transformer

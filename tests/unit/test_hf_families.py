@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.interop import ARCH_FIELDS, FAMILIES, hf_config, model_config_from_hf

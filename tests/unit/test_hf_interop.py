@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_tiny
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 from moetrain.errors import ConfigError
 from moetrain.interop import check_architecture, export_family, hf_job_config, load_hf_weights, save_hf
 from moetrain.model.transformer import Transformer

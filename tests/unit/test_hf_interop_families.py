@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 
 import hf_tiny
-from moetrain.config import JobConfig, TrainConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.train import TrainConfig
 from moetrain.errors import ConfigError
 from moetrain.interop import export_family, hf_job_config, load_hf_weights, save_hf
 from moetrain.model.transformer import Transformer

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import tyro
 
 from moetrain.args import parse_typed_args
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.durable import write_json_atomically
 from moetrain.errors import ConfigError

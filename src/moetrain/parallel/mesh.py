@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.rendezvous import rendezvous
 
-from moetrain.config import ParallelConfig, check_world_size
+from moetrain.config.parallel import ParallelConfig, check_world_size
 from moetrain.errors import ConfigError
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard")

@@ -121,7 +121,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from moetrain.config import CheckpointConfig, JobConfig, from_dict
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import JobConfig, from_dict
 from moetrain.durable import file_sha256, fsync_dir, write_durably
 from moetrain.errors import ConfigError, PoisonedStateError, TrainingDiverged
 from moetrain.logging import get_logger

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moetrain.args import take_option
-from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args
+from moetrain.config.job import CommandOption, JobConfig, parse_job_args
+from moetrain.config.parallel import check_world_size
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
 from moetrain.interop import hf_dir, hf_job_config

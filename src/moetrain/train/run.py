@@ -39,7 +39,9 @@ import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from moetrain.args import take_option
-from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args, parse_step_range, to_toml
+from moetrain.config.job import CommandOption, JobConfig, parse_job_args, to_toml
+from moetrain.config.parallel import check_world_size
+from moetrain.config.profile import parse_step_range
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, ConfigError, TrainingDiverged
 from moetrain.interop import check_architecture

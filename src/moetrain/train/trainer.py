@@ -31,7 +31,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 from moetrain.data.batching import build_batching
 from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
