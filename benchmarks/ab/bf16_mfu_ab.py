@@ -37,7 +37,7 @@ def _cpu() -> float:
 def worker(argv: list[str]) -> None:
     import torch
 
-    from moetrain.config import parse_job_args
+    from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
     from moetrain.parallel.mesh import JobMesh, MeshDims
     from moetrain.parallel.process_group import init_distributed

@@ -63,7 +63,7 @@ def moetrain_child(argv: list[str]) -> None:
     import torch
 
     from moetrain.cli import main
-    from moetrain.config import parse_job_args
+    from moetrain.config.job import parse_job_args
     from moetrain.model.transformer import Transformer
 
     args = [*ARGS, "--parallel.param_dtype", dtype]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.args import take_option
-from moetrain.config import parse_job_args
+from moetrain.config.job import parse_job_args
 from moetrain.train.build import build_model
 
 MODES = [("none", 1), ("selective", 1), ("full", 1), ("full", 2), ("selective", 2)]

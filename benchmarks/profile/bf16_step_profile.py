@@ -21,7 +21,7 @@ from benchmarks.issue_shape import ARGS
 from torch.profiler import ProfilerActivity, profile
 
 from moetrain.args import take_option
-from moetrain.config import parse_job_args
+from moetrain.config.job import parse_job_args
 from moetrain.data.dataset import load_training_data
 from moetrain.parallel.mesh import JobMesh, MeshDims
 from moetrain.parallel.process_group import init_distributed

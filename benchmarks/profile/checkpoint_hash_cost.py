@@ -27,7 +27,7 @@ import torch
 from moetrain.args import take_option
 from moetrain.checkpoint.state import capture_rng_state
 from moetrain.checkpoint.storage import save_checkpoint
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.model.transformer import Transformer
 
 CHUNK = 1 << 20

@@ -42,7 +42,8 @@ from moetrain.args import take_option
 from moetrain.checkpoint.checkpointer import Checkpointer
 from moetrain.checkpoint.state import capture_rng_state
 from moetrain.checkpoint.storage import tensor_state
-from moetrain.config import CheckpointConfig, load
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import load
 from moetrain.model.transformer import Transformer
 
 TOKENS = 128

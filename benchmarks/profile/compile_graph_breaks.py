@@ -20,7 +20,8 @@ import torch
 import torch._dynamo as dynamo
 
 from moetrain.args import take_option
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.model.attention import plan_attention
 from moetrain.parallel import parallelize
 from moetrain.train.build import build_model

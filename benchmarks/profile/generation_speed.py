@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.evaluate.generate import generate_tokens
 from moetrain.model.kv_cache import KVCache

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from moetrain.args import take_option
-from moetrain.config import apply_overrides, load
+from moetrain.config.job import apply_overrides, load
 from moetrain.data.dataset import load_training_data
 from moetrain.parallel.mesh import JobMesh, MeshDims
 from moetrain.parallel.process_group import init_distributed

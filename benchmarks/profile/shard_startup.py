@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from moetrain.bench.data import synthetic_corpus
-from moetrain.config import DataConfig, JobConfig
+from moetrain.config.data import DataConfig
+from moetrain.config.job import JobConfig
 from moetrain.data.dataset import load_training_data
 from moetrain.data.shards import verify_directory
 

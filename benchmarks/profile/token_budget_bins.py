@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.data.batching import TokenBudgetBatching, documents_end
 from moetrain.data.dataset import load_training_data
 

@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from moetrain.config import JobConfig, apply_overrides, load
+from moetrain.config.job import JobConfig, apply_overrides, load
 from moetrain.model.flops import count_params, flops_per_token
 
 ROOT = Path(__file__).resolve().parents[2]

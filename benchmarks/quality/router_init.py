@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.data.batching import build_batching
 from moetrain.data.dataset import load_training_data
 from moetrain.data.loader import DataLoader

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from moetrain.args import take_option
-from moetrain.config import parse_job_args
+from moetrain.config.job import parse_job_args
 from moetrain.observe.peak_memory import growth_per_step
 from moetrain.runtime.allocator import rank_environment
 from moetrain.testing import run_on_ranks

@@ -12,7 +12,9 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.func import functional_call
 
-from moetrain.config import ModelConfig, MoEConfig, ParallelConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.model.transformer import Transformer

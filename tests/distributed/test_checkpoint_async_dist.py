@@ -20,7 +20,11 @@ from moetrain.checkpoint.checkpointer import Checkpointer
 from moetrain.checkpoint.layout import list_complete
 from moetrain.checkpoint.state import capture_rng_state
 from moetrain.checkpoint.storage import DCP_SHARDING_KEY, load_checkpoint
-from moetrain.config import CheckpointConfig, JobConfig, ModelConfig, MoEConfig, ParallelConfig
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.runtime.faults import FAIL_ENV
 from moetrain.testing import run_on_ranks
 

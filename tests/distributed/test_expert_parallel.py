@@ -37,7 +37,8 @@ from parity_support import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moetrain.config import MoEConfig, ParallelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.model.moe import MoE
@@ -351,7 +352,7 @@ def _job_args(run_dir: str, corpus: str, ep: int, steps: int, resume: bool = Fal
 
 
 def _job(run_dir: str, corpus: str, ep: int, steps: int, resume: bool = False):
-    from moetrain.config import parse_job_args
+    from moetrain.config.job import parse_job_args
 
     return parse_job_args(_job_args(run_dir, corpus, ep, steps, resume))
 

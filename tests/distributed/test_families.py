@@ -34,7 +34,9 @@ from torch.distributed.tensor import DTensor
 import hf_tiny
 from moetrain.checkpoint.checkpointer import Checkpointer
 from moetrain.commands.export_hf import ExportOptions, export
-from moetrain.config import JobConfig, ModelConfig, MoEConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX, Batch

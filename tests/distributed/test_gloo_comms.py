@@ -96,7 +96,7 @@ class _TwoLayers(nn.Module):
 def _installed_worker():
     from torch.distributed.fsdp import FSDPModule
 
-    from moetrain.config import ParallelConfig
+    from moetrain.config.parallel import ParallelConfig
     from moetrain.parallel.gloo_comms import BroadcastAllGather, PointToPointReduceScatter
     from moetrain.parallel.mesh import JobMesh, MeshDims
     from moetrain.parallel.shard import apply_fsdp

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.testing import run_on_ranks
 from moetrain.train.loss import microbatch_loss, token_loss_sum

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from moetrain.commands.init_report import build_initialised, report_rows
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.model.transformer import Transformer
 from moetrain.testing import run_on_ranks
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from moetrain.config import parse_job_args
+from moetrain.config.job import parse_job_args
 from moetrain.data.corpus import stdlib_root
 from moetrain.observe.peak_memory import growth_per_step
 from moetrain.runtime.allocator import rank_environment

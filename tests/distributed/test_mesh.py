@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.mesh import JobMesh, MeshDims
 from moetrain.parallel.process_group import distributed_job, init_distributed, owned_process_group

@@ -23,7 +23,7 @@ from parity_support import (
     relative_error,
 )
 
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.errors import ConfigError
 from moetrain.parallel.mesh import JobMesh, MeshDims
@@ -208,7 +208,7 @@ def test_mesh_that_does_not_fit_the_world_is_a_one_line_config_error(replicate, 
 _SINGLE_PROCESS = textwrap.dedent("""
     import json, torch
     import torch.distributed as dist
-    from moetrain.config import ParallelConfig
+    from moetrain.config.parallel import ParallelConfig
     from moetrain.parallel.mesh import JobMesh, MeshDims
     from moetrain.parallel.process_group import init_distributed
     from moetrain.parallel.shard import apply_fsdp

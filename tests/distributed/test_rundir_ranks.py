@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from moetrain.config import from_dict
+from moetrain.config.job import from_dict
 from moetrain.errors import ConfigError
 from moetrain.runtime.run_dir import RunDir, refuse_foreign_outputs
 from moetrain.testing import run_on_ranks

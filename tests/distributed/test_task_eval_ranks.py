@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig, ParallelConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.evaluate.tasks import evaluate_choice_tasks, read_choice_tasks
 from moetrain.testing import run_on_ranks

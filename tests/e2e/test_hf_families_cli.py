@@ -20,7 +20,7 @@ import hf_tiny
 from moetrain import cli
 from moetrain.checkpoint.layout import latest_complete
 from moetrain.checkpoint.storage import load_model_weights
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 from moetrain.model.transformer import Transformer
 from moetrain.runtime.run_dir import RunDir
 

@@ -117,7 +117,7 @@ def test_dry_run_validates_prints_the_job_and_estimate_and_writes_nothing(job_ar
     import tomllib
 
     from moetrain import cli
-    from moetrain.config import from_dict, parse_job_args
+    from moetrain.config.job import from_dict, parse_job_args
 
     run_dir = tmp_path / "run"
     argv = job_args(run_dir)

@@ -28,7 +28,7 @@ def _restored(args: list[str]) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from moetrain.checkpoint.layout import latest_complete
-    from moetrain.config import parse_job_args
+    from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
     from moetrain.parallel.mesh import JobMesh, MeshDims
     from moetrain.parallel.process_group import init_distributed

@@ -10,7 +10,7 @@ import torch
 from moetrain import cli
 from moetrain.checkpoint.layout import latest_complete, list_complete
 from moetrain.checkpoint.storage import load_checkpoint
-from moetrain.config import parse_job_args
+from moetrain.config.job import parse_job_args
 from moetrain.train import loss as loss_module
 from moetrain.train import trainer as trainer_module
 from moetrain.train.build import build_model

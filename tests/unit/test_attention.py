@@ -9,7 +9,8 @@ CUDA-marked tests (skipped without a GPU) compare its forward and backward there
 import pytest
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.model.attention import (
     BLOCK_SIZE,
     SEGMENT_TILE,

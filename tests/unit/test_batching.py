@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from moetrain.config import DataConfig, JobConfig
+from moetrain.config.data import DataConfig
+from moetrain.config.job import JobConfig
 from moetrain.data.batching import PackedBatching, TokenBudgetBatching, build_batching, documents_end
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX, PackedSequences, TokenStream

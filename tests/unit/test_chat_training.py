@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from chat_fixtures import TEMPLATES, tokenizer_dir
-from moetrain.config import DataConfig, JobConfig
+from moetrain.config.data import DataConfig
+from moetrain.config.job import JobConfig
 from moetrain.data.batching import build_batching
 from moetrain.data.chat import load_chat_template
 from moetrain.data.dataset import load_training_data

@@ -30,7 +30,8 @@ from moetrain.checkpoint.storage import (
     _UnblockingSafetensorsWriter,
     load_checkpoint,
 )
-from moetrain.config import CheckpointConfig, JobConfig
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import JobConfig
 from moetrain.errors import TrainingDiverged
 from moetrain.runtime.faults import FAIL_ENV
 

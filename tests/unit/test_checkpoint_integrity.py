@@ -21,7 +21,7 @@ from moetrain.checkpoint.layout import MANIFEST_FILE, TENSORS_DIR, TRAINER_FILE,
 from moetrain.checkpoint.manifest import newest_intact, verify
 from moetrain.checkpoint.state import capture_rng_state, check_resume_config, restore_rng_state
 from moetrain.checkpoint.storage import load_checkpoint, load_model_weights, save_checkpoint
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 from moetrain.errors import ConfigError
 
 

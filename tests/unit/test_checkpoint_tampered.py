@@ -27,7 +27,8 @@ from moetrain.checkpoint.layout import (
 from moetrain.checkpoint.manifest import verify
 from moetrain.checkpoint.state import TENSOR_REF, capture_rng_state
 from moetrain.checkpoint.storage import load_checkpoint, save_checkpoint, saved_intra_op_threads
-from moetrain.config import CheckpointConfig, JobConfig
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import JobConfig
 from moetrain.errors import ConfigError
 
 

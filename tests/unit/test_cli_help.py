@@ -1,4 +1,4 @@
-"""`--help` tells the truth: each job option shows its own field's documentation (read from config.py's
+"""`--help` tells the truth: each job option shows its own field's documentation (read from config/'s
 source, docstring below the field or comment above it, independently of tyro), job commands list
 --config and their own options, every subcommand has a full help, and no option a subcommand documents
 is one that torchrun, in front of `-m moetrain`, would take for its own (argparse prefix-matches)."""
@@ -18,17 +18,25 @@ import pytest
 import tyro
 
 from moetrain import cli
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 
-CONFIG_SOURCE = Path(__file__).resolve().parents[2] / "src" / "moetrain" / "config.py"
+CONFIG_SOURCES = sorted((Path(__file__).resolve().parents[2] / "src" / "moetrain" / "config").glob("*.py"))
 HELP_SUFFIX = re.compile(r"\s*\((default|fixed to): .*\)\s*$|\s*\(required\)\s*$", re.DOTALL)
 
 
 def field_documentation() -> dict[str, dict[str, str]]:
-    """class name -> field -> its documentation in config.py: the string below it, else the comments above it."""
-    lines = CONFIG_SOURCE.read_text().splitlines()
+    """class name -> field -> its documentation in config/: the string below it, else the comments above it."""
     docs: dict[str, dict[str, str]] = {}
-    for node in ast.parse(CONFIG_SOURCE.read_text()).body:
+    for source in CONFIG_SOURCES:
+        docs.update(class_field_documentation(source.read_text()))
+    return docs
+
+
+def class_field_documentation(text: str) -> dict[str, dict[str, str]]:
+    """field_documentation for the classes of one source file."""
+    lines = text.splitlines()
+    docs: dict[str, dict[str, str]] = {}
+    for node in ast.parse(text).body:
         if not isinstance(node, ast.ClassDef):
             continue
         fields = docs.setdefault(node.name, {})

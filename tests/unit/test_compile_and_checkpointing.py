@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moetrain.config import ModelConfig, MoEConfig, ParallelConfig, parse_job_args
+from moetrain.config.job import parse_job_args
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel import parallelize
 from moetrain.parallel.parallelize import checkpointing_mode, parallelize_model

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moetrain.config import JobConfig, ParallelConfig, check_world_size, load, parse_job_args
+from moetrain.config.job import JobConfig, load, parse_job_args
+from moetrain.config.parallel import ParallelConfig, check_world_size
 from moetrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

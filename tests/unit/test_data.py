@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config import DataConfig
+from moetrain.config.data import DataConfig
 from moetrain.data.corpus import STDLIB_EXCLUDED_DIRS, Document, is_heldout, load_corpus, stdlib_files
 from moetrain.data.packing import IGNORE_INDEX, PackedSequences, encode_documents, pack_documents
 from moetrain.data.tokenizer import ByteTokenizer, build_tokenizer

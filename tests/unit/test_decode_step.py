@@ -13,7 +13,8 @@ import torch
 
 import moetrain.model.layers as layers_module
 import moetrain.model.moe as moe_module
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.model.experts import FEW_ASSIGNMENTS, few_token_experts, routed_experts
 from moetrain.model.grouped_mm import ClampedSwiGLU
 from moetrain.model.kv_cache import KVCache

@@ -10,7 +10,7 @@ import pytest
 
 import hf_tiny
 from moetrain import cli
-from moetrain.config import from_dict, parse_job_args
+from moetrain.config.job import from_dict, parse_job_args
 from moetrain.interop import hf_job_config
 from moetrain.model.memory_estimate import estimate_training_memory, training_memory_breakdown
 from moetrain.model.transformer import Transformer

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config import JobConfig, ParallelConfig, check_world_size, parse_job_args
+from moetrain.config.job import JobConfig, parse_job_args
+from moetrain.config.parallel import ParallelConfig, check_world_size
 from moetrain.errors import ConfigError
 from moetrain.parallel.expert_parallel import expert_major_order
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from chat_fixtures import tokenizer_dir
-from moetrain.config import DataConfig, JobConfig
+from moetrain.config.data import DataConfig
+from moetrain.config.job import JobConfig
 from moetrain.data.dataset import load_training_data
 from moetrain.data.prepare.command import PrepareArgs, prepare
 from moetrain.data.tokenizer import build_tokenizer, frames_with_bos

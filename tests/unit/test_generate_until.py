@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.evaluate.generate import generate_tokens
 from moetrain.evaluate.harness import _gen_settings, harness_model

@@ -9,7 +9,8 @@ prompts of different lengths sharing one left-padded batch.
 import pytest
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.errors import ModelError
 from moetrain.evaluate.generate import generate_tokens, next_token, stop_at_strings, top_k_filter
 from moetrain.model.kv_cache import KVCache

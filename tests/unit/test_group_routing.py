@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from moetrain.config import JobConfig, MoEConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.errors import ConfigError, ModelError
 from moetrain.model.moe import MoE
 from moetrain.model.routing import group_mask, select_experts

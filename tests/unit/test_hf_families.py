@@ -31,7 +31,10 @@ from safetensors.torch import load_file, save_file
 
 import hf_tiny
 from hf_tiny import VARIANTS, build_variant, edit_config, family_of, relative_error, tokens
-from moetrain.config import JobConfig, ModelConfig, MoEConfig, TrainConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.train import TrainConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.interop import (

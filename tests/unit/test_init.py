@@ -11,7 +11,8 @@ import torch
 from moetrain.cli import main as cli_main
 from moetrain.commands.init_report import build_initialised, report_rows
 from moetrain.commands.init_report import main as report_main
-from moetrain.config import InitScheme, JobConfig, load
+from moetrain.config.job import JobConfig, load
+from moetrain.config.model import InitScheme
 from moetrain.errors import ConfigError, ModelError
 from moetrain.model.init import KINDS, SCHEMES, Dims, Rule, _draw_rows, classify, get_scheme
 
@@ -133,7 +134,7 @@ def test_deterministic_given_a_seed_and_sensitive_to_seed_and_scheme():
 
 
 def test_config_names_exactly_the_catalog_schemes_in_order():
-    # moetrain.config types model.init_scheme without importing the model; the two lists must agree.
+    # moetrain.config.model types model.init_scheme without importing the model; the two lists must agree.
     assert typing.get_args(InitScheme) == tuple(SCHEMES)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config import parse_job_args
+from moetrain.config.job import parse_job_args
 from moetrain.errors import ConfigError
 from moetrain.model import attention
 from moetrain.model.attention import document_causal_mask

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.model.attention import document_causal_mask
 from moetrain.model.layers import apply_rope, positions_from_documents, rope_cos_sin
 from moetrain.model.transformer import Transformer

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.commands.init_report import report_rows
-from moetrain.config import JobConfig, ModelConfig, MoEConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.model.init import classify
 from moetrain.model.layers import Attention, apply_rope, rope_cos_sin, rope_permutation
@@ -154,7 +156,7 @@ def test_parameter_and_flop_counts_with_a_free_head_width(overrides):
     (["--model.n_heads", "5"], "model.n_heads"),
 ])
 def test_bad_family_fields_are_refused_in_one_line(args, field):
-    from moetrain.config import apply_overrides
+    from moetrain.config.job import apply_overrides
     from moetrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

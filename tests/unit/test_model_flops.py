@@ -2,7 +2,8 @@
 
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.model.transformer import Transformer
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.config import MoEConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.model.moe import MoE
 
 DIM = 12

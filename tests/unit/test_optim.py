@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain.config import MoEConfig, TrainConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.train import TrainConfig
 from moetrain.model.moe import RoutedExpertWeights
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr, split_decay_groups
 

@@ -13,7 +13,7 @@ import torch
 from test_memory_estimate import saved_for_backward_bytes
 
 from moetrain import cli
-from moetrain.config import parse_job_args
+from moetrain.config.job import parse_job_args
 from moetrain.model.memory_estimate import HEAP_SLACK, estimate_peak
 from moetrain.model.transformer import Transformer
 from moetrain.observe.peak_memory import current_rss_bytes

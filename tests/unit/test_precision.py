@@ -10,7 +10,9 @@ import copy
 
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig, ParallelConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.precision import compute_copy
 from moetrain.train.build import build_model

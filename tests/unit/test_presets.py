@@ -19,7 +19,7 @@ import torch
 from transformers import GptOssConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.interop import export_family
 from moetrain.model.flops import count_params
 from moetrain.model.layers import rope_inv_freq

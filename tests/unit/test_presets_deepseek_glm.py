@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.interop import families
 from moetrain.model.flops import count_params

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.config import JobConfig, MoEConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.errors import ConfigError
 from moetrain.model.moe import MoE
 from moetrain.model.routing import balance_fractions, global_balance_share, switch_aux_loss

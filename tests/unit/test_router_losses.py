@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.data.packing import IGNORE_INDEX, Batch
 from moetrain.model.routing import balance_fractions, global_balance_share, router_z_loss, switch_aux_loss
 from moetrain.model.transformer import Transformer

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moetrain.config import JobConfig, from_dict
+from moetrain.config.job import JobConfig, from_dict
 from moetrain.errors import ConfigError
 from moetrain.runtime.run_dir import LOCK_FILE, RunDir, WriterLock, refuse_foreign_outputs
 

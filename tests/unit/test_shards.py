@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from moetrain.config import DataConfig, JobConfig
+from moetrain.config.data import DataConfig
+from moetrain.config.job import JobConfig
 from moetrain.data.corpus import load_corpus
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import PackedSequences, TokenStream, encode_documents

@@ -2,7 +2,7 @@
 
 import pytest
 
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.grad_sync import SYNC_POLICIES, SyncFlags, accumulation, resolve_sync_policy
 from moetrain.parallel.mesh import MeshDims

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.errors import ConfigError
 from moetrain.evaluate.tasks import (
     choice_metrics,

@@ -36,7 +36,7 @@ import torch
 
 from moetrain.args import parse_typed_args
 from moetrain.bench import results_dir
-from moetrain.config import load
+from moetrain.config.job import load
 from moetrain.data.batching import build_batching
 from moetrain.data.corpus import stdlib_files
 from moetrain.data.dataset import load_training_data

@@ -43,7 +43,8 @@ from moetrain.bench import results_dir
 from moetrain.bench.simulate import CommModel, Experts, Link, Workload, collective_times, simulate_step_times
 from moetrain.bench.sync_calibration import calibrate_comm
 from moetrain.bench.sync_report import bootstrap_ratio_ci
-from moetrain.config import JobConfig, check_world_size, load
+from moetrain.config.job import JobConfig, load
+from moetrain.config.parallel import check_world_size
 from moetrain.errors import ConfigError
 from moetrain.parallel.collectives import all_gather_floats
 from moetrain.parallel.expert_parallel import all_to_all_stats, expert_parameters

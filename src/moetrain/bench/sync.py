@@ -47,7 +47,7 @@ from moetrain.bench.sync_calibration import calibrate_comm, calibrate_compute
 from moetrain.bench.sync_model import ComputeClock, build_model, microbatch_inputs
 from moetrain.bench.sync_options import MODE_SETUP, SyncBenchOptions, validate_options
 from moetrain.bench.sync_report import RESULTS_DIR, report, summarize_runs
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.grad_sync import SYNC_POLICIES, SyncPolicy, accumulation
 from moetrain.parallel.mesh import JobMesh, MeshDims

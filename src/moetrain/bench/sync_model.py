@@ -20,7 +20,7 @@ from torch import nn
 
 from moetrain.bench.costs import as_batch_sizes
 from moetrain.bench.sync_options import SyncBenchOptions
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 from moetrain.model.transformer import Transformer
 
 PACKED_VOCAB = 259

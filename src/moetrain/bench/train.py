@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from moetrain.args import take_option
-from moetrain.config import CommandOption, JobConfig, parse_job_args
+from moetrain.config.job import CommandOption, JobConfig, parse_job_args
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
 from moetrain.logging import setup_logging

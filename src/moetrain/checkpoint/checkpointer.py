@@ -44,7 +44,8 @@ from moetrain.checkpoint.storage import (
     snapshot,
     tensor_state,
 )
-from moetrain.config import CheckpointConfig, JobConfig
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.job import JobConfig
 from moetrain.errors import ConfigError, PoisonedStateError, TrainingDiverged
 from moetrain.logging import get_logger
 from moetrain.parallel.collectives import distributed, rank_and_world

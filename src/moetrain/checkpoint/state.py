@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 
 from moetrain.checkpoint.layout import CONFIG_FILE, TRAINER_FILE, TRAINER_TENSORS_FILE, CheckpointRef
 from moetrain.checkpoint.manifest import require_verified
-from moetrain.config import JobConfig, from_dict
+from moetrain.config.job import JobConfig, from_dict
 from moetrain.errors import ConfigError
 
 TENSOR_REF = "__tensor__"  # {"__tensor__": key}: a tensor stored in trainer_tensors.safetensors

@@ -15,7 +15,7 @@ from typing import Annotated
 import tyro
 
 from moetrain.args import option_help, parse_typed_args
-from moetrain.config import JobConfig, to_toml
+from moetrain.config.job import JobConfig, to_toml
 from moetrain.interop import hf_job_config
 
 DEFAULT_SUFFIX = re.compile(r"\s*\(default: .*\)\s*$", re.DOTALL)

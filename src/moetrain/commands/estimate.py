@@ -19,7 +19,7 @@ import json
 import os
 
 from moetrain.args import take_option
-from moetrain.config import CommandOption, parse_job_args
+from moetrain.config.job import CommandOption, parse_job_args
 from moetrain.errors import ConfigError
 from moetrain.train.job_estimate import GPU_MEMORY_BYTES, PROG, describe, estimate, job_defaults
 

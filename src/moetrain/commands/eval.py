@@ -29,7 +29,7 @@ from moetrain.args import parse_typed_args
 from moetrain.checkpoint.state import stored_config
 from moetrain.checkpoint.storage import load_model_weights
 from moetrain.commands.export_hf import checkpoint_ref
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.durable import write_json_atomically
 from moetrain.errors import ConfigError

@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moetrain.args import parse_typed_args
-from moetrain.config import JobConfig, ModelConfig, load
+from moetrain.config.job import JobConfig, load
+from moetrain.config.model import ModelConfig
 from moetrain.model.init import Scheme, canonical_name, classify, get_scheme, single_cpu_thread
 from moetrain.model.transformer import Transformer
 from moetrain.train.build import build_model

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from moetrain.config import DataConfig
+from moetrain.config.data import DataConfig
 from moetrain.data.packing import Batch, PackedSequences
 from moetrain.errors import ConfigError
 

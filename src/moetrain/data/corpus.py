@@ -30,7 +30,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetrain.config import DataConfig
+from moetrain.config.data import DataConfig
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 from moetrain.data.batching import MixedSequences
 from moetrain.data.chat import load_chat_template
 from moetrain.data.corpus import load_corpus

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 from moetrain.data.tokenizer import Tokenizer
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.errors import ConfigError
 

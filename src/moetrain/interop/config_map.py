@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from moetrain.config import JobConfig, ModelConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.errors import ConfigError
 from moetrain.interop import families

@@ -29,7 +29,8 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-from moetrain.config import JobConfig, ModelConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
 from moetrain.data.chat import ConversationError, end_of_turn_ids, load_chat_template
 from moetrain.data.tokenizer import (
     BYTE_SPECIAL_TOKENS,

@@ -7,7 +7,7 @@ tensors.
 
 from __future__ import annotations
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 
 
 def decoder_names(cfg: ModelConfig, router: str = "mlp.gate") -> dict[str, str]:

@@ -10,7 +10,7 @@ No tensors are built here.
 
 from __future__ import annotations
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

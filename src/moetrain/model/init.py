@@ -17,7 +17,7 @@ most two partly wasted blocks per shard, and a host-to-device copy when paramete
 `init_model` is what `Transformer.init_weights` calls. This module works on any module with the
 Transformer's parameter names and `cfg`; it never imports or builds the model (init_report.py
 does, for the `moetrain init-report` command), never builds a process group (it only reads DTensor
-metadata) and has no command-line code. The scheme names are repeated in `moetrain.config.InitScheme`
+metadata) and has no command-line code. The scheme names are repeated in `moetrain.config.model.InitScheme`
 so a config validates without importing the model; a test keeps the two in step.
 """
 
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 from moetrain.errors import ModelError
 
 KINDS = ("embedding", "qkv", "attn_out", "ffn_gate", "ffn_up", "ffn_down", "router",

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 from moetrain.model.attention import AttentionPlan, attend
 from moetrain.model.kv_cache import LayerCache
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 from moetrain.dtypes import DTYPES
 from moetrain.model.attention import gemm_attention_saved_keys
 from moetrain.model.flops import count_params

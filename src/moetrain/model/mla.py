@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 from moetrain.model.attention import AttentionPlan, attend
 from moetrain.model.kv_cache import LayerCache
 from moetrain.model.layers import apply_rope, rope_cos_sin, yarn_mscale

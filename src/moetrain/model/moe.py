@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from moetrain.config import MoEConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.model.experts import FEW_ASSIGNMENTS, few_token_experts, routed_experts
 from moetrain.model.grouped_mm import Activation, ClampedSwiGLU
 from moetrain.model.layers import FeedForward, profiler_label

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 from moetrain.model.attention import AttentionPlan, plan_attention
 from moetrain.model.init import init_model
 from moetrain.model.kv_cache import KVCache

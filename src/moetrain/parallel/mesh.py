@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moetrain.config import ParallelConfig, check_world_size
+from moetrain.config.parallel import ParallelConfig, check_world_size
 from moetrain.errors import ConfigError
 
 DATA_DIM_NAMES = ("dp_replicate", "dp_shard")

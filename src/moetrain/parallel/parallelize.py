@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.model import moe_function  # registers torch.ops.moetrain.memory_efficient_experts
 from moetrain.parallel.expert_parallel import apply_expert_parallel

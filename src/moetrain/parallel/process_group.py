@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.collectives import distributed, leave_together
 from moetrain.parallel.mesh import JobMesh, MeshDims

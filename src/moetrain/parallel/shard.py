@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
 
-from moetrain.config import ParallelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.parallel.expert_parallel import expert_parameters

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moetrain.config import JobConfig, check_world_size
+from moetrain.config.job import JobConfig
+from moetrain.config.parallel import check_world_size
 from moetrain.errors import ConfigError
 from moetrain.model.memory_estimate import MemoryEstimate, estimate_training_memory, format_bytes
 from moetrain.parallel.collectives import distributed, rank_and_world

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moetrain.config import JobConfig, from_dict
+from moetrain.config.job import JobConfig, from_dict
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
 from moetrain.parallel.collectives import broadcast_int, rank_and_world

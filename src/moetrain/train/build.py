@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from moetrain.config import JobConfig, ModelConfig, ParallelConfig
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.interop import hf_job_config, load_hf_weights
 from moetrain.model.init import reset_buffers

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moetrain.config import JobConfig, check_world_size
+from moetrain.config.job import JobConfig
+from moetrain.config.parallel import check_world_size
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
 from moetrain.interop import hf_dir, hf_job_config

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from moetrain.config import TrainConfig
+from moetrain.config.train import TrainConfig
 
 
 def split_decay_groups(model: nn.Module, decay_norms_and_embeddings: bool) -> tuple[list[str], list[str]]:

@@ -43,7 +43,9 @@ from moetrain.checkpoint.checkpointer import Checkpointer
 from moetrain.checkpoint.layout import CheckpointRef, remove_partial
 from moetrain.checkpoint.state import stored_config
 from moetrain.checkpoint.storage import saved_intra_op_threads
-from moetrain.config import CommandOption, JobConfig, check_world_size, parse_job_args, parse_step_range, to_toml
+from moetrain.config.job import CommandOption, JobConfig, parse_job_args, to_toml
+from moetrain.config.parallel import check_world_size
+from moetrain.config.profile import parse_step_range
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import CollectiveFailed, ConfigError, TrainingDiverged
 from moetrain.evaluate.generate import generate

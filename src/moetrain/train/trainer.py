@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from moetrain.checkpoint.layout import CheckpointRef
 from moetrain.checkpoint.state import capture_rng_state, restore_rng_state
 from moetrain.checkpoint.storage import load_checkpoint
-from moetrain.config import JobConfig
+from moetrain.config.job import JobConfig
 from moetrain.data.batching import build_batching
 from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader

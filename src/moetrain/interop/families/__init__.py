@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 from moetrain.errors import ConfigError
 from moetrain.interop.adapter import Family
 from moetrain.interop.families import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe

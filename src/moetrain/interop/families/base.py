@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import ModelConfig
+from moetrain.config.model import ModelConfig
 from moetrain.interop.config_json import unsupported
 
 # moetrain architecture field -> what fixes it in a Llama-style MoE config.json (Qwen3-MoE's names), or

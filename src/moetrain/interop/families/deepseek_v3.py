@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.interop.adapter import Family, Refusal, gpt_oss_era_checks
 from moetrain.interop.config_json import (

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.interop.adapter import Family, Refusal, plain_top_k_refusals
 from moetrain.interop.config_json import decoder_config_json, decoder_fields

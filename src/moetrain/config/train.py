@@ -1,0 +1,106 @@
+"""The [train] section: steps, batch, optimizer, schedule, recomputation, evaluation, sampling; its checks.
+
+A rule that also reads another section (compile with token-budget batches) is JobConfig's. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moetrain.config.checks import check, check_nonnegative, check_positive
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps of the whole run (the schedule spans them)."""
+    microbatch_size: int = 4
+    """Sequences per microbatch per rank (under token budgets: per evaluation batch)."""
+    grad_accum: int = 1
+    """Microbatches per rank per optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """The schedule's final learning rate as a fraction of train.lr."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up from 0 to train.lr."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Learning-rate schedule after warm-up: cosine decay, warmup-stable-decay, or constant."""
+    decay_fraction: float = 0.2
+    """WSD: fraction of steps spent in the final decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (matrices only unless decay_norms_and_embeddings)."""
+    decay_norms_and_embeddings: bool = False
+    """Apply weight decay to norm weights and embeddings too."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
+    seed: int = 0
+    """Seed of the init, the data order and sampling."""
+    activation_checkpointing: bool | Literal["none", "full", "selective"] = False
+    """Recompute activations in backward instead of storing them: "full" (or true) recomputes whole
+    blocks from their input; "selective" keeps every matmul's and attention kernel's output and
+    recomputes only the cheap ops between them; "none" (or false) stores everything."""
+    activation_checkpointing_every: int = 1
+    """Checkpoint only blocks 0, N, 2N, ... (N = this); 1 = every block."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+    nan_policy: Literal["skip", "stop"] = "stop"
+    """A step whose loss or gradient norm is NaN/inf: skip it (no optimizer step) or stop the run."""
+    max_consecutive_skips: int = 10
+    """nan_policy = "skip": this many non-finite steps in a row end the run (TrainingDiverged);
+    a run that keeps producing NaN is not recovering, and skipping forever only burns compute."""
+    eval_every: int = 100
+    """Steps between held-out evaluations; 0 = only the final one."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    eval_tasks: list[str] = field(default_factory=list)
+    """Multiple-choice task files scored at every evaluation (and the final one), split over the ranks: JSONL
+    lines {"query": str, "choices": [str, ...], "gold": int}, lm-evaluation-harness's acc and acc_norm
+    (moetrain.train.task_eval); [] = none."""
+    eval_tasks_limit: int = 0
+    """Documents per train.eval_tasks file at most (the first N); 0 = all."""
+    peak_flops: float = 0.0
+    """MFU's peak FLOP/s per rank; 0 = measured at start (moetrain.observe.peak_flops)."""
+    sample_tokens: int = 200
+    """Tokens sampled from the model at the end of the run; 0 = none."""
+    sample_prompt: str = "def "
+    """Prompt of the end-of-run sample."""
+    sample_temperature: float = 0.8
+    """Temperature of the end-of-run sample; 0 = greedy."""
+    sample_top_p: float = 0.95
+    """Nucleus (top-p) cut of the end-of-run sample."""
+    stop_at_step: int | None = None
+    """End this invocation after this step (checkpoint written) as if interrupted; the
+    schedule still spans train.steps. Resume later with --checkpoint.resume True."""
+    num_threads: int = 0
+    """torch intra-op threads per process; 0 = OMP_NUM_THREADS when set (torchrun sets 1), else
+    every usable core unless a short GEMM probe at start finds them busy (moetrain.runtime.threads)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError (one line) at the first invalid [train] field."""
+        check_positive(self, "train", ("steps", "microbatch_size", "grad_accum", "activation_checkpointing_every",
+                                       "eval_batches", "max_consecutive_skips"))
+        check_nonnegative(self, "train", ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "sample_tokens",
+                                          "num_threads", "eval_tasks_limit"))
+        check(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        check(self.warmup_steps < self.steps, "train.warmup_steps", self.warmup_steps,
+              f"must be < train.steps = {self.steps} (the schedule would never leave warm-up)")
+        check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        check(0 < self.decay_fraction <= 1, "train.decay_fraction", self.decay_fraction, "must be in (0, 1]")
+        check(0 <= self.beta1 < 1, "train.beta1", self.beta1, "must be in [0, 1)")
+        check(0 <= self.beta2 < 1, "train.beta2", self.beta2, "must be in [0, 1)")
+        check(self.eps > 0, "train.eps", self.eps, "must be > 0")
+        check(self.peak_flops >= 0, "train.peak_flops", self.peak_flops, "must be >= 0 (0 = measure)")
+        check(self.sample_temperature >= 0, "train.sample_temperature", self.sample_temperature,
+              "must be >= 0 (0 = greedy)")
+        check(0 < self.sample_top_p <= 1, "train.sample_top_p", self.sample_top_p, "must be in (0, 1]")
+        if self.stop_at_step is not None:
+            check(1 <= self.stop_at_step <= self.steps, "train.stop_at_step", self.stop_at_step,
+                  f"must be in [1, train.steps = {self.steps}]")
