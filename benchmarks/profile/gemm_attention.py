@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-import moetrain.model.attention as attention
+import moetrain.model.gemm_attention as gemm_attention
 from moetrain.model.attention import attend, plan_attention
 from moetrain.runtime.allocator import reuse_freed_host_memory
 
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
     opts = parser.parse_args(argv)
     torch.set_num_threads(1)
     reuse_freed_host_memory(1)
-    bound = attention.GEMM_ATTENTION_MAX_SCORES
+    bound = gemm_attention.GEMM_ATTENTION_MAX_SCORES
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for kind, batch, seq in SHAPES:
@@ -56,9 +56,9 @@ def main(argv: list[str]) -> None:
             best = {"flash": float("inf"), "gemm": float("inf")}
             for _ in range(opts.rounds):
                 for path, limit in (("flash", 0), ("gemm", max(bound, batch * 16 * seq * seq))):
-                    attention.GEMM_ATTENTION_MAX_SCORES = limit
+                    gemm_attention.GEMM_ATTENTION_MAX_SCORES = limit
                     best[path] = min(best[path], fwd_bwd(q, k, v, grad, plan))
-            attention.GEMM_ATTENTION_MAX_SCORES = bound
+            gemm_attention.GEMM_ATTENTION_MAX_SCORES = bound
             # attention FLOPs of the causal half: 2 GEMMs forward, 4 backward (flash's recompute not counted)
             flops = 6 * 2 * batch * 16 * seq * seq * 128 / 2
             row = {"dtype": str(dtype).removeprefix("torch."), "kind": kind, "batch": batch, "seq": seq,

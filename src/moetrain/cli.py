@@ -81,7 +81,7 @@ def entry() -> NoReturn:
     outlive `destroy_process_group`; when the teardown reaches them, a rank can abort with
     "terminate called without an active exception" (SIGABRT) after a run that succeeded, and
     torchrun then reports the whole job as failed (1 in 49 two-rank runs did, with only a final
-    barrier; benchmarks/stress_exit.py). Every file the run writes is closed before `main` returns.
+    barrier; benchmarks/stress/stress_exit.py). Every file the run writes is closed before `main` returns.
     Before anything loads torch, a rank of a multi-rank job asks for huge pages for large host
     tensors (moetrain.runtime.allocator).
     """

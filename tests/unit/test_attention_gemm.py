@@ -1,4 +1,4 @@
-"""The GEMM attention (attention._GemmAttention), which `attend` takes on CPU below its size bound.
+"""The GEMM attention (gemm_attention.GemmAttention), which `attend` takes on CPU below its size bound.
 
 The reference (tests/attention_reference.py) is written independently of attention.py: scores q·k/√D in
 float64, the "same document, causal, i - j < window" mask, the sink as one extra logit per head, dropped
@@ -12,7 +12,7 @@ own error scale; and the bound must route large calls and other dtypes to SDPA.
 import pytest
 import torch
 
-import moetrain.model.attention as attention
+import moetrain.model.gemm_attention as gemm_attention
 from attention_reference import ids_from_lengths, reference, run
 from moetrain.model.attention import attend, plan_attention
 
@@ -36,13 +36,13 @@ def inputs(batch, seq, heads=4, kv_heads=2, head_dim=8, value_dim=None, seed=0):
 def gemm_calls(monkeypatch):
     """Counts the calls that reach the GEMM attention."""
     calls = []
-    apply = attention._GemmAttention.apply
+    apply = gemm_attention.GemmAttention.apply
 
     def counting(*args):
         calls.append(args[0].shape)
         return apply(*args)
 
-    monkeypatch.setattr(attention._GemmAttention, "apply", counting)
+    monkeypatch.setattr(gemm_attention.GemmAttention, "apply", counting)
     return calls
 
 
@@ -58,7 +58,7 @@ def compare(got, want, rtol=1e-5, atol=1e-5):
 @pytest.mark.parametrize("kv_heads, value_dim", [(4, 8), (2, 8), (1, 8), (2, 5)], ids=["mha", "gqa", "mqa", "dv5"])
 def test_gemm_path_matches_the_float64_reference(gemm_calls, monkeypatch, method, case, kv_heads, value_dim, chunk):
     """Chunk 128: one chunk per call (rows of 96); 7: several, uneven, inside blocks' key spans too."""
-    monkeypatch.setattr(attention, "GEMM_ATTENTION_CHUNK", chunk)
+    monkeypatch.setattr(gemm_attention, "GEMM_ATTENTION_CHUNK", chunk)
     with_sinks, window = CASES[case]
     ids = ids_from_lengths(ROWS)
     q, k, v, sinks, grad_out = inputs(len(ROWS), sum(ROWS[0]), kv_heads=kv_heads, value_dim=value_dim)
@@ -73,7 +73,7 @@ def test_gemm_path_matches_the_float64_reference(gemm_calls, monkeypatch, method
 @pytest.mark.parametrize("chunk", [128, 16, 7], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("case", CASES)
 def test_gemm_path_for_rows_without_documents(gemm_calls, monkeypatch, case, chunk):
-    monkeypatch.setattr(attention, "GEMM_ATTENTION_CHUNK", chunk)
+    monkeypatch.setattr(gemm_attention, "GEMM_ATTENTION_CHUNK", chunk)
     with_sinks, window = CASES[case]
     q, k, v, sinks, grad_out = inputs(2, 80, heads=6, kv_heads=3)
     sinks = sinks if with_sinks else None
@@ -89,8 +89,8 @@ def test_gemm_path_agrees_with_sdpa(monkeypatch, method):
     ids = ids_from_lengths(ROWS)
     q, k, v, sinks, grad_out = inputs(len(ROWS), sum(ROWS[0]))
     results = []
-    for bound in (attention.GEMM_ATTENTION_MAX_SCORES, 0):
-        monkeypatch.setattr(attention, "GEMM_ATTENTION_MAX_SCORES", bound)
+    for bound in (gemm_attention.GEMM_ATTENTION_MAX_SCORES, 0):
+        monkeypatch.setattr(gemm_attention, "GEMM_ATTENTION_MAX_SCORES", bound)
         results.append(run(lambda q, k, v, s: attend(q, k, v, plan_attention(ids, method), s, 8), q, k, v, sinks,
                            grad_out, torch.float32))
     compare(*results)
@@ -100,14 +100,14 @@ def test_bfloat16_error_within_the_flash_kernels_scale(monkeypatch):
     """bf16 inputs: the GEMM path's error against float64 (on the bf16-rounded inputs) is of the flash
     kernel's order; a path that rounded the softmax's sums or skipped the scale would be far off. Four
     query chunks, so dk and dv are accumulated over chunks."""
-    monkeypatch.setattr(attention, "GEMM_ATTENTION_CHUNK", 64)
+    monkeypatch.setattr(gemm_attention, "GEMM_ATTENTION_CHUNK", 64)
     seq = 256
     q, k, v, _, grad_out = inputs(2, seq, heads=8, kv_heads=4, head_dim=64, seed=3)
     q, k, v, grad_out = (t.to(torch.bfloat16).double() for t in (q, k, v, grad_out))  # exact in bf16
     want = run(lambda q, k, v, s: reference(q, k, v, None, None, None), q, k, v, None, grad_out, torch.float64)
     errors = {}
-    for name, bound in (("gemm", attention.GEMM_ATTENTION_MAX_SCORES), ("flash", 0)):
-        monkeypatch.setattr(attention, "GEMM_ATTENTION_MAX_SCORES", bound)
+    for name, bound in (("gemm", gemm_attention.GEMM_ATTENTION_MAX_SCORES), ("flash", 0)):
+        monkeypatch.setattr(gemm_attention, "GEMM_ATTENTION_MAX_SCORES", bound)
         got = run(lambda q, k, v, s: attend(q, k, v, None), q, k, v, None, grad_out, torch.bfloat16)
         errors[name] = [float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want, strict=True)]
     for gemm_error, flash_error in zip(errors["gemm"], errors["flash"], strict=True):
@@ -117,10 +117,10 @@ def test_bfloat16_error_within_the_flash_kernels_scale(monkeypatch):
 def test_the_bound_routes_large_calls_and_other_dtypes_to_sdpa(gemm_calls, monkeypatch):
     q, k, v, _, _ = inputs(2, 32)
     batch, seq, heads, _ = q.shape
-    monkeypatch.setattr(attention, "GEMM_ATTENTION_MAX_SCORES", batch * heads * seq * seq - 1)
+    monkeypatch.setattr(gemm_attention, "GEMM_ATTENTION_MAX_SCORES", batch * heads * seq * seq - 1)
     attend(q.float(), k.float(), v.float(), None)
     assert not gemm_calls, "a call above the bound took the GEMM attention"
-    monkeypatch.setattr(attention, "GEMM_ATTENTION_MAX_SCORES", batch * heads * seq * seq)
+    monkeypatch.setattr(gemm_attention, "GEMM_ATTENTION_MAX_SCORES", batch * heads * seq * seq)
     attend(q.float(), k.float(), v.float(), None)
     assert len(gemm_calls) == 1
     attend(q, k, v, None)  # float64 stays on SDPA
@@ -142,9 +142,9 @@ def test_saved_probabilities_are_what_the_memory_estimate_counts():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         attend(*leaves, None)
     probs = sum(t.numel() for t in saved.values() if t.dim() == 3 and t.shape[-1] != 8)
-    keys = attention.gemm_attention_saved_keys(batch, heads, seq, torch.float32)
+    keys = gemm_attention.gemm_attention_saved_keys(batch, heads, seq, torch.float32)
     assert keys == (128 * 128 + 128 * 256 + 128 * 384 + 128 * 512) / 512  # 4 chunks of 128 queries
     assert probs == batch * heads * seq * keys
-    assert attention.gemm_attention_saved_keys(batch, heads, seq, torch.float64) == 0
-    assert attention.gemm_attention_saved_keys(batch, heads, seq, torch.float32, "cuda") == 0
-    assert attention.gemm_attention_saved_keys(64, 64, 4096, torch.bfloat16) == 0  # above the size bound
+    assert gemm_attention.gemm_attention_saved_keys(batch, heads, seq, torch.float64) == 0
+    assert gemm_attention.gemm_attention_saved_keys(batch, heads, seq, torch.float32, "cuda") == 0
+    assert gemm_attention.gemm_attention_saved_keys(64, 64, 4096, torch.bfloat16) == 0  # above the size bound

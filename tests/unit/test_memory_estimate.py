@@ -9,7 +9,7 @@ import torch
 
 from moetrain.config.job import parse_job_args
 from moetrain.errors import ConfigError
-from moetrain.model import attention
+from moetrain.model import gemm_attention
 from moetrain.model.attention import document_causal_mask
 from moetrain.model.memory_estimate import estimate_training_memory
 from moetrain.model.transformer import Transformer
@@ -100,7 +100,7 @@ def test_on_cuda_each_rank_is_compared_with_one_device(monkeypatch):
 def test_token_budget_microbatch_is_one_row_of_the_budget(monkeypatch):
     # seq_len 64 × 2 rows would under-count a one-row microbatch of 512 tokens. With the CPU GEMM attention
     # off (size bound 0) every term is linear in the tokens; its saved probabilities grow with the row.
-    monkeypatch.setattr(attention, "GEMM_ATTENTION_MAX_SCORES", 0)
+    monkeypatch.setattr(gemm_attention, "GEMM_ATTENTION_MAX_SCORES", 0)
     cfg = parse_job_args(SMALL + ["--data.batching", "token_budget", "--data.token_budget", "512"])
     mask = document_causal_mask(torch.zeros(1, 512, dtype=torch.long))
     estimate = estimate_training_memory(cfg)

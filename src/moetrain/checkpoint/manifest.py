@@ -6,7 +6,7 @@ outside the manifest is present. sha256 rather than a cheaper checksum (crc32, x
 the standard library, any machine can recheck a copied checkpoint with `sha256sum`, no accidental
 or crafted match is within reach, and its cost is one pass over the bytes: 0.19x the time of a
 whole save of the default model's checkpoint, crc32 being 0.34x of sha256
-(benchmarks/checkpoint_hash_cost.py, docs/reliability.md). The manifest lives beside the files, so
+(benchmarks/profile/checkpoint_hash_cost.py, docs/reliability.md). The manifest lives beside the files, so
 it detects damage (flipped bytes, truncation, missing or extra files), not deliberate tampering:
 someone who can write the directory can rewrite the manifest too. That is safe because the loader
 cannot execute code whatever the files contain.

@@ -63,7 +63,7 @@ class TrainConfig:
     eval_tasks: list[str] = field(default_factory=list)
     """Multiple-choice task files scored at every evaluation (and the final one), split over the ranks: JSONL
     lines {"query": str, "choices": [str, ...], "gold": int}, lm-evaluation-harness's acc and acc_norm
-    (moetrain.train.task_eval); [] = none."""
+    (moetrain.evaluate.tasks); [] = none."""
     eval_tasks_limit: int = 0
     """Documents per train.eval_tasks file at most (the first N); 0 = all."""
     peak_flops: float = 0.0

@@ -21,7 +21,7 @@ buffers, no FSDP all-gather buffers), so a config it says does not fit certainly
 the peak instead, what `moetrain estimate` and `train --dry-run` report: the process itself and the
 data (both measured by the caller), the state, the activations counted per storage as autograd
 saves them, one block's backward working set, the float32 logits, FSDP2's unsharded blocks and the
-host heap's slack (benchmarks/estimate_accuracy.py compares it with the peak RSS of real runs).
+host heap's slack (benchmarks/profile/estimate_accuracy.py compares it with the peak RSS of real runs).
 This module reads the config; it never builds a model, allocates tensors or looks at the machine.
 """
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 
 from moetrain.config.job import JobConfig
 from moetrain.dtypes import DTYPES
-from moetrain.model.attention import gemm_attention_saved_keys
 from moetrain.model.flops import count_params
+from moetrain.model.gemm_attention import gemm_attention_saved_keys
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # float32 weight + float32 gradient + AdamW exp_avg and exp_avg_sq.
@@ -237,7 +237,7 @@ def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", p
     forward temporaries between saved tensors, the state first allocated in the first step's freed
     activation space), is taken as HEAP_SLACK of the step's transient memory (activations, backward working
     set, logits). That fraction is measured, not derived: the slack was 0.13x (olmoe_tiny), 0.5x (tiny_moe)
-    and 1.1x (qwen3_moe_debug) of the transients on one process (benchmarks/estimate_accuracy.py)."""
+    and 1.1x (qwen3_moe_debug) of the transients on one process (benchmarks/profile/estimate_accuracy.py)."""
     m, t = cfg.model, cfg.train
     ac = (t.activation_checkpointing not in (False, "none")) if activation_checkpointing is None \
         else activation_checkpointing

@@ -145,6 +145,19 @@ def expert_of_rows(counts: Tensor, n_rows: int) -> Tensor:
     return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=n_rows)
 
 
+def _chunk_slices(chunk: ExpertChunk, counts: Tensor, counts_host: list[int] | None
+                  ) -> tuple[slice, slice, Tensor, list[int] | None]:
+    """(its rows, its experts, their counts, their host counts) of one chunk of the plan."""
+    experts = slice(chunk.first_expert, chunk.end_expert)
+    return (slice(chunk.first_row, chunk.end_row), experts, counts[experts],
+            None if counts_host is None else counts_host[experts])
+
+
+def _bias_rows(counts: Tensor, token_index: Tensor, b1: Tensor | None, b2: Tensor | None) -> Tensor | None:
+    """The expert of every routed row, which expert biases index; None when there is no bias."""
+    return expert_of_rows(counts, token_index.numel()) if b1 is not None or b2 is not None else None
+
+
 def _forward(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
              b1: Tensor | None, b2: Tensor | None, activation: Activation, backend: Backend,
              chunk_rows: int) -> tuple[Tensor, Tensor, list[int] | None, list[ExpertChunk]]:
@@ -156,13 +169,9 @@ def _forward(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Ten
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
     # One chunk writes H directly; several fill row slices of one preallocated H.
     hidden = x.new_empty(token_index.numel(), w1.shape[2]) if len(chunks) > 1 else None
-    experts_of_rows = (expert_of_rows(counts, token_index.numel())
-                       if b1 is not None or b2 is not None else None)
+    experts_of_rows = _bias_rows(counts, token_index, b1, b2)
     for chunk in chunks:
-        rows = slice(chunk.first_row, chunk.end_row)
-        experts = slice(chunk.first_expert, chunk.end_expert)
-        counts_c = counts[experts]
-        counts_host_c = None if counts_host is None else counts_host[experts]
+        rows, experts, counts_c, counts_host_c = _chunk_slices(chunk, counts, counts_host)
         tokens = token_index[rows]
         # Gathered rows are a chunk-sized temporary; backward gathers X again rather than keep them.
         hidden_c = grouped_mm(x.index_select(0, tokens), w1[experts], counts_c, backend, counts_host_c,
@@ -196,13 +205,9 @@ def _backward(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token
     grad_w2 = torch.empty_like(w2) if need_w2 else None
     grad_b1 = torch.zeros(b1.shape, dtype=acc, device=b1.device) if need_b1 else None
     grad_b2 = torch.zeros(b2.shape, dtype=acc, device=b2.device) if need_b2 else None
-    experts_of_rows = (expert_of_rows(counts, token_index.numel())
-                       if b1 is not None or b2 is not None else None)
+    experts_of_rows = _bias_rows(counts, token_index, b1, b2)
     for chunk in chunks:
-        rows = slice(chunk.first_row, chunk.end_row)
-        experts = slice(chunk.first_expert, chunk.end_expert)
-        counts_c = counts[experts]
-        counts_host_c = None if counts_host is None else counts_host[experts]
+        rows, experts, counts_c, counts_host_c = _chunk_slices(chunk, counts, counts_host)
         tokens, scores_c, hidden_c = token_index[rows], scores[rows], hidden[rows]
         grad_out_rows = grad_out.index_select(0, tokens)  # dO[token] per assignment
         # dA' = dO W2^T (a transposed view of W2, no copy)

@@ -5,7 +5,7 @@ once per unit gather and gradient reduction. Gloo runs both far slower than the 
 by its broadcast and send/recv: on 4 ranks of one busy 2-core host, per 151 MB (one Qwen3-MoE debug
 layer) call, the all-gather cost 0.13-0.23 CPU-s per rank (mostly kernel time) and 1.0-1.6 s of
 wall time, one broadcast per shard 0.05-0.06 CPU-s and 0.3-0.5 s; the reduce-scatter 0.21 CPU-s
-against 0.07-0.08 for one send/recv per pair and a local sum (benchmarks/gloo_collectives.py and
+against 0.07-0.08 for one send/recv per pair and a local sum (benchmarks/profile/gloo_collectives.py and
 its earlier drafts, three runs; docs/design/performance.md, "Several ranks"). The bytes each rank
 sends and receives are the same ((world - 1) / world of the buffer); only gloo's handling differs.
 
@@ -133,7 +133,7 @@ class PointToPointReduceScatter(_PooledAlloc, ReduceScatter):
         world, rank = group.size(), group.rank()
         chunks = input_tensor.view(world, -1)
         # Not pooled: a pooled receive buffer stayed allocated beside the pooled gathers and raised the
-        # peak RSS per rank by 108 MiB (qwen3_moe_debug, FSDP 4, benchmarks/multirank_overhead.py).
+        # peak RSS per rank by 108 MiB (qwen3_moe_debug, FSDP 4, benchmarks/ab/multirank_overhead.py).
         received = torch.empty((world - 1, chunks.shape[1]), dtype=input_tensor.dtype, device=input_tensor.device)
         peers = [peer for peer in range(world) if peer != rank]
         ops = []

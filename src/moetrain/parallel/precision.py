@@ -94,7 +94,7 @@ class ComputeCopy:
             slot.copy.copy_(slot.master)
             if not (with_grads and slot.copy.requires_grad):
                 continue
-            # A persistent buffer, so no step pays for fresh pages (docs/performance.md, "Step
+            # A persistent buffer, so no step pays for fresh pages (docs/results.md, "Step
             # time"); a new one only while the master still holds the last one as its gradient.
             if slot.grad is None or slot.master.grad is slot.grad:
                 slot.grad = torch.empty_like(slot.master, dtype=self.reduce_dtype)

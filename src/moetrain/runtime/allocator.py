@@ -7,13 +7,13 @@ are new zero-filled pages every time: page faults and zeroing cost more than the
 that fill them. `reuse_freed_host_memory` turns glibc's mmap path off (M_MMAP_MAX = 0)
 and raises its trim threshold, so freed blocks are reused by the next step's tensors of
 the same sizes. Measured on qwen3_moe_debug, one process, 128-token rows: the backward
-took 2-3x less time (docs/performance.md, "Step time"). The heap then keeps its
+took 2-3x less time (docs/results.md, "Step time"). The heap then keeps its
 high-water mark instead of returning memory between steps; the peak itself is unchanged.
 
 One process only: with several ranks on one host each rank's heap then keeps its own high-water
 mark, and on 4 gloo ranks of qwen3_moe_debug (128-token rows) a rank grew to 6.3 GB of anonymous
 memory, killed by the OOM killer on a 24 GiB machine, where the same job without the setting
-peaked at 2.5 GB per rank (benchmarks/step_time_ab.py, side by side). Only on glibc (Linux);
+peaked at 2.5 GB per rank (benchmarks/ab/step_time_ab.py, side by side). Only on glibc (Linux);
 elsewhere it does nothing.
 
 Several ranks keep torch's allocator as it is: huge pages stay off (THP_MEM_ALLOC_ENABLE=0 unless

@@ -120,7 +120,7 @@ def map_large_allocations() -> None:
 
     glibc raises its mmap threshold to the size of each large block freed, so after the first, the next ones
     (datasets' JSON reader reads JSON Lines in 10 MiB chunks) come from the heap, where fragmentation kept them:
-    the peak RSS of benchmarks/prepare_streaming.py grew 434 / 458 / 478 MB for 16 / 64 / 258 MB of JSON Lines,
+    the peak RSS of benchmarks/profile/prepare_streaming.py grew 434 / 458 / 478 MB for 16 / 64 / 258 MB of JSON Lines,
     and was 430 / 448 / 450 MB with the threshold fixed (MALLOC_MMAP_THRESHOLD_=1048576, what this sets while the
     process runs; a fixed threshold turns the dynamic one off). Where there is no glibc mallopt, nothing is done."""
     mallopt = glibc_mallopt()
