@@ -12,4 +12,4 @@ import torch
 from moetrain.testing import use_preloaded_fork_server
 
 torch.set_num_threads(1)
-use_preloaded_fork_server()
+use_preloaded_fork_server(extra_preload=("pytest",))  # ranks import it with their test module

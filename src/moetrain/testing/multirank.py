@@ -53,6 +53,7 @@ class _ForkServer:
     def __init__(self) -> None:
         self.enabled = False
         self.started = False
+        self.extra_preload: tuple[str, ...] = ()
         self.lock = threading.Lock()
 
     def context(self) -> BaseContext:
@@ -62,7 +63,7 @@ class _ForkServer:
             if not self.started:
                 loaded = sorted(name for name in sys.modules if name.startswith("moetrain.")
                                 and name != "moetrain.__main__")
-                ctx.set_forkserver_preload([*_LIBRARY_PRELOAD, "moetrain", *loaded])
+                ctx.set_forkserver_preload([*_LIBRARY_PRELOAD, *self.extra_preload, "moetrain", *loaded])
                 # The server resolves the preload with its own sys.path: make it this process's,
                 # so that it imports the same moetrain as a rank that unpickles `fn` would.
                 saved = {"PYTHONPATH": os.environ.get("PYTHONPATH")}
@@ -78,9 +79,14 @@ class _ForkServer:
 _FORK_SERVER = _ForkServer()
 
 
-def use_preloaded_fork_server() -> None:
-    """Fork the ranks of later calls without `rank_env` from a server with torch already imported."""
+def use_preloaded_fork_server(extra_preload: tuple[str, ...] = ()) -> None:
+    """Fork the ranks of later calls without `rank_env` from a server with torch already imported.
+
+    `extra_preload`: more modules for the server to import, e.g. a test runner that every
+    rank imports again (a missing one only costs the ranks its import).
+    """
     _FORK_SERVER.enabled = True
+    _FORK_SERVER.extra_preload = tuple(extra_preload)
 
 
 class _ParentState:
