@@ -15,8 +15,8 @@ working directory, sys.path, stdout and stderr as a spawned one would; it differ
 what only a fresh interpreter gives: a resident set that starts smaller (pages of the
 server's libraries are not yet touched), the server's string hash seed on every rank,
 and environment variables read when torch loads (those come from the server's start,
-which is why `rank_env` calls always spawn). This module must not import moetrain
-itself: it sits below every other layer.
+which is why `rank_env` calls always spawn). This module must not import the rest of moetrain:
+it sits below every other layer.
 """
 
 from __future__ import annotations
