@@ -42,6 +42,12 @@ def _environment_variable(name):
     return os.environ.get(name)
 
 
+def _print_and_multiply_on_threads():
+    print(f"rank {dist.get_rank()} writes to the parent's stdout", flush=True)
+    a = torch.randn(512, 512)
+    return torch.get_num_threads(), bool(torch.allclose(a @ a, (a.double() @ a.double()).float(), atol=1e-3))
+
+
 def test_ranks_start_with_the_given_environment_and_the_parent_keeps_its_own(monkeypatch):
     monkeypatch.delenv("MOETRAIN_HARNESS_PROBE", raising=False)
     seen = run_on_ranks(_environment_variable, 2, "MOETRAIN_HARNESS_PROBE",
@@ -49,6 +55,21 @@ def test_ranks_start_with_the_given_environment_and_the_parent_keeps_its_own(mon
     assert seen == ["on", "on"]
     assert "MOETRAIN_HARNESS_PROBE" not in os.environ
     assert run_on_ranks(_environment_variable, 2, "MOETRAIN_HARNESS_PROBE") == [None, None]
+
+
+def test_ranks_see_the_environment_of_the_call_not_of_an_earlier_one(monkeypatch):
+    monkeypatch.setenv("MOETRAIN_HARNESS_PROBE", "first")
+    assert run_on_ranks(_environment_variable, 2, "MOETRAIN_HARNESS_PROBE") == ["first", "first"]
+    monkeypatch.setenv("MOETRAIN_HARNESS_PROBE", "second")
+    assert run_on_ranks(_environment_variable, 2, "MOETRAIN_HARNESS_PROBE") == ["second", "second"]
+
+
+def test_ranks_write_to_the_callers_stdout_and_run_intra_op_threads(capfd):
+    # Ranks forked from a server must not inherit a started thread pool (a parallel op would hang).
+    results = run_on_ranks(_print_and_multiply_on_threads, 2, threads_per_rank=2, timeout=60)
+    assert results == [(2, True), (2, True)]
+    out = capfd.readouterr().out
+    assert "rank 0 writes to the parent's stdout" in out and "rank 1 writes to the parent's stdout" in out
 
 
 def test_four_rank_all_reduce():
@@ -64,7 +85,7 @@ def test_rank_exception_fails_with_its_traceback():
 def test_hung_collective_fails_within_timeout():
     start = time.monotonic()
     with pytest.raises(RankFailure, match="did not finish within"):
-        run_on_ranks(_hang_on_rank_one, 2, timeout=8)
+        run_on_ranks(_hang_on_rank_one, 2, timeout=3)  # a hang can only end as "did not finish"
     assert time.monotonic() - start < 30
 
 
