@@ -121,13 +121,45 @@ def report(results: dict, label: str, width: int, path: Path, layers: int) -> No
     path.write_text(json.dumps({"layers": layers, "results": results}, indent=2) + "\n")
 
 
+def saved_and_loaded(reference, directory: Path):
+    """Save a transformers model with a byte-level tokenizer to `directory`; (moetrain model, job config) read back."""
+    reference.save_pretrained(directory)
+    write_byte_level_tokenizer(directory / "tokenizer.json")
+    return load_hf_model(directory)
+
+
+def train_briefly(model: Transformer, with_aux_loss: bool) -> None:
+    """Three AdamW steps on fixed random bytes (and the aux-free bias step), so export sees weights that moved."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    for step in range(3):
+        batch = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(10 + step))
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        if with_aux_loss:
+            loss = loss + model.aux_loss()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        model.update_expert_bias()  # changes nothing unless the router balances without an aux loss
+
+
+def run_all(names, measure, label: str, width: int, default_layers: int, default_json: str) -> int:
+    """`measure(name, layers, work)` for every name on one thread, then the table and the JSON (--layers, --json)."""
+    layers, rest = take_option(sys.argv[1:], "layers")
+    json_path, _ = take_option(rest, "json")
+    torch.set_num_threads(1)
+    layers = int(layers or default_layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {name: measure(name, layers, Path(tmp)) for name in names}
+    report(results, label, width, Path(json_path or default_json), layers)
+    return 0
+
+
 def measure(family: str, layers: int, work: Path) -> dict[str, dict[str, float]]:
 
     reference = hf_model(family, layers)
     directory = work / family
-    reference.save_pretrained(directory)
-    write_byte_level_tokenizer(directory / "tokenizer.json")
-    model, cfg = load_hf_model(directory)
+    model, cfg = saved_and_loaded(reference, directory)
     tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
     out: dict[str, dict[str, float]] = {}
     with torch.no_grad():
@@ -137,27 +169,13 @@ def measure(family: str, layers: int, work: Path) -> dict[str, dict[str, float]]
         load_hf_weights(interleaved, directory)
         out["import (interleaved layout)"] = diff(interleaved(tokens), want)
         out["packed documents vs per-document"] = packed_diff(model, reference, tokens)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(3):
-        batch = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(10 + step))
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()) + model.aux_loss()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_briefly(model, with_aux_loss=True)
     return {**out, **export_diff(model, cfg, work / f"{family}-export", tokens, want)}
 
 
 def main() -> int:
-    layers, rest = take_option(sys.argv[1:], "layers")
-    json_path, _ = take_option(rest, "json")
-    torch.set_num_threads(1)
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for family in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss"):
-            results[family] = measure(family, int(layers or 2), Path(tmp))
-    report(results, "family", 10, Path(json_path or "benchmarks/results/hf_parity.json"), int(layers or 2))
-    return 0
+    return run_all(("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss"), measure, "family", 10,
+                   default_layers=2, default_json="benchmarks/results/hf_parity.json")
 
 
 if __name__ == "__main__":

@@ -23,21 +23,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-from benchmarks.parity.hf_parity import diff, hf_model
+from benchmarks.parity.hf_parity import diff, hf_model, saved_and_loaded
 
 from moetrain.args import take_option
-from moetrain.data.tokenizer import write_byte_level_tokenizer
-from moetrain.train.build import load_hf_model
 
 BOUND = 2.0  # moetrain's bf16 error over transformers' bf16 error, at most
 
 
 def measure(family: str, layers: int, device: str, work: Path) -> dict[str, float]:
     reference = hf_model(family, layers)
-    directory = work / family
-    reference.save_pretrained(directory)
-    write_byte_level_tokenizer(directory / "tokenizer.json")
-    model, _ = load_hf_model(directory)
+    model, _ = saved_and_loaded(reference, work / family)
     tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         exact = reference(tokens).logits  # float32: ~1e-6 relative, far below bf16 rounding (~4e-3)

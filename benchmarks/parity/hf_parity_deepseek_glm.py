@@ -18,16 +18,18 @@ Numbers: max |diff| and max |diff| / max |logit| (the measure of benchmarks/pari
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from benchmarks.parity.hf_parity import SPECIAL, diff, export_diff, packed_diff, report
-
-from moetrain.args import take_option
-from moetrain.data.tokenizer import write_byte_level_tokenizer
-from moetrain.train.build import load_hf_model
+from benchmarks.parity.hf_parity import (
+    SPECIAL,
+    diff,
+    export_diff,
+    packed_diff,
+    run_all,
+    saved_and_loaded,
+    train_briefly,
+)
 
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 128,
         "mscale": 0.9, "mscale_all_dim": 1.0}
@@ -74,39 +76,21 @@ def measure(variant: str, layers: int, work: Path) -> dict[str, dict[str, float]
     family, overrides = VARIANTS[variant]
     reference = hf_model(family, layers, overrides)
     directory = work / variant.replace(" ", "_")
-    reference.save_pretrained(directory)
-    write_byte_level_tokenizer(directory / "tokenizer.json")
-    model, cfg = load_hf_model(directory)
+    model, cfg = saved_and_loaded(reference, directory)
     tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
     out: dict[str, dict[str, float]] = {}
     with torch.no_grad():
         want = reference(tokens).logits
         out[f"import ({cfg.model.rope_layout} layout)"] = diff(model(tokens), want)
         out["packed documents vs per-document"] = packed_diff(model, reference, tokens)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model.train()
-    for step in range(3):
-        batch = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(10 + step))
-        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        model.update_expert_bias()
+    train_briefly(model, with_aux_loss=False)
     model.eval()
     return {**out, **export_diff(model, cfg, work / f"{directory.name}-export", tokens, want)}
 
 
 def main() -> int:
-    layers, rest = take_option(sys.argv[1:], "layers")
-    json_path, _ = take_option(rest, "json")
-    torch.set_num_threads(1)
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for variant in VARIANTS:
-            results[variant] = measure(variant, int(layers or 3), Path(tmp))
-    report(results, "variant", 30, Path(json_path or "benchmarks/results/hf_parity_deepseek_glm.json"),
-           int(layers or 3))
-    return 0
+    return run_all(VARIANTS, measure, "variant", 30, default_layers=3,
+                   default_json="benchmarks/results/hf_parity_deepseek_glm.json")
 
 
 if __name__ == "__main__":
