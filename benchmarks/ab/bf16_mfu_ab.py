@@ -39,7 +39,7 @@ def worker(argv: list[str]) -> None:
 
     from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
     from moetrain.runtime.allocator import reuse_freed_host_memory
     from moetrain.runtime.threads import set_intra_op_threads
@@ -51,7 +51,7 @@ def worker(argv: list[str]) -> None:
     set_intra_op_threads(cfg.train.num_threads)
     _, world, device = init_distributed(cfg.parallel)
     reuse_freed_host_memory(world)
-    trainer = Trainer(cfg, data, JobMesh.build(MeshDims.from_config(cfg.parallel, world), device))
+    trainer = Trainer(cfg, data, JobMesh.from_config(cfg.parallel, world, device))
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.parallel.param_dtype]
     a, b = torch.randn(1024, 1024).to(dtype), torch.randn(1024, 1024).to(dtype)
     torch.mm(a, b)

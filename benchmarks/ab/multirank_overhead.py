@@ -116,7 +116,7 @@ def worker(argv: list[str]) -> None:
 
     from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
     from moetrain.runtime.allocator import reuse_freed_host_memory
     from moetrain.runtime.threads import set_intra_op_threads
@@ -128,7 +128,7 @@ def worker(argv: list[str]) -> None:
     set_intra_op_threads(cfg.train.num_threads)
     rank, world, device = init_distributed(cfg.parallel)
     reuse_freed_host_memory(world)
-    mesh = JobMesh.build(MeshDims.from_config(cfg.parallel, world), device)
+    mesh = JobMesh.from_config(cfg.parallel, world, device)
     trainer = Trainer(cfg, data, mesh)
     for _ in range(warmup):
         trainer.train_step()

@@ -51,7 +51,7 @@ def worker(argv: list[str]) -> None:
 
     from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
     from moetrain.train.trainer import Trainer
 
@@ -65,7 +65,7 @@ def worker(argv: list[str]) -> None:
         reuse_freed_host_memory(world)
     except ImportError:
         pass
-    mesh = JobMesh.build(MeshDims.from_config(cfg.parallel, world), device)
+    mesh = JobMesh.from_config(cfg.parallel, world, device)
     trainer = Trainer(cfg, data, mesh)
     results = [trainer.train_step() for _ in range(warmup + steps)][warmup:]
     mine = {"step_s": [r.step_s for r in results], "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from moetrain.args import take_option
 from moetrain.config.job import parse_job_args
 from moetrain.data.dataset import load_training_data
-from moetrain.parallel.mesh import JobMesh, MeshDims
+from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.process_group import init_distributed
 from moetrain.runtime.allocator import reuse_freed_host_memory
 from moetrain.runtime.threads import set_intra_op_threads
@@ -62,7 +62,7 @@ def issue_shape_trainer(dtype: str, threads: int, overrides: list[str] | None = 
     set_intra_op_threads(cfg.train.num_threads)
     _, world, device = init_distributed(cfg.parallel)
     reuse_freed_host_memory(world)
-    return Trainer(cfg, data, JobMesh.build(MeshDims.from_config(cfg.parallel, world), device))
+    return Trainer(cfg, data, JobMesh.from_config(cfg.parallel, world, device))
 
 
 def main(argv: list[str]) -> None:

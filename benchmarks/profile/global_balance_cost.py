@@ -25,7 +25,7 @@ import torch
 from moetrain.args import take_option
 from moetrain.config.job import apply_overrides, load
 from moetrain.data.dataset import load_training_data
-from moetrain.parallel.mesh import JobMesh, MeshDims
+from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.process_group import init_distributed
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.trainer import Trainer
@@ -41,7 +41,7 @@ def main() -> int:
     cfg = apply_overrides(load(config), [*overrides, "--data.max_documents", "200", "--train.eval_every", "0"])
     torch.set_num_threads(max(cfg.train.num_threads, 1))
     _, world, device = init_distributed(cfg.parallel)
-    trainer = Trainer(cfg, load_training_data(cfg), JobMesh.build(MeshDims.from_config(cfg.parallel, world), device))
+    trainer = Trainer(cfg, load_training_data(cfg), JobMesh.from_config(cfg.parallel, world, device))
     moe_cfg = cfg.model.moe
     names = ("microbatch", "global_batch", "pre_pass")
     wall: dict[str, list[float]] = {name: [] for name in names}

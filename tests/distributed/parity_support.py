@@ -179,7 +179,7 @@ def grid_worker(state, batches: Batch, cases: list[tuple[tuple[int, int], str, s
     import torch.distributed as dist
 
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
 
     rank, world, device = init_distributed(ParallelConfig())
@@ -188,7 +188,7 @@ def grid_worker(state, batches: Batch, cases: list[tuple[tuple[int, int], str, s
     for shape, policy_name, precision in cases:
         pcfg = parallel_cfg(shape, policy_name, precision)
         if shape not in meshes:
-            meshes[shape] = JobMesh.build(MeshDims.from_config(pcfg, world), device)
+            meshes[shape] = JobMesh.from_config(pcfg, world, device)
         mesh = meshes[shape]
         model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
         load_full_state(model, state)
@@ -272,12 +272,12 @@ def token_budget_hsdp_worker(state, batching, statistic, micro: int, steps: int)
     import torch.distributed as dist
 
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
 
     pcfg = parallel_cfg((2, 2), "delayed_all_reduce", "fp32")
     rank, world, device = init_distributed(pcfg)
-    mesh = JobMesh.build(MeshDims.from_config(pcfg, world), device)
+    mesh = JobMesh.from_config(pcfg, world, device)
     model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
     load_full_state(model, state)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)

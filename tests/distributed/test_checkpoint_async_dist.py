@@ -35,13 +35,13 @@ MODEL_CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads
 class _ShardedState:
     def __init__(self):
         from moetrain.parallel.collectives import rank_and_world
-        from moetrain.parallel.mesh import JobMesh, MeshDims
+        from moetrain.parallel.mesh import JobMesh
         from moetrain.train.build import build_model
 
         self.rank, world = rank_and_world()
         pcfg = ParallelConfig(dp_shard=2)
         self.cfg = JobConfig()
-        mesh = JobMesh.build(MeshDims.from_config(pcfg, world), "cpu")
+        mesh = JobMesh.from_config(pcfg, world, "cpu")
         self.model = build_model(MODEL_CFG, pcfg, mesh, "cpu", seed=1)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.cursor = 0

@@ -83,10 +83,10 @@ class _DivisionsByOne(TorchDispatchMode):
 
 def _model_case(state, batches, shape, ep, policy_name, rank, world, device, model_cfg=MODEL_CFG) -> dict:
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
 
     pcfg = ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1], ep=ep, sync_policy=policy_name)
-    mesh = JobMesh.build(MeshDims.from_config(pcfg, world), device)
+    mesh = JobMesh.from_config(pcfg, world, device)
     model = build_model(model_cfg, pcfg, mesh, device, weights="none")
     load_full_state(model, state)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -201,12 +201,12 @@ class _Fp32GradW1:
 def _guard_case(state, batches, guard: bool, rank, world, device) -> tuple[str | None, dict | None]:
     """EP=2 x 2 FSDP, bf16 parameters and fp32 reduce, 3 microbatches: (error or None, rank 0's gathered grads)."""
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.parallelize import apply_ep
     from moetrain.parallel.shard import apply_fsdp
 
     pcfg = ParallelConfig(ep=2, param_dtype="bfloat16", reduce_dtype="float32")
-    mesh = JobMesh.build(MeshDims.from_config(pcfg, world), device)
+    mesh = JobMesh.from_config(pcfg, world, device)
     with torch.device("meta"):
         model = Transformer(MODEL_CFG)
     apply_ep(model, mesh, 2)
@@ -268,12 +268,12 @@ def _moe_loss(moe: MoE, out: torch.Tensor, cotangent: torch.Tensor) -> torch.Ten
 def _moe_case(ep: int, top_k: int, rank: int, world: int) -> dict:
     from moetrain.parallel.collectives import all_reduce_sum
     from moetrain.parallel.expert_parallel import apply_expert_parallel
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
 
     cfg, state = _moe_state(top_k)
     moe = MoE(MOE_DIM, cfg)
     moe.load_state_dict(state, strict=False)
-    mesh = JobMesh.build(MeshDims.from_config(ParallelConfig(ep=ep), world), "cpu")
+    mesh = JobMesh.from_config(ParallelConfig(ep=ep), world, "cpu")
     ep_mesh = mesh.experts.ep
     stats = apply_expert_parallel(moe, ep_mesh)
     x, cotangent = _moe_inputs(top_k)[rank]

@@ -43,7 +43,7 @@ from moetrain.data.packing import IGNORE_INDEX, Batch
 from moetrain.interop import hf_job_config, load_hf_weights
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.grad_sync import accumulation, resolve_sync_policy
-from moetrain.parallel.mesh import JobMesh, MeshDims
+from moetrain.parallel.mesh import JobMesh
 from moetrain.runtime.run_dir import RunDir
 from moetrain.testing import run_on_ranks
 from moetrain.train.build import build_for_job
@@ -123,7 +123,7 @@ def import_checkpoint_export(cfg: JobConfig, logits_tokens: torch.Tensor) -> dic
     """Trainer from model.init_from on cfg's mesh; its full weights, logits and split parameters; checkpoint;
     export-hf."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(cfg, load_training_data(cfg), JobMesh.build(MeshDims.from_config(cfg.parallel, world), "cpu"))
+    trainer = Trainer(cfg, load_training_data(cfg), JobMesh.from_config(cfg.parallel, world, "cpu"))
     sharded = [name for name, p in trainer.model.named_parameters()
                if isinstance(p, DTensor) and p.to_local().shape != p.shape]
     weights = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
@@ -143,7 +143,7 @@ def family_worker(cfgs: list[JobConfig], balance_cfgs: list[JobConfig], logits_t
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict = {"balance": []}
     for balance_cfg in balance_cfgs:
-        mesh = JobMesh.build(MeshDims.from_config(balance_cfg.parallel, world), "cpu")
+        mesh = JobMesh.from_config(balance_cfg.parallel, world, "cpu")
         model = build_for_job(balance_cfg, mesh)
         batch = balance_batch()
         per_rank = 8 // world

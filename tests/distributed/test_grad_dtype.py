@@ -151,7 +151,7 @@ def _dtype_worker(cases):
     from parity_support import load_full_state
 
     from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
     from moetrain.parallel.shard import apply_fsdp
 
@@ -164,7 +164,7 @@ def _dtype_worker(cases):
         pcfg = ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1], sync_policy=policy_name,
                               param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         if shape not in meshes:
-            meshes[shape] = JobMesh.build(MeshDims.from_config(pcfg, world), device)
+            meshes[shape] = JobMesh.from_config(pcfg, world, device)
         with torch.device("meta"):
             model = ToyModel(scenario)
         apply_fsdp(model, meshes[shape], pcfg, gradient_guard=guard)

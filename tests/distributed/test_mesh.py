@@ -166,7 +166,7 @@ def test_bad_degrees_are_refused_in_one_line():
 
 
 def test_one_rank_without_a_group_has_no_root():
-    job = JobMesh.build(MeshDims.from_config(ParallelConfig(), 1), "cpu")
+    job = JobMesh.from_config(ParallelConfig(), 1, "cpu")
     assert job.root is None and all(mesh is None for mesh in _sub_meshes(job).values())
     assert (job.rank, job.world, job.data_rank, job.data_world, job.describe()) == (0, 1, 0, 1, "none")
 

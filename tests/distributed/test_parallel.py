@@ -26,7 +26,7 @@ from parity_support import (
 from moetrain.config.parallel import ParallelConfig
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.errors import ConfigError
-from moetrain.parallel.mesh import JobMesh, MeshDims
+from moetrain.parallel.mesh import JobMesh
 from moetrain.testing import run_on_ranks
 from moetrain.train.build import build_model
 
@@ -40,7 +40,7 @@ def valid_targets(targets: torch.Tensor) -> int:
 def _sharded_model(shape, device, pcfg=None, state=None):
 
     pcfg = pcfg or ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1])
-    mesh = JobMesh.build(MeshDims.from_config(pcfg, torch.distributed.get_world_size()), device)
+    mesh = JobMesh.from_config(pcfg, torch.distributed.get_world_size(), device)
     model = build_model(MODEL_CFG, pcfg, mesh, device, weights="none")
     load_full_state(model, state if state is not None else initial_state(0))
     return model, mesh, pcfg
@@ -200,7 +200,7 @@ def test_hsdp_2x2_training_steps(ranks):
 @pytest.mark.parametrize("replicate,shard,world", [(3, -1, 4), (2, 3, 4), (1, 3, 4), (4, 2, 4)])
 def test_mesh_that_does_not_fit_the_world_is_a_one_line_config_error(replicate, shard, world):
     with pytest.raises(ConfigError) as err:
-        JobMesh.build(MeshDims.from_config(ParallelConfig(dp_replicate=replicate, dp_shard=shard), world), "cpu")
+        JobMesh.from_config(ParallelConfig(dp_replicate=replicate, dp_shard=shard), world, "cpu")
     message = str(err.value)
     assert "\n" not in message and f"world size {world}" in message
 
@@ -219,7 +219,7 @@ _SINGLE_PROCESS = textwrap.dedent("""
 
     pcfg = ParallelConfig()
     rank, world, device = init_distributed(pcfg)
-    mesh = JobMesh.build(MeshDims.from_config(pcfg, world), device)
+    mesh = JobMesh.from_config(pcfg, world, device)
     # FSDP on a one-rank group on purpose (the builder leaves one rank unwrapped): DTensor gradients.
     with torch.device("meta"):
         model = Transformer(MODEL_CFG)

@@ -26,14 +26,14 @@ MAX_LENGTH = 40
 
 def _scores(parallel: dict | None) -> dict:
     from moetrain.parallel.collectives import rank_and_world
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
 
     rank, world = rank_and_world()
     if parallel is None:
         model = build_model(MODEL_CFG, seed=1)
     else:
         pcfg = ParallelConfig(**parallel)
-        model = build_model(MODEL_CFG, pcfg, JobMesh.build(MeshDims.from_config(pcfg, world), "cpu"), "cpu", seed=1)
+        model = build_model(MODEL_CFG, pcfg, JobMesh.from_config(pcfg, world, "cpu"), "cpu", seed=1)
     return evaluate_choice_tasks(model, build_tokenizer("byte"), read_choice_tasks([str(TASK)]), batch_size=3,
                                  device="cpu", max_length=MAX_LENGTH, rank=rank, world=world)
 

@@ -30,13 +30,13 @@ def _restored(args: list[str]) -> dict:
     from moetrain.checkpoint.layout import latest_complete
     from moetrain.config.job import parse_job_args
     from moetrain.data.dataset import load_training_data
-    from moetrain.parallel.mesh import JobMesh, MeshDims
+    from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
     from moetrain.train.trainer import Trainer
 
     cfg = parse_job_args(args)
     _, world, device = init_distributed(cfg.parallel)
-    trainer = Trainer(cfg, load_training_data(cfg), JobMesh.build(MeshDims.from_config(cfg.parallel, world), device))
+    trainer = Trainer(cfg, load_training_data(cfg), JobMesh.from_config(cfg.parallel, world, device))
     trainer.restore(latest_complete(Path(cfg.logging.run_dir) / "checkpoints"))
     full = StateDictOptions(full_state_dict=True)
     model = get_model_state_dict(trainer.model, options=full)

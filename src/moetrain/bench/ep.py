@@ -49,7 +49,7 @@ from moetrain.errors import ConfigError
 from moetrain.parallel.collectives import all_gather_floats
 from moetrain.parallel.expert_parallel import all_to_all_stats, expert_parameters
 from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
-from moetrain.parallel.mesh import JobMesh, MeshDims
+from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.process_group import init_distributed
 from moetrain.testing import run_on_ranks
 from moetrain.train.build import build_for_job
@@ -177,7 +177,7 @@ def _timing_worker(opts: EpBenchOptions) -> dict[str, Any] | None:
     modes = {}
     for ep in opts.eps:
         job = _job(opts, ep)
-        mesh = JobMesh.build(MeshDims.from_config(job.parallel, world), device)
+        mesh = JobMesh.from_config(job.parallel, world, device)
         torch.manual_seed(job.train.seed)
         model = build_for_job(job, mesh)
         modes[ep] = {
@@ -277,7 +277,7 @@ def _memory_worker(opts: EpBenchOptions, ep: int) -> dict[str, float]:
     rank, world, device = init_distributed(_job(opts, ep).parallel)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     job = _job(opts, ep)
-    mesh = JobMesh.build(MeshDims.from_config(job.parallel, world), device)
+    mesh = JobMesh.from_config(job.parallel, world, device)
     torch.manual_seed(job.train.seed)
     model = build_for_job(job, mesh)
     optimizer = build_optimizer(model, job.train)

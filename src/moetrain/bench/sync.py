@@ -50,7 +50,7 @@ from moetrain.bench.sync_report import RESULTS_DIR, report, summarize_runs
 from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.grad_sync import SYNC_POLICIES, SyncPolicy, accumulation
-from moetrain.parallel.mesh import JobMesh, MeshDims
+from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.process_group import init_distributed
 from moetrain.parallel.shard import apply_fsdp
 from moetrain.testing import run_on_ranks
@@ -97,7 +97,7 @@ def run_ranks(opts: SyncBenchOptions) -> dict | None:
     for replicate in dict.fromkeys(MODE_SETUP[m][0] for m in opts.modes):
         size = opts.replicate if replicate == "R" else 1
         parallel = ParallelConfig(dp_replicate=size, dp_shard=world_size // size)
-        meshes[replicate] = JobMesh.build(MeshDims.from_config(parallel, world_size), device)
+        meshes[replicate] = JobMesh.from_config(parallel, world_size, device)
         model = build_model(opts, clock, opts.seed).to(device)
         models[replicate] = apply_fsdp(model, meshes[replicate], parallel)
     param_bytes = sum(p.numel() for p in build_model(opts, clock, opts.seed).parameters()) * 4

@@ -116,6 +116,11 @@ class JobMesh:
     tensor: DeviceMesh | None = None
 
     @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int, device: torch.device | str) -> JobMesh:
+        """The mesh `parallel` asks for on `world_size` ranks (collective; ConfigError when the degrees do not fit)."""
+        return cls.build(MeshDims.from_config(parallel, world_size), device)
+
+    @classmethod
     def build(cls, dims: MeshDims, device: torch.device | str) -> JobMesh:
         """The mesh of `dims` over the process group's ranks, on `device` (collective: every rank calls it).
 

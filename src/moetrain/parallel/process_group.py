@@ -28,7 +28,7 @@ from torch.distributed.rendezvous import rendezvous
 from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.collectives import distributed, leave_together
-from moetrain.parallel.mesh import JobMesh, MeshDims
+from moetrain.parallel.mesh import JobMesh
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -121,4 +121,4 @@ def distributed_job(parallel: ParallelConfig) -> Iterator[JobMesh]:
     """Join (or create) the process group, lay out the job's mesh per `parallel`, and own the group."""
     with owned_process_group():
         _, world, device = init_distributed(parallel)
-        yield JobMesh.build(MeshDims.from_config(parallel, world), device)
+        yield JobMesh.from_config(parallel, world, device)
