@@ -181,3 +181,13 @@ def test_compile_with_token_budget_batching_is_refused_in_one_line():
     budget = dataclasses.replace(packed, data=dataclasses.replace(base.data, batching="token_budget"))
     with pytest.raises(ConfigError, match=r"^data.batching = 'token_budget' is invalid: with train.compile = True"):
         budget.validate()
+
+
+@pytest.mark.parametrize("pp,cp,tp,world,expected", [(2, 1, 1, 8, (1, 4)), (1, 2, 2, 8, (1, 2)), (2, 2, 2, 8, (1, 1))])
+def test_world_size_leaves_data_ranks_after_pipeline_context_tensor(pp, cp, tp, world, expected):
+    assert check_world_size(ParallelConfig(pp=pp, cp=cp, tp=tp), world) == expected
+
+
+def test_world_size_not_divisible_by_model_dimensions():
+    with pytest.raises(ConfigError, match="parallel.pp x parallel.cp x parallel.tp = 3 x 1 x 1 must divide"):
+        check_world_size(ParallelConfig(pp=3), 4)

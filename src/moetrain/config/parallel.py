@@ -1,4 +1,4 @@
-"""The [parallel] section: data, sharding and expert parallel sizes, precision, devices; its checks.
+"""The [parallel] section: pipeline, data, context, tensor and expert parallel sizes, precision, devices; checks.
 
 Sizes that depend on the world size are checked by `check_world_size` once the world is known;
 a rule that also reads the model (parallel.ep against the experts) is JobConfig's. No torch here.
@@ -20,6 +20,12 @@ class ParallelConfig:
     """Data-parallel replicas (HSDP's replicate dimension; 1 = plain FSDP)."""
     dp_shard: int = -1
     """Ranks each replica is sharded over (FSDP2); -1 = whatever is left of the world size after dp_replicate."""
+    pp: int = 1
+    """Pipeline parallelism: ranks along the pipeline dimension (outermost); 1 = off."""
+    tp: int = 1
+    """Tensor (with sequence) parallelism: ranks that split each dense layer (innermost); 1 = off."""
+    cp: int = 1
+    """Context parallelism: ranks that split each sequence; 1 = off."""
     ep: int = 1
     """Expert parallelism: each MoE layer's experts are split into `ep` groups of whole experts,
     over `ep` ranks carved out of dp_shard (tokens travel to their experts by all-to-all);
@@ -45,7 +51,9 @@ class ParallelConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (one line) at the first invalid [parallel] field."""
-        check_positive(self, "parallel", ("dp_replicate", "ep"))
+        check_positive(self, "parallel", ("dp_replicate", "ep", "pp", "tp", "cp"))
+        for name in ("pp", "tp", "cp"):  # the mesh lays these dimensions out; no model code applies them yet
+            check(getattr(self, name) == 1, f"parallel.{name}", getattr(self, name), "must be 1: not supported yet")
         check(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
               "must be -1 (auto) or >= 1")
         # At most a year: the process group keeps it as a timedelta in C (days fit an int32, not 1e30 s).
@@ -56,18 +64,24 @@ class ParallelConfig:
 def check_world_size(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
     """Resolve (dp_replicate, dp_shard) for a world size, or raise ConfigError.
 
-    The expert-parallel group is carved out of the shard dimension, so `parallel.ep` must
-    divide dp_shard (every replica group holds every expert).
+    The world is pp x dp_replicate x dp_shard x cp x tp; the data-parallel ranks are what is left
+    after the pipeline, context and tensor dimensions. The expert-parallel group is carved out of
+    the shard dimension, so `parallel.ep` must divide dp_shard (every replica group holds every expert).
     """
+    model_ranks = parallel.pp * parallel.cp * parallel.tp
+    check(world_size % model_ranks == 0, "parallel.pp", parallel.pp,
+          f"parallel.pp x parallel.cp x parallel.tp = {parallel.pp} x {parallel.cp} x {parallel.tp} must divide "
+          f"the world size {world_size}")
+    data_world = world_size // model_ranks
     replicate = parallel.dp_replicate
     if parallel.dp_shard == -1:
-        check(world_size % replicate == 0, "parallel.dp_replicate", replicate,
-              f"must divide the world size {world_size}")
-        shard = world_size // replicate
+        check(data_world % replicate == 0, "parallel.dp_replicate", replicate,
+              f"must divide the data-parallel world size {data_world} (world size {world_size} / pp x cp x tp)")
+        shard = data_world // replicate
     else:
-        check(replicate * parallel.dp_shard == world_size, "parallel.dp_shard", parallel.dp_shard,
+        check(replicate * parallel.dp_shard == data_world, "parallel.dp_shard", parallel.dp_shard,
               f"parallel.dp_replicate x parallel.dp_shard = {replicate} x {parallel.dp_shard} must equal "
-              f"the world size {world_size}")
+              f"the data-parallel world size {data_world} (world size {world_size} / pp x cp x tp)")
         shard = parallel.dp_shard
     check(shard % parallel.ep == 0, "parallel.ep", parallel.ep,
           f"must divide the data-parallel shard size {shard} (world size {world_size} / parallel.dp_replicate "

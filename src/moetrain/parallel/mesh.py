@@ -18,10 +18,9 @@ consumer then takes its sub-mesh from the JobMesh instead of slicing the root it
   dp_shard, innermost: the root then has ("efsdp", "ep") where a plain job has "dp_shard", an
   EP group is `ep` consecutive ranks, and the data mesh is "dp_replicate" with efsdp x ep
   flattened back into "dp_shard", so the data-parallel layout is the same with and without EP.
-- `pipeline`, `context`, `tensor` ("pp", "cp", "tp"): the hooks for the dimensions still to
-  come. None while their degree is 1, which is all `ParallelConfig` can say today; a degree
-  above 1 gives its dimension its place in the root above and its 1-D sub-mesh here, but no
-  code applies it yet (and context parallelism will have to fold "cp" into the FSDP mesh).
+- `pipeline`, `context`, `tensor` ("pp", "cp", "tp"): the 1-D sub-meshes of those dimensions,
+  None while their degree is 1 (the root then has no such dimension, so the meshes and groups
+  of a job without them are unchanged).
 
 A one-rank world without a process group gets a JobMesh without a root (every sub-mesh None):
 the model then runs unsharded. This module lays out ranks; it must not create or destroy the
@@ -65,7 +64,8 @@ class MeshDims:
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> MeshDims:
         """The degrees `parallel` asks for on `world_size` ranks; ConfigError (one line) when they do not fit."""
         replicate, shard = check_world_size(parallel, world_size)
-        return cls(dp_replicate=replicate, dp_shard=shard, ep=parallel.ep)
+        return cls(pp=parallel.pp, dp_replicate=replicate, dp_shard=shard, cp=parallel.cp, tp=parallel.tp,
+                   ep=parallel.ep)
 
     @property
     def world(self) -> int:
