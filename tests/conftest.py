@@ -6,8 +6,11 @@ that runs a bench or a job in-process sets torch's thread count for itself and l
 it set, so every test starts with one thread again.
 Multi-rank tests fork their ranks from one server that has imported torch and moetrain,
 instead of paying those imports in every rank of every call (calls with `rank_env`, such
-as the memory tests, still spawn fresh interpreters).
+as the memory tests, still spawn fresh interpreters). The GEMM peak cache is the suite's own.
 """
+
+import os
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +18,9 @@ import torch
 from moetrain.testing import use_preloaded_fork_server
 
 torch.set_num_threads(1)
+# Measured GEMM peaks are cached per machine; the suite keeps its own cache, never the user's
+# (ranks and commands it starts inherit the variable).
+os.environ["MOETRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="moetrain-test-cache-")
 use_preloaded_fork_server(extra_preload=("pytest",))  # ranks import it with their test module
 
 
@@ -22,3 +28,6 @@ use_preloaded_fork_server(extra_preload=("pytest",))  # ranks import it with the
 def one_intra_op_thread():
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+# Measured GEMM peaks are cached per machine; the suite keeps its own cache, never the user's
+# (ranks and commands it starts inherit the variable).
+os.environ["MOETRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="moetrain-test-cache-")

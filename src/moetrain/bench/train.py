@@ -7,8 +7,9 @@ reports tokens/s (global, from the median step time of the slowest rank), the me
 split into the phases of `moetrain.observe.step_phases` (data, forward, backward, collectives,
 wait, optimizer; mean over ranks of each rank's median), peak memory per rank (the RSS
 high-water mark on CPU; max allocated and reserved on CUDA) and MFU against the peak
-`Trainer.peak_flops_per_rank` measures on the spot (a GEMM at the run's dtype and thread
-count on CPU, the device's dense peak on CUDA) unless `train.peak_flops` sets one.
+`Trainer.peak_flops_per_rank` takes the peak of the run's threads and dtype (a GEMM measured
+while the cores are idle and cached, on CPU; the device's dense peak on CUDA) unless
+`train.peak_flops` sets one.
 
 It prints a table on rank 0 and writes the numbers as JSON (default
 <logging.run_dir>/bench_train_<dtype>_w<world>.json, or --json PATH). This is a benchmark: it
@@ -100,7 +101,7 @@ def _measure(trainer: Trainer, steps: int, warmup: int) -> dict[str, Any]:
         "step_s_median": step_s, "tokens_per_s": tokens_per_s, "phases_s_median": phase_s,
         "step_s_per_rank": [[s[0] for s in rank] for rank in per_rank_steps],
         "flops_per_token": trainer.flops_per_token, "peak_flops_per_rank": peak_per_rank,
-        "peak_flops_source": "train.peak_flops" if cfg.train.peak_flops > 0 else "measured",
+        "peak_flops_source": trainer.peak_flops_source,
         "mfu": trainer.flops_per_token * tokens_per_s / (peak_per_rank * world),
         "memory_per_rank": per_rank_memory, "losses": [r.loss for r in timed],
     }

@@ -22,6 +22,7 @@ non-finite step means, when to evaluate, log or save is the run's job, not this 
 from __future__ import annotations
 
 import math
+import os
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
@@ -43,7 +44,7 @@ from moetrain.evaluate.tasks import evaluate_choice_tasks, read_choice_tasks
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
 from moetrain.observe.metrics import StepResult, bits_per_byte, train_record
-from moetrain.observe.peak_flops import peak_flops
+from moetrain.observe.peak_flops import rank_peak_flops
 from moetrain.observe.peak_memory import PeakMemory
 from moetrain.observe.step_phases import StepPhases
 from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum
@@ -147,6 +148,7 @@ class Trainer:
         self.tokens_seen = 0
         self.memory = PeakMemory(self.device)  # the first record's peak includes building the model
         self._peak_flops: float | None = None
+        self.peak_flops_source = ""  # where the peak came from (rank 0 knows; the others say so)
 
     @property
     def tokens_per_rank_step(self) -> float:
@@ -277,6 +279,7 @@ class Trainer:
                               expert_bias=self._expert_bias())
         record["peak_rss_since_previous_record"] = self.memory.window_peaks  # else the process's lifetime peak
         record["peak_flops_per_rank"] = self.peak_flops_per_rank()
+        record["peak_flops_source"] = self.peak_flops_source
         return record
 
     def _expert_bias(self) -> torch.Tensor | None:
@@ -285,18 +288,23 @@ class Trainer:
         return torch.stack([moe.expert_bias.detach().cpu() for moe in layers]) if layers else None
 
     def peak_flops_per_rank(self) -> float:
-        """MFU's denominator per rank: `train.peak_flops`, or 0 = measured once (collective: every rank calls it).
+        """MFU's denominator per rank: `train.peak_flops`, or 0 = rank 0's (collective: every rank calls it).
 
-        Measured: the mean over ranks of each rank's `peak_flops` at the compute dtype, all
-        ranks measuring at once, so on a shared CPU the ranks' sum is what the machine gives them.
+        Rank 0 takes the peak of the threads its host's ranks run at once, at the compute dtype,
+        from `moetrain.observe.peak_flops` (cached from an idle measurement), while the other ranks
+        wait in the collective that shares it, so no rank's measurement competes with another's.
         """
         if self._peak_flops is None:
             configured = self.cfg.train.peak_flops
             if configured > 0:
-                self._peak_flops = configured
+                self._peak_flops, self.peak_flops_source = configured, "train.peak_flops"
             else:
-                measured = peak_flops(DTYPES[self.cfg.parallel.param_dtype], self.device)
-                self._peak_flops = sum(r[0] for r in all_gather_floats([measured])) / self.world
+                measured, self.peak_flops_source = 0.0, "rank 0's"
+                if self.rank == 0:
+                    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                    measured, self.peak_flops_source = rank_peak_flops(
+                        DTYPES[self.cfg.parallel.param_dtype], self.device, local_ranks=local_ranks)
+                self._peak_flops = all_gather_floats([measured])[0][0]
         return self._peak_flops
 
     # ---- evaluation

@@ -1,0 +1,79 @@
+"""MFU's CPU peak: the peak of the run's own threads and dtype, measured idle, cached, never probed under load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moetrain.observe import peak_flops as pf
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(pf.CACHE_ENV, str(tmp_path))
+    return tmp_path / "gemm_peaks.json"
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Record each GEMM measurement (dtype, threads, clock) instead of timing one."""
+    made = []
+
+    def fake(dtype, device_type="cpu", threads=0, size=1024, repeats=8, clock="wall"):
+        made.append((dtype, threads, clock))
+        return 100.0 * threads if clock == "wall" else 60.0
+
+    monkeypatch.setattr(pf, "measure_gemm_flops", fake)
+    return made
+
+
+def seed(cache, entries):
+    cache.write_text(json.dumps({pf.machine_key(torch.float32, t): v for t, v in entries.items()}))
+
+
+def test_a_two_thread_run_is_divided_by_the_two_thread_peak(cache, calls):
+    seed(cache, {1: 374e9, 2: 694e9})
+    assert pf.rank_peak_flops(torch.float32, torch.device("cpu"), threads=2, cores=2) == (694e9, "cached")
+    assert pf.rank_peak_flops(torch.float32, torch.device("cpu"), threads=1, cores=2) == (374e9, "cached")
+    assert calls == []  # a cached peak is never probed again
+
+
+def test_ranks_sharing_a_hosts_cores_share_its_peak(cache, calls):
+    seed(cache, {1: 374e9, 2: 694e9})
+    # 4 one-thread ranks on 2 cores can run 2 threads at once: a quarter of the 2-thread peak each.
+    assert pf.rank_peak_flops(torch.float32, torch.device("cpu"), threads=1, local_ranks=4, cores=2)[0] == 694e9 / 4
+    assert pf.rank_peak_flops(torch.float32, torch.device("cpu"), threads=1, local_ranks=2, cores=2)[0] == 694e9 / 2
+
+
+def test_an_idle_measurement_is_cached_once(cache, calls, monkeypatch):
+    monkeypatch.setattr(pf, "idle_cores", lambda: 2.0)
+    assert pf.cpu_peak_flops(torch.float32, 2) == (200.0, "measured idle")
+    assert pf.cpu_peak_flops(torch.float32, 2) == (200.0, "cached")
+    assert calls == [(torch.float32, 2, "wall")]
+    assert json.loads(cache.read_text()) == {pf.machine_key(torch.float32, 2): 200.0}
+
+
+def test_busy_cores_give_a_cpu_time_estimate_that_is_not_cached(cache, calls, monkeypatch):
+    # Two threads wanted, half a core free: a wall-clock probe now would read about a quarter of the peak.
+    monkeypatch.setattr(pf, "idle_cores", lambda: 0.5)
+    assert pf.cpu_peak_flops(torch.float32, 2) == (2 * 60.0, "busy estimate")
+    assert calls == [(torch.float32, 1, "cpu")] and not cache.exists()
+
+
+def test_a_corrupt_cache_is_measured_again(cache, calls, monkeypatch):
+    cache.write_text("{not json")
+    monkeypatch.setattr(pf, "idle_cores", lambda: 4.0)
+    assert pf.cpu_peak_flops(torch.bfloat16, 1) == (100.0, "measured idle")
+    assert json.loads(cache.read_text()) == {pf.machine_key(torch.bfloat16, 1): 100.0}
+
+
+def test_the_key_names_dtype_and_threads():
+    keys = {pf.machine_key(d, t) for d in (torch.float32, torch.bfloat16) for t in (1, 2)}
+    assert len(keys) == 4
+
+
+def test_idle_cores_is_a_share_of_the_machine():
+    free = pf.idle_cores(0.05)
+    assert free is None or 0.0 <= free <= torch.multiprocessing.cpu_count() + 1e-9
