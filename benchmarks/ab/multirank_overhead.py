@@ -156,7 +156,7 @@ def worker(argv: list[str]) -> None:
                            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
         else:
             trainer.train_step()
-    peak = trainer.peak_flops_per_rank()  # a collective: every rank measures at once
+    peak = trainer.peak_flops_per_rank()  # a collective: rank 0 takes the host's peak, shared by its ranks
     mine = {"steps": timed, "ops": ops, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if world > 1:
         every = [None] * world
