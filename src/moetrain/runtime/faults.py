@@ -20,12 +20,20 @@ FAIL_ENV = "MOETRAIN_TEST_FAIL_IN_CHECKPOINT_WRITE"  # "<step>": every rank's wr
 CRASH_STEP_ENV = "MOETRAIN_TEST_CRASH_AFTER_STEP"  # "<step>": rank 0 exits after that step ...
 CRASH_MARKER_ENV = "MOETRAIN_TEST_CRASH_MARKER"  # ... once: unless this file exists, which it then creates
 CRASH_EXIT_CODE = 17
+STEP_DELAY_ENV = "MOETRAIN_TEST_STEP_DELAY_S"  # "<seconds>": every rank sleeps this long before each step
 
 
 def hang_before_step(rank: int, step: int) -> None:
     if os.environ.get(HANG_ENV) == f"{rank}:{step}":
         while True:
             time.sleep(1)
+
+
+def delay_step() -> None:
+    """Slow every step down, so that a test can kill and restart a replica group while its peer steps on."""
+    delay = os.environ.get(STEP_DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
 
 
 def pause_in_checkpoint_write(step: int, tmp: Path) -> None:
