@@ -1,10 +1,12 @@
 """Fault-tolerant HSDP through torchft: a real lighthouse process and two replica groups of 2 gloo ranks.
 
 Each group is its own `torchrun --standalone` job (FSDP over its 2 ranks); the groups sum their
-gradients in torchft's managed group. Without a fault the groups train exactly what one process
+gradients in torchft's managed group. Before any fault the groups train exactly what one process
 trains on the same global batch (and so plain HSDP 2 x 2). When one group is SIGKILLed, the other
 keeps stepping (same processes) with the loss divided by its own tokens only; the killed group,
 restarted, copies the live group's state and from then on both hold bitwise-equal parameters.
+One scenario, one test: every process start costs seconds here. benchmarks/stress/ft_kill_rejoin.py
+runs it longer and reports the stall and rejoin times.
 """
 
 from __future__ import annotations
@@ -66,26 +68,96 @@ def by_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
-def test_two_groups_without_a_fault_train_what_one_process_trains(corpus, tmp_path, env):
-    steps = 3
-    lighthouse = Lighthouse(env, min_replicas=2)  # the first step waits for both groups
-    groups = [ReplicaGroupJob(tmp_path / f"group{g}", group_args(corpus, tmp_path, lighthouse.address, g, steps),
-                              GROUP_RANKS, env) for g in (0, 1)]
+def kill_and_rejoin(corpus: Path, root: Path, env: dict[str, str], steps: int, kill_after: int,
+                    down_steps: int) -> dict:
+    """Two groups; SIGKILL group 1 early in step `kill_after + 1`; restart it once group 0 took `down_steps` alone.
+
+    A pause file (moetrain.runtime.faults) holds the groups before chosen steps, so the kill and the
+    restart land at those steps however slow the machine. Meanwhile one process trains the first
+    `kill_after` steps of the same job on the same global batch (4 ranks x ACCUM microbatches), in this
+    process. Returns its records, both groups' train records (group 1's from before the kill and after
+    the rejoin), group 0's rank process ids before the kill and at the rejoin, and the wall times of
+    the stall (the kill to group 0's next step) and of the rejoin (group 0 let go to group 1's first step).
+    """
+    import time
+
+    pause = root / "pause_before_step"
+    pause.write_text(str(kill_after + 1))
+    paused_env = {**env, "MOETRAIN_TEST_PAUSE_STEPS_FILE": str(pause)}
+    lighthouse = Lighthouse(env)
+    args = [group_args(corpus, root, lighthouse.address, g, steps, checkpoint__resume="auto") for g in (0, 1)]
+    group0 = ReplicaGroupJob(root / "group0", args[0], GROUP_RANKS, paused_env)
+    group1 = ReplicaGroupJob(root / "group1", args[1], GROUP_RANKS, paused_env)
     try:
-        # The reference meanwhile: one process reading the same global batch (4 ranks x ACCUM microbatches).
-        assert run.main(job_args(corpus, tmp_path / "one", train__steps=steps, train__grad_accum=4 * ACCUM)) == 0
-        assert [group.wait(120) for group in groups] == [0, 0], groups[0].log.read_text()[-3000:]
+        reference = job_args(corpus, root / "one", train__steps=steps, train__stop_at_step=kill_after,
+                             train__grad_accum=4 * ACCUM)
+        assert run.main(reference) == 0
+        for job in (group0, group1):
+            job.wait_for(lambda job: job.last_step() >= kill_after, 120, f"step {kill_after}")
+        pids_before = group0.rank_pids()
+        before_kill = group1.records()
+        pause.write_text(str(kill_after + 1 + down_steps))  # let both go on, then kill group 1 inside its step
+        time.sleep(0.2)
+        killed_at = time.monotonic()
+        group1.stop()
+        group0.wait_for(lambda job: job.last_step() > kill_after, 60, "a step after the kill")
+        stall_s = time.monotonic() - killed_at
+        group0.wait_for(lambda job: job.last_step() >= kill_after + down_steps, 60, f"{down_steps} steps alone")
+        pids_at_rejoin = group0.rank_pids()
+        group1 = ReplicaGroupJob(root / "group1", args[1], GROUP_RANKS, env)
+        group1.wait_for(lambda job: "All workers joined" in job.log.read_text(), 120,
+                        "its quorum request after the restart")
+        released_at = time.monotonic()
+        pause.unlink()
+        group1.wait_for(lambda job: job.last_step() > 0, 60, "a step after the rejoin")
+        rejoin_s = time.monotonic() - released_at
+        assert [group0.wait(120), group1.wait(120)] == [0, 0], group1.log.read_text()[-3000:]
+        return {"one": read_records(root / "one"), "group0": group0.records(), "group1_before": before_kill,
+                "group1_after": group1.records(), "pids_before": pids_before, "pids_at_rejoin": pids_at_rejoin,
+                "stall_s": stall_s, "rejoin_s": rejoin_s, "kill_after": kill_after}
     finally:
-        for job in (*groups, lighthouse):
+        for job in (group0, group1, lighthouse):
             job.stop()
-    expected = by_step(read_records(tmp_path / "one"))
-    got = [by_step(group.records()) for group in groups]
-    for step in range(1, steps + 1):
-        for g in (0, 1):
-            assert got[g][step]["valid_tokens"] == expected[step]["valid_tokens"]
-            assert got[g][step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-6), (g, step)
-            assert got[g][step]["ft_participants"] == [0, 1]
-        assert got[0][step]["param_checksum"] == got[1][step]["param_checksum"]
-        assert got[0][step]["ft_group_tokens"] + got[1][step]["ft_group_tokens"] == expected[step]["valid_tokens"]
-    assert expected[steps]["loss"] < expected[1]["loss"]  # it learns: equal losses are not vacuous
-    assert (tmp_path / "group0" / "checkpoints").is_dir() and not (tmp_path / "group1" / "checkpoints").exists()
+
+
+def check_kill_and_rejoin(result: dict, steps: int) -> None:
+    """What must hold after `kill_and_rejoin` (shared with benchmarks/stress/ft_kill_rejoin.py)."""
+    group0 = by_step(result["group0"])
+    assert sorted(group0) == list(range(1, steps + 1))  # every step taken once, none lost to the kill
+    # Before the kill the two groups train what one process trains on the same global batch.
+    one = by_step(result["one"])
+    assert sorted(one) == list(range(1, result["kill_after"] + 1))
+    for step, expected in one.items():
+        assert group0[step]["ft_participants"] == [0, 1]
+        assert group0[step]["valid_tokens"] == expected["valid_tokens"], step
+        assert group0[step]["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6), step
+    assert one[max(one)]["loss"] < one[1]["loss"]  # it learns: equal losses are not vacuous
+    assert result["pids_before"] == result["pids_at_rejoin"]  # the live group was never restarted
+    # Both groups, then group 0 alone while group 1 was down (it stepped on), then both again.
+    alone = [s for s, r in group0.items() if r["ft_participants"] == [0]]
+    assert alone and alone == list(range(min(alone), max(alone) + 1)) and min(alone) > result["kill_after"]
+    assert all(group0[s]["ft_participants"] == [0, 1] for s in group0 if s not in alone)
+    rejoined = by_step(result["group1_after"])
+    first = min(rejoined)
+    assert first > max(alone)  # it took up at the live group's step, not at its own step 0
+    for step in range(first, steps + 1):  # lock-step from the rejoin on: same weights, bit for bit
+        assert rejoined[step]["param_checksum"] == group0[step]["param_checksum"], step
+        assert rejoined[step]["loss"] == group0[step]["loss"], step
+        assert group0[step]["ft_participants"] == [0, 1]
+    # Every step's loss was divided by the tokens of the groups that took part, recomputed from each group's count.
+    group1 = {**by_step(result["group1_before"]), **rejoined}
+    for step, record in group0.items():
+        counts = {0: record["ft_group_tokens"]}
+        if 1 in record["ft_participants"]:
+            counts[1] = group1[step]["ft_group_tokens"]
+        assert record["valid_tokens"] == sum(counts.values()), step
+        sums = {0: record["ft_group_loss_sum"]}
+        if 1 in record["ft_participants"]:
+            sums[1] = group1[step]["ft_group_loss_sum"]
+        assert record["loss"] == pytest.approx(sum(sums.values()) / sum(counts.values()), rel=1e-12), step
+
+
+def test_a_killed_group_rejoins_from_its_live_peer(corpus, tmp_path, env):
+    steps = 9
+    result = kill_and_rejoin(corpus, tmp_path, env, steps=steps, kill_after=3, down_steps=2)
+    check_kill_and_rejoin(result, steps)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -42,7 +43,7 @@ from torchft.checkpointing.http_transport import HTTPTransport
 from moetrain import __version__
 from moetrain.config.ft import FtConfig
 from moetrain.errors import ConfigError
-from moetrain.parallel.collectives import all_gather_floats
+from moetrain.parallel.collectives import all_gather_floats, all_ranks_true
 from moetrain.parallel.mesh import JobMesh
 
 _BUCKET_ELEMENTS = 1 << 24  # gradients are summed across groups in flat buckets of at most this many elements
@@ -169,9 +170,18 @@ class ReplicaGroup:
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def begin_step(self, step: int) -> None:
-        """Ask for this step's quorum; a rejoining group loads a live peer's state here (`load_state`)."""
+        """Ask for this step's quorum; a rejoining group loads a live peer's state here (`load_state`).
+
+        The first step of a fresh run waits (up to ft.quorum_timeout_s) for all ft.replica_groups, so
+        that groups started together take step 1 together rather than the first one alone.
+        """
+        deadline = time.monotonic() + self.ft.quorum_timeout_s
         try:
             self.manager.start_quorum()
+            while step == 0 and self.manager.current_step() == 0 and all_ranks_true(
+                    time.monotonic() < deadline and self.manager.num_participants() < self.ft.replica_groups):
+                time.sleep(0.2)
+                self.manager.start_quorum()
         except ConfigError:
             raise
         except Exception as err:  # torchft raises RuntimeError/TimeoutError from its RPCs

@@ -1,8 +1,8 @@
 """Start a lighthouse and replica groups of a fault-tolerant run as real processes, for tests and benchmarks.
 
 `Lighthouse` runs `moetrain lighthouse` on a free port and reads its address; `ReplicaGroupJob` runs
-one replica group as its own `torchrun --standalone` job in its own session (so one SIGKILL ends
-torchrun and every rank of the group, as a lost node would), and reads the group's train records
+one replica group as its own `torchrun --standalone` job (`stop()` SIGKILLs torchrun and every
+rank it started at once, as a lost node would), and reads the group's train records
 as they are written. Every process is killed and reaped on `stop()`. This module only starts,
 watches and kills processes; it must not import the rest of moetrain (it sits below every layer).
 """
@@ -20,10 +20,30 @@ from pathlib import Path
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (torchrun starts each rank in a session of its own, so sessions do not find them)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and every descendant at once (a lost node), then reap it."""
+    for pid in [proc.pid, *_children(proc.pid)]:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait()
@@ -62,7 +82,7 @@ class Lighthouse:
         self.address = line
 
     def stop(self) -> None:
-        _kill_session(self.proc)
+        _kill_tree(self.proc)
 
 
 class ReplicaGroupJob:
@@ -70,10 +90,13 @@ class ReplicaGroupJob:
 
     def __init__(self, run_dir: Path, args: list[str], nproc: int, env: dict[str, str]):
         self.run_dir = Path(run_dir)
-        self.log = self.run_dir.parent / f"{self.run_dir.name}.stderr"
-        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        launch = 0  # a restarted group writes a log of its own
+        while (self.run_dir.parent / f"{self.run_dir.name}.{launch}.stderr").exists():
+            launch += 1
+        self.log = self.run_dir.parent / f"{self.run_dir.name}.{launch}.stderr"
         command = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "-m", "moetrain", "train", *args]
-        with open(self.log, "a") as err:
+        with open(self.log, "w") as err:
             self.proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err,
                                          start_new_session=True)
 
@@ -97,16 +120,8 @@ class ReplicaGroupJob:
             time.sleep(0.05)
 
     def rank_pids(self) -> set[int]:
-        """The process ids of torchrun and every process in its session (the group's ranks)."""
-        found = set()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    if os.getsid(int(entry)) == self.proc.pid:
-                        found.add(int(entry))
-                except (ProcessLookupError, PermissionError):
-                    continue
-        return found
+        """The process ids of torchrun and every process it started (the group's ranks)."""
+        return {self.proc.pid, *_children(self.proc.pid)}
 
     def wait(self, timeout_s: float) -> int:
         try:
@@ -118,4 +133,4 @@ class ReplicaGroupJob:
 
     def stop(self) -> None:
         """SIGKILL torchrun and every rank of the group at once (a lost node)."""
-        _kill_session(self.proc)
+        _kill_tree(self.proc)

@@ -60,7 +60,7 @@ from moetrain.parallel.fault_tolerance import ReplicaGroup, ReplicaGroupLost, jo
 from moetrain.parallel.process_group import distributed_job
 from moetrain.runtime.allocator import reuse_freed_host_memory
 from moetrain.runtime.disk import no_space_left
-from moetrain.runtime.faults import delay_step, hang_before_step
+from moetrain.runtime.faults import hang_before_step, pause_before_step
 from moetrain.runtime.preflight import job_device_type, refuse_if_too_big
 from moetrain.runtime.run_dir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
@@ -215,7 +215,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
             while trainer.step < last_step:
                 phase.where = f"step {trainer.step + 1}"
                 hang_before_step(trainer.rank, trainer.step + 1)
-                delay_step()
+                pause_before_step(trainer.step + 1)
                 with profiler.step(trainer.step + 1):
                     try:
                         result = trainer.train_step()

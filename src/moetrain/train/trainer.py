@@ -157,6 +157,7 @@ class Trainer:
                                  microbatches_per_rank=cfg.train.grad_accum)
         self.replicas: ReplicaGroup | None = None  # set by the run under ft.enabled (attach_replicas)
         self.group_tokens = 0  # this replica group's valid tokens in the last step (ft only)
+        self.group_loss_sum = 0.0  # and their summed token loss
         self.redone_steps = 0  # steps redone because a replica group was lost mid-step (ft only)
         self.step_input_tokens = 0  # all ranks' input tokens in the last step (varies under token budgets)
         self.token_bytes = data.token_bytes.to(self.device)
@@ -294,6 +295,7 @@ class Trainer:
             local = StepTotals(loss_sum=float(loss_sum), balance_loss=float(aux_sum), z_loss=float(z_sum),
                                nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens))
             totals = StepTotals.summed_over_ranks(local, self.device)
+            self.group_loss_sum = totals.loss_sum
             if replicas is not None:
                 totals = StepTotals(*replicas.exchange([getattr(totals, f.name) for f in fields(StepTotals)]))
         wait_s = time.perf_counter() - wait_start
@@ -349,7 +351,8 @@ class Trainer:
         record["peak_rss_since_previous_record"] = self.memory.window_peaks  # else the process's lifetime peak
         if self.replicas is not None:  # which groups took part, this group's tokens, and its weights' checksum
             record.update({"ft_replica_id": self.cfg.ft.replica_id, "ft_participants": self.replicas.participants,
-                           "ft_group_tokens": self.group_tokens, "ft_redone_steps": self.redone_steps,
+                           "ft_group_tokens": self.group_tokens, "ft_group_loss_sum": self.group_loss_sum,
+                           "ft_redone_steps": self.redone_steps,
                            "param_checksum": parameter_checksum(self.model)})
         record["peak_flops_per_rank"] = self.peak_flops_per_rank()
         return record
