@@ -11,19 +11,32 @@ runs it longer and reports the stall and rejoin times.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from moetrain import cli
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.corpus import stdlib_root
+from moetrain.errors import ConfigError
+from moetrain.parallel.fault_tolerance import data_position, load_recovery_state, recovery_state
+from moetrain.parallel.mesh import JobMesh
+from moetrain.testing import run_on_ranks
 from moetrain.testing.replica_groups import TORCHRUN, Lighthouse, ReplicaGroupJob, read_records
 from moetrain.train import run
+from moetrain.train.build import build_model
+from moetrain.train.optim import build_optimizer
 
 CORPUS = ["bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py", "glob.py", "fnmatch.py", "genericpath.py"]
 MICRO, ACCUM, GROUP_RANKS = 2, 2, 2
-pytestmark = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not next to this interpreter")
+needs_torchrun = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not next to this interpreter")
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +170,86 @@ def check_kill_and_rejoin(result: dict, steps: int) -> None:
         assert record["loss"] == pytest.approx(sum(sums.values()) / sum(counts.values()), rel=1e-12), step
 
 
+@needs_torchrun
 def test_a_killed_group_rejoins_from_its_live_peer(corpus, tmp_path, env):
     steps = 9
     result = kill_and_rejoin(corpus, tmp_path, env, steps=steps, kill_after=3, down_steps=2)
     check_kill_and_rejoin(result, steps)
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"ft.enabled": True}, "ft.lighthouse"),
+    ({"ft.replica_id": 2}, "ft.replica_id"),
+    ({"ft.min_replicas": 3}, "ft.min_replicas"),
+    ({"ft.quorum_timeout_s": 0.0}, "ft.quorum_timeout_s"),
+    ({"ft.enabled": True, "ft.lighthouse": "http://h:1", "parallel.dp_replicate": 2}, "parallel.dp_replicate"),
+    ({"ft.enabled": True, "ft.lighthouse": "http://h:1", "checkpoint.async_save": True}, "checkpoint.async_save"),
+])
+def test_bad_ft_fields_are_refused_in_one_line_naming_the_field(fields, named):
+    cfg = JobConfig()
+    for dotted, value in fields.items():
+        section, name = dotted.split(".")
+        setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ConfigError, match=f"^{named} = ") as err:
+        cfg.validate()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv", [["--bind", "not-an-address"], ["--min-replicas", "0"],
+                                  ["--join-timeout-s", "0"]])
+def test_lighthouse_refuses_bad_options_with_exit_2(argv, capsys):
+    assert cli.main(["lighthouse", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moetrain: error: --") and "\n" not in err
+
+
+def test_each_group_reads_its_share_of_plain_hsdps_global_batch():
+    cfg = JobConfig()
+    cfg.ft.replica_groups = 3
+    shares = []
+    for replica_id in range(3):
+        cfg.ft.replica_id = replica_id
+        shares += [data_position(cfg.ft, rank, 2) for rank in range(2)]
+    # replicate-major, as plain HSDP 3 x 2 numbers its data ranks: (r * dp_shard + s) of 6
+    assert shares == [(r, 6) for r in range(6)]
+
+
+TINY = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_dense_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=8,
+                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=8, load_balance="aux_free"))
+
+
+def _step(model, optimizer, seed: int) -> None:
+    tokens = torch.randint(0, TINY.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+    model(tokens).float().square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.update_expert_bias(lambda t: torch.distributed.all_reduce(t))
+
+
+def _recovery_round_trip() -> bool:
+    """A trained FSDP model's recovery state, sent through weights-only serialisation into a fresh
+    model (another seed): one more identical step leaves both bitwise equal, expert bias included."""
+    from moetrain.config.train import TrainConfig
+
+    job = JobMesh.from_config(ParallelConfig(), 2, "cpu")
+    source = build_model(TINY, ParallelConfig(), job, seed=0)
+    source_opt = build_optimizer(source, TrainConfig())
+    for seed in range(2):
+        _step(source, source_opt, seed)
+    buffer = io.BytesIO()
+    torch.save(recovery_state(source, source_opt), buffer)
+    buffer.seek(0)
+    received = torch.load(buffer, weights_only=True)  # what the transport does: no code runs
+    target = build_model(TINY, ParallelConfig(), job, seed=1)
+    target_opt = build_optimizer(target, TrainConfig())
+    load_recovery_state(target, target_opt, received)
+    for model, optimizer in ((source, source_opt), (target, target_opt)):
+        _step(model, optimizer, seed=5)
+    mine, theirs = source.state_dict(), target.state_dict()
+    assert any(name.endswith("expert_bias") and mine[name].abs().sum() > 0 for name in mine)
+    return all(torch.equal(mine[n].to_local() if hasattr(mine[n], "to_local") else mine[n],
+                           theirs[n].to_local() if hasattr(theirs[n], "to_local") else theirs[n]) for n in mine)
+
+
+def test_recovery_state_makes_a_fresh_fsdp_model_and_optimizer_continue_bit_for_bit():
+    assert run_on_ranks(_recovery_round_trip, 2) == [True, True]

@@ -9,10 +9,12 @@ starts and stops the server; it knows nothing of training.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from dataclasses import dataclass
+from typing import NoReturn
 
 from torchft._torchft import LighthouseServer
 
@@ -54,7 +56,7 @@ def start_lighthouse(options: LighthouseOptions) -> LighthouseServer:
         raise ConfigError(f"--bind = {options.bind!r} cannot be served: {err}") from None
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> NoReturn:
     options = _checked(parse_typed_args(LighthouseOptions, argv, "moetrain lighthouse"))
     server = start_lighthouse(options)
     print(server.address(), flush=True)  # the first line: what the groups pass as --ft.lighthouse
@@ -65,4 +67,6 @@ def main(argv: list[str]) -> int:
         pass
     server.shutdown()
     print("moetrain lighthouse: stopped", file=sys.stderr, flush=True)
-    return 0
+    # The server's runtime threads can keep the interpreter from exiting after shutdown (seen here):
+    # nothing is left to write, so end the process now.
+    os._exit(0)

@@ -155,7 +155,18 @@ class ReplicaGroup:
         `state`/`load_state` give and take what a rejoining group copies from a live one.
         """
         timeout = timedelta(seconds=ft.timeout_s)
-        manager = Manager(
+        try:
+            manager = cls._manager(ft, job, timeout, state, load_state)
+        except RuntimeError as err:  # the rank-0 manager server could not reach the lighthouse
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"ft.lighthouse = {ft.lighthouse!r} is unreachable (within ft.connect_timeout_s = "
+                              f"{ft.connect_timeout_s:g} s): start `moetrain lighthouse` first ({first})") from None
+        return cls(ft, manager, fingerprint)
+
+    @staticmethod
+    def _manager(ft: FtConfig, job: JobMesh, timeout: timedelta, state: Callable[[], dict[str, Any]],
+                 load_state: Callable[[dict[str, Any]], None]) -> Manager:
+        return Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state, state_dict=state,
             min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
@@ -163,7 +174,6 @@ class ReplicaGroup:
             lighthouse_addr=ft.lighthouse, replica_id=f"moetrain_group_{ft.replica_id}",
             checkpoint_transport=_WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0),
             init_sync=False)  # every group initialises from the same seed: nothing to copy at step 0
-        return cls(ft, manager, fingerprint)
 
     def set_step(self, step: int) -> None:
         """Tell the manager the step a resumed run starts from (its quorum compares steps to pick a source)."""

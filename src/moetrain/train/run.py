@@ -221,6 +221,10 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                         result = trainer.train_step()
                     except ReplicaGroupLost as err:
                         return _stop_without_lighthouse(trainer, checkpointer, metrics, err)
+                    except ConfigError:
+                        if steps_this_run == 0 and trainer.replicas is not None:
+                            phase.where = _Phase.where  # refused by the other groups at its first step: write nothing
+                        raise
                 steps_this_run += 1
                 lock.check_held()  # before this step's writes: a lost run.lock may have let another run in
                 window.append(result)
