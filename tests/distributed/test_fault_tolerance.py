@@ -67,9 +67,9 @@ def job_args(corpus: Path, run_dir: Path, **fields: object) -> list[str]:
 
 
 def group_args(corpus: Path, root: Path, lighthouse: str, replica_id: int, steps: int, **fields: object) -> list[str]:
-    return job_args(corpus, root / f"group{replica_id}", train__steps=steps, ft__enabled=True,
-                    ft__lighthouse=lighthouse, ft__replica_id=replica_id, ft__replica_groups=2, ft__min_replicas=1,
-                    ft__quorum_timeout_s=30, ft__timeout_s=20, **fields)
+    ft = {"ft__enabled": True, "ft__lighthouse": lighthouse, "ft__replica_id": replica_id, "ft__replica_groups": 2,
+          "ft__min_replicas": 1, "ft__quorum_timeout_s": 30, "ft__timeout_s": 20}
+    return job_args(corpus, root / f"group{replica_id}", train__steps=steps, **{**ft, **fields})
 
 
 @pytest.fixture

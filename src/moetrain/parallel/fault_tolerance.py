@@ -146,6 +146,7 @@ class ReplicaGroup:
         self.manager = manager
         self.fingerprint = fingerprint
         self.participants: list[int] = []  # replica ids in the current step's quorum
+        self._first_step = True
 
     @classmethod
     def join(cls, ft: FtConfig, job: JobMesh, fingerprint: str, state: Callable[[], dict[str, Any]],
@@ -182,16 +183,18 @@ class ReplicaGroup:
     def begin_step(self, step: int) -> None:
         """Ask for this step's quorum; a rejoining group loads a live peer's state here (`load_state`).
 
-        The first step of a fresh run waits (up to ft.quorum_timeout_s) for all ft.replica_groups, so
-        that groups started together take step 1 together rather than the first one alone.
+        The first step this process takes (of a fresh or a resumed run) waits up to ft.quorum_timeout_s
+        for all ft.replica_groups, so that groups started together step together from the start
+        rather than the first one alone (a group joining a live run finds them at once).
         """
         deadline = time.monotonic() + self.ft.quorum_timeout_s
         try:
             self.manager.start_quorum()
-            while step == 0 and self.manager.current_step() == 0 and all_ranks_true(
+            while self._first_step and all_ranks_true(
                     time.monotonic() < deadline and self.manager.num_participants() < self.ft.replica_groups):
                 time.sleep(0.2)
                 self.manager.start_quorum()
+            self._first_step = False
         except ConfigError:
             raise
         except Exception as err:  # torchft raises RuntimeError/TimeoutError from its RPCs

@@ -237,13 +237,14 @@ class Trainer:
     def _attempt_step(self) -> StepResult | None:
         cfg = self.cfg.train
         replicas = self.replicas
+        start = time.perf_counter()
+        phases = StepPhases(self.device)
         if replicas is not None:
-            replicas.begin_step(self.step)  # may load a live peer's state: read self.step after it
+            with phases.phase("collectives"):  # the quorum (and a recovery) is part of the step's time
+                replicas.begin_step(self.step)  # may load a live peer's state: read self.step after it
         position = self.loader.state_dict()  # where a step that is not committed starts again
         lr = self.schedule.lr(self.step)
         set_lr(self.optimizer, lr)
-        start = time.perf_counter()
-        phases = StepPhases(self.device)
         if self.all_to_all is not None:
             self.all_to_all.take()  # what evaluation or sampling moved belongs to no step
         with phases.phase("data"):
