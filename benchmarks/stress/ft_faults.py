@@ -59,6 +59,7 @@ def kill(repeats: int, steps: int) -> dict:
     for repeat in range(repeats):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
+            (root / "run").mkdir()
             result = ft_test.kill_and_rejoin(_corpus(root), root / "run", _env(), steps=steps, kill_after=3,
                                              down_steps=3)
             ft_test.check_kill_and_rejoin(result, steps)

@@ -199,6 +199,7 @@ class ReplicaGroup:
             raise
         except Exception as err:  # torchft raises RuntimeError/TimeoutError from its RPCs
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first.split(", details:")[0]  # the RPC status without its metadata dump
             raise ReplicaGroupLost(f"replica group {self.ft.replica_id}: no quorum from the lighthouse "
                                    f"{self.ft.lighthouse} before step {step + 1} ({first[:200]})") from None
 
