@@ -54,12 +54,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
 
 
-def kill(repeats: int, steps: int) -> dict:
+def kill(repeats: int, steps: int, keep: Path | None) -> dict:
     runs = []
     for repeat in range(repeats):
         with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
+            root = Path(tempfile.mkdtemp(dir=keep)) if keep is not None else Path(tmp)
             (root / "run").mkdir()
+            print(f"repeat {repeat} in {root}", flush=True)
             result = ft_test.kill_and_rejoin(_corpus(root), root / "run", _env(), steps=steps, kill_after=3,
                                              down_steps=3)
             ft_test.check_kill_and_rejoin(result, steps)
@@ -146,8 +147,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--keep", type=Path, default=None, help="kill: keep each repeat's directories under this one")
     args = parser.parse_args()
-    result = {"kill": lambda: kill(args.repeats, args.steps), "lighthouse": lambda: lighthouse_lost(args.steps),
+    result = {"kill": lambda: kill(args.repeats, args.steps, args.keep),
+              "lighthouse": lambda: lighthouse_lost(args.steps),
               "overhead": lambda: overhead(args.steps, args.pairs)}[args.what]()
     result["machine"] = f"{os.cpu_count()} CPUs, shared with other jobs: compare ratios of one run only"
     out = RESULTS / f"ft_{args.what}.json"
