@@ -24,6 +24,7 @@ from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
+from moetrain.config.train import TrainConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.errors import ConfigError
 from moetrain.parallel.fault_tolerance import data_position, load_recovery_state, recovery_state
@@ -229,8 +230,6 @@ def _step(model, optimizer, seed: int) -> None:
 def _recovery_round_trip() -> bool:
     """A trained FSDP model's recovery state, sent through weights-only serialisation into a fresh
     model (another seed): one more identical step leaves both bitwise equal, expert bias included."""
-    from moetrain.config.train import TrainConfig
-
     job = JobMesh.from_config(ParallelConfig(), 2, "cpu")
     source = build_model(TINY, ParallelConfig(), job, seed=0)
     source_opt = build_optimizer(source, TrainConfig())

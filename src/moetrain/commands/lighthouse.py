@@ -14,9 +14,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import NoReturn
-
-from torchft._torchft import LighthouseServer
+from typing import Any, NoReturn
 
 from moetrain.args import parse_typed_args
 from moetrain.errors import ConfigError
@@ -46,8 +44,12 @@ def _checked(options: LighthouseOptions) -> LighthouseOptions:
     return options
 
 
-def start_lighthouse(options: LighthouseOptions) -> LighthouseServer:
+def start_lighthouse(options: LighthouseOptions) -> Any:
     """The running server; ConfigError (one line) when it cannot listen on `options.bind`."""
+    try:
+        from torchft._torchft import LighthouseServer
+    except ImportError:
+        raise ConfigError("moetrain lighthouse needs torchft: pip install 'moetrain[ft]'") from None
     try:
         return LighthouseServer(bind=options.bind, min_replicas=options.min_replicas,
                                 join_timeout_ms=int(options.join_timeout_s * 1000),

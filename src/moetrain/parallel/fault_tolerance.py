@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import urllib.request
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -36,9 +37,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torchft import Manager, ProcessGroupGloo
-from torchft.checkpointing._serialization import _streaming_load
-from torchft.checkpointing.http_transport import HTTPTransport
 
 from moetrain import __version__
 from moetrain.config.ft import FtConfig
@@ -54,15 +52,18 @@ class ReplicaGroupLost(RuntimeError):
     """The lighthouse or the quorum could not be reached; the message (one line) says what and at which step."""
 
 
-class _WeightsOnlyHTTPTransport(HTTPTransport):
+def _weights_only_transport(timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint transport, reading what a peer sends without unpickling code."""
+    from torchft.checkpointing._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
 
-    @classmethod
-    def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-        import urllib.request
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as stream:
+                return _streaming_load(stream, weights_only=True)
 
-        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as stream:
-            return _streaming_load(stream, weights_only=True)
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
 def data_position(ft: FtConfig, group_rank: int, group_world: int) -> tuple[int, int]:
@@ -141,7 +142,7 @@ def load_recovery_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
 class ReplicaGroup:
     """This replica group's membership in the fault-tolerant run (a torchft Manager); see the module docstring."""
 
-    def __init__(self, ft: FtConfig, manager: Manager, fingerprint: str):
+    def __init__(self, ft: FtConfig, manager: Any, fingerprint: str):
         self.ft = ft
         self.manager = manager
         self.fingerprint = fingerprint
@@ -166,14 +167,19 @@ class ReplicaGroup:
 
     @staticmethod
     def _manager(ft: FtConfig, job: JobMesh, timeout: timedelta, state: Callable[[], dict[str, Any]],
-                 load_state: Callable[[dict[str, Any]], None]) -> Manager:
+                 load_state: Callable[[dict[str, Any]], None]) -> Any:
+        """torchft's Manager for this group (the `ft` extra: `pip install 'moetrain[ft]'`)."""
+        try:
+            from torchft import Manager, ProcessGroupGloo
+        except ImportError:
+            raise ConfigError("ft.enabled = true needs torchft: pip install 'moetrain[ft]'") from None
         return Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state, state_dict=state,
             min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
             connect_timeout=timedelta(seconds=ft.connect_timeout_s), rank=job.rank, world_size=job.world,
             lighthouse_addr=ft.lighthouse, replica_id=f"moetrain_group_{ft.replica_id}",
-            checkpoint_transport=_WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0),
+            checkpoint_transport=_weights_only_transport(timeout),
             init_sync=False)  # every group initialises from the same seed: nothing to copy at step 0
 
     def set_step(self, step: int) -> None:
