@@ -257,9 +257,12 @@ class ReplicaGroup:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
 
-    def sum_in_place(self, tensor: torch.Tensor) -> None:
-        """Sum a tensor over the participating groups, in place (the aux-free expert loads)."""
-        self.manager.allreduce(tensor, reduce_op=_SUM).wait()
+    def after_backward(self, model: nn.Module) -> None:
+        """After the step's last backward, before the vote: gradients and aux-free expert loads summed
+        over the participating groups (each group then applies the same update and bias step)."""
+        self.sync_gradients(model)
+        for moe in model.moe_layers():
+            self.manager.allreduce(moe.load_since_update, reduce_op=_SUM).wait()
 
     def commit(self) -> bool:
         """Whether every participating group got through this step (all ranks of all groups call it once)."""

@@ -191,9 +191,7 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
     cfg = trainer.cfg
     _start(trainer, run_dir, resume_from)
     if cfg.ft.enabled:  # one replica group of a fault-tolerant run: join the others (moetrain lighthouse)
-        shared = {**{k: cfg.to_dict()[k] for k in FT_SHARED}, "groups": cfg.ft.replica_groups}
-        trainer.attach_replicas(ReplicaGroup.join(cfg.ft, trainer.job, job_fingerprint(shared),
-                                                  trainer.recovery_state, trainer.load_recovery_state))
+        _join_replica_groups(trainer)
     is_rank0 = trainer.rank == 0
     last_step = checkpointer.last_step
     metrics = MetricsWriter(run_dir.root, enabled=is_rank0, tensorboard=cfg.logging.tensorboard,
@@ -218,13 +216,9 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                 pause_before_step(trainer.step + 1)
                 with profiler.step(trainer.step + 1):
                     try:
-                        result = trainer.train_step()
+                        result = _train_step(trainer, phase, first=steps_this_run == 0)
                     except ReplicaGroupLost as err:
                         return _stop_without_lighthouse(trainer, checkpointer, metrics, err)
-                    except ConfigError:
-                        if steps_this_run == 0 and trainer.replicas is not None:
-                            phase.where = _Phase.where  # refused by the other groups at its first step: write nothing
-                        raise
                 steps_this_run += 1
                 lock.check_held()  # before this step's writes: a lost run.lock may have let another run in
                 window.append(result)
@@ -275,6 +269,22 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
 
 
 FT_SHARED = ("model", "data", "train", "parallel")  # what every replica group of a run must agree on
+
+
+def _join_replica_groups(trainer: Trainer) -> None:
+    cfg = trainer.cfg
+    shared = {**{k: cfg.to_dict()[k] for k in FT_SHARED}, "groups": cfg.ft.replica_groups}
+    trainer.attach_replicas(ReplicaGroup.join(cfg.ft, trainer.job, job_fingerprint(shared),
+                                              trainer.recovery_state, trainer.load_recovery_state))
+
+
+def _train_step(trainer: Trainer, phase: _Phase, first: bool) -> StepResult:
+    try:
+        return trainer.train_step()
+    except ConfigError:
+        if first and trainer.replicas is not None:
+            phase.where = _Phase.where  # refused by the other replica groups at its first step: write nothing
+        raise
 
 
 def _stop_without_lighthouse(trainer: Trainer, checkpointer: Checkpointer, metrics: MetricsWriter,

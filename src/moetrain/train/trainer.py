@@ -236,13 +236,9 @@ class Trainer:
 
     def _attempt_step(self) -> StepResult | None:
         cfg = self.cfg.train
-        replicas = self.replicas
         start = time.perf_counter()
         phases = StepPhases(self.device)
-        if replicas is not None:
-            with phases.phase("collectives"):  # the quorum (and a recovery) is part of the step's time
-                replicas.begin_step(self.step)  # may load a live peer's state: read self.step after it
-        position = self.loader.state_dict()  # where a step that is not committed starts again
+        position = self._begin_attempt(phases)  # may load a live peer's state: read self.step after it
         lr = self.schedule.lr(self.step)
         set_lr(self.optimizer, lr)
         if self.all_to_all is not None:
@@ -251,10 +247,7 @@ class Trainer:
             microbatches = [batch.to(self.device) for batch in self.loader.next_microbatches()]
         input_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
         with phases.phase("collectives"):
-            global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
-            self.group_tokens = global_tokens
-            if replicas is not None:  # the tokens of the groups that take part in this step, exactly
-                global_tokens = int(replicas.exchange([float(global_tokens)])[0])
+            global_tokens = self._count_tokens(microbatches)
         aux_is_share = self.cfg.model.moe.aux_loss_scope == "global_batch"
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
@@ -281,10 +274,8 @@ class Trainer:
                 if load is not None:
                     load = load.cpu().double()
                     expert_load = load if expert_load is None else expert_load + load
-        if replicas is not None:
-            replicas.sync_gradients(self.model)  # the replicate all-reduce, once per step
-            for moe in self.model.moe_layers():  # the aux-free loads of every group, before the vote
-                replicas.sum_in_place(moe.load_since_update)
+        if self.replicas is not None:
+            self.replicas.after_backward(self.model)  # the replicate all-reduce, once per step
         # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
         a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
         compute_s = time.perf_counter() - start - a2a_s
@@ -295,10 +286,7 @@ class Trainer:
             local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
             local = StepTotals(loss_sum=float(loss_sum), balance_loss=float(aux_sum), z_loss=float(z_sum),
                                nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens))
-            totals = StepTotals.summed_over_ranks(local, self.device)
-            self.group_loss_sum = totals.loss_sum
-            if replicas is not None:
-                totals = StepTotals(*replicas.exchange([getattr(totals, f.name) for f in fields(StepTotals)]))
+            totals = self._sum_totals(local)
         wait_s = time.perf_counter() - wait_start
         denominator = max(global_tokens, 1)
         loss = totals.loss_sum / denominator
@@ -307,10 +295,8 @@ class Trainer:
         with phases.phase("optimizer"):
             grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
             finite = totals.nonfinite_ranks == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
-            if replicas is not None and not replicas.commit():
-                self.optimizer.zero_grad(set_to_none=True)
-                self.model.discard_pending_expert_load()
-                self.loader.load_state_dict(position)
+            if self.replicas is not None and not self.replicas.commit():
+                self._forget_attempt(position)
                 return None
             if finite:
                 with record_function("optimizer"):  # a label in profiler traces
@@ -327,6 +313,35 @@ class Trainer:
                           compute_s=compute_s, wait_s=wait_s, step_s=time.perf_counter() - start, skipped=not finite,
                           expert_load=expert_load, all_to_all_s=a2a_s, all_to_all_rows_sent=a2a_sent,
                           all_to_all_rows_received=a2a_received, z_loss=z_loss, phases=phases.seconds)
+
+    def _begin_attempt(self, phases: StepPhases) -> dict[str, Any]:
+        """(ft) this step's quorum, where a rejoining group loads a live peer's state; then the data
+        position an uncommitted attempt starts again from."""
+        if self.replicas is not None:
+            with phases.phase("collectives"):  # the quorum (and a recovery) is part of the step's time
+                self.replicas.begin_step(self.step)
+        return self.loader.state_dict()
+
+    def _count_tokens(self, microbatches: list) -> int:
+        """The step's valid target tokens: over this group's ranks, then (ft) over the participating groups."""
+        self.group_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
+        if self.replicas is None:
+            return self.group_tokens
+        return int(self.replicas.exchange([float(self.group_tokens)])[0])  # exact: integers in float64
+
+    def _sum_totals(self, local: StepTotals) -> StepTotals:
+        """The step's totals over this group's ranks, then (ft) over the participating groups."""
+        totals = StepTotals.summed_over_ranks(local, self.device)
+        self.group_loss_sum = totals.loss_sum
+        if self.replicas is None:
+            return totals
+        return StepTotals(*self.replicas.exchange([getattr(totals, f.name) for f in fields(StepTotals)]))
+
+    def _forget_attempt(self, position: dict[str, Any]) -> None:
+        """Undo a step the replica groups did not commit: gradients, expert loads, data position."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.discard_pending_expert_load()
+        self.loader.load_state_dict(position)
 
     def _compute_dtype(self) -> AbstractContextManager:
         """Where forwards (and their backwards) run on `parallel.param_dtype` weights when FSDP does not cast them."""
