@@ -39,6 +39,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("evaluate a run's checkpoint or a Hugging Face directory with lm-evaluation-harness (extra `eval`)",
              "moetrain.commands.eval:main"),
     "init-report": ("per-parameter init distribution: intended vs measured std", "moetrain.commands.init_report:main"),
+    "lighthouse": ("start the quorum server of a fault-tolerant HSDP run (torchft; [ft] section); prints its address",
+                   "moetrain.commands.lighthouse:main"),
 }
 
 USAGE = "usage: moetrain COMMAND [options]   (moetrain COMMAND --help for a command's options)"

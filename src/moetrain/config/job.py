@@ -1,4 +1,4 @@
-"""The whole job (`JobConfig`): its seven sections, the rules across sections, and its TOML and CLI forms.
+"""The whole job (`JobConfig`): its eight sections, the rules across sections, and its TOML and CLI forms.
 
 Each section validates its own fields (moetrain.config.model, .data, ...); here live only the rules
 that read two sections, the TOML reading and writing, and `--section.field value` parsing (tyro).
@@ -24,6 +24,7 @@ from moetrain.args import parse_typed_args, print_help, take_option
 from moetrain.config.checkpoint import CheckpointConfig
 from moetrain.config.checks import check, check_field_types, type_name
 from moetrain.config.data import DataConfig
+from moetrain.config.ft import FtConfig
 from moetrain.config.logging import LoggingConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
@@ -41,6 +42,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
 
     def validate(self) -> JobConfig:
         """Check every field's type, then each section's own rules, then the rules across sections;
@@ -76,6 +78,13 @@ class JobConfig:
                   "use 1")
             check(moe.n_experts % p.ep == 0, "parallel.ep", p.ep,
                   f"must divide model.moe.n_experts = {moe.n_experts} (each rank owns whole experts)")
+        if self.ft.enabled:
+            # torchft's managed group is the replicate dimension: inside a replica group nothing is replicated.
+            check(p.dp_replicate == 1, "parallel.dp_replicate", p.dp_replicate,
+                  "with ft.enabled = true: must be 1 (the replica groups are the replicate dimension)")
+            check(p.pp == 1, "parallel.pp", p.pp, "with ft.enabled = true: must be 1 (not supported yet)")
+            check(not self.checkpoint.async_save, "checkpoint.async_save", self.checkpoint.async_save,
+                  "with ft.enabled = true: must be false (a recovery must not race a background save)")
 
 
 def _check_tokenizer_travels(model_dir: str, tokenizer: str) -> None:

@@ -20,12 +20,27 @@ FAIL_ENV = "MOETRAIN_TEST_FAIL_IN_CHECKPOINT_WRITE"  # "<step>": every rank's wr
 CRASH_STEP_ENV = "MOETRAIN_TEST_CRASH_AFTER_STEP"  # "<step>": rank 0 exits after that step ...
 CRASH_MARKER_ENV = "MOETRAIN_TEST_CRASH_MARKER"  # ... once: unless this file exists, which it then creates
 CRASH_EXIT_CODE = 17
+PAUSE_STEPS_ENV = "MOETRAIN_TEST_PAUSE_STEPS_FILE"  # "<path>": a file holding <step>: wait before it and later steps
 
 
 def hang_before_step(rank: int, step: int) -> None:
     if os.environ.get(HANG_ENV) == f"{rank}:{step}":
         while True:
             time.sleep(1)
+
+
+def pause_before_step(step: int) -> None:
+    """Hold every rank before `step` while the file named by PAUSE_STEPS_ENV holds a step <= `step`, so that
+    a test can kill, and restart, a peer replica group at a chosen step (it rewrites or removes the file)."""
+    path = os.environ.get(PAUSE_STEPS_ENV)
+    while path:
+        try:
+            if step < int(Path(path).read_text()):
+                return
+        except (OSError, ValueError):  # removed (or being rewritten): a removed file holds nothing back
+            if not os.path.exists(path):
+                return
+        time.sleep(0.05)
 
 
 def pause_in_checkpoint_write(step: int, tmp: Path) -> None:

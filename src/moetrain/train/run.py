@@ -20,7 +20,9 @@ config.json or metrics.jsonl. A collective that times out (`parallel.collective_
 or loses a peer ends the rank with one line naming the step (exit 3). SIGTERM/SIGINT stop
 every rank at the next step boundary, saving first when due (`moetrain.runtime.signals`;
 exit 75). Exit codes: 0 done (or stopped at train.stop_at_step), 1 diverged, 2 user
-error, 3 collective failed, 75 stopped by a signal.
+error, 3 collective failed (or, under ft.enabled, the lighthouse lost: after a checkpoint), 75 stopped
+by a signal. Under ft.enabled the run is one replica group: it joins the others after any
+checkpoint restore, and only the lowest participating group writes checkpoints.
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.observe.profiler import ProfilerWindow
+from moetrain.parallel.fault_tolerance import ReplicaGroup, ReplicaGroupLost, job_fingerprint
 from moetrain.parallel.process_group import distributed_job
 from moetrain.runtime.allocator import reuse_freed_host_memory
 from moetrain.runtime.disk import no_space_left
-from moetrain.runtime.faults import hang_before_step
+from moetrain.runtime.faults import hang_before_step, pause_before_step
 from moetrain.runtime.preflight import job_device_type, refuse_if_too_big
 from moetrain.runtime.run_dir import RunDir, WriterLock, refuse_foreign_outputs
 from moetrain.runtime.signals import EXIT_STOPPED_BY_SIGNAL, StopSignals
@@ -187,6 +190,8 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
          lock: WriterLock) -> dict[str, Any]:
     cfg = trainer.cfg
     _start(trainer, run_dir, resume_from)
+    if cfg.ft.enabled:  # one replica group of a fault-tolerant run: join the others (moetrain lighthouse)
+        _join_replica_groups(trainer)
     is_rank0 = trainer.rank == 0
     last_step = checkpointer.last_step
     metrics = MetricsWriter(run_dir.root, enabled=is_rank0, tensorboard=cfg.logging.tensorboard,
@@ -208,8 +213,12 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
             while trainer.step < last_step:
                 phase.where = f"step {trainer.step + 1}"
                 hang_before_step(trainer.rank, trainer.step + 1)
+                pause_before_step(trainer.step + 1)
                 with profiler.step(trainer.step + 1):
-                    result = trainer.train_step()
+                    try:
+                        result = _train_step(trainer, phase, first=steps_this_run == 0)
+                    except ReplicaGroupLost as err:
+                        return _stop_without_lighthouse(trainer, checkpointer, metrics, err)
                 steps_this_run += 1
                 lock.check_held()  # before this step's writes: a lost run.lock may have let another run in
                 window.append(result)
@@ -226,7 +235,8 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                     _evaluate_between_steps(trainer, metrics, phase)
                 phase.where = f"the checkpoint of step {trainer.step}"
                 with no_space_left(run_dir.checkpoints, "checkpoint"):
-                    saved = checkpointer.maybe_save(trainer.step, trainer)
+                    writes = trainer.replicas is None or trainer.replicas.writes_checkpoints()
+                    saved = checkpointer.maybe_save(trainer.step, trainer) if writes else None
                 if saved is not None:
                     log.info("checkpoint %s: %s", "being written in the background" if cfg.checkpoint.async_save
                              else "saved", saved.path)
@@ -254,6 +264,39 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
         profiler.close()
         bar.close()
         metrics.close()
+        if trainer.replicas is not None:
+            trainer.replicas.shutdown()
+
+
+FT_SHARED = ("model", "data", "train", "parallel")  # what every replica group of a run must agree on
+
+
+def _join_replica_groups(trainer: Trainer) -> None:
+    cfg = trainer.cfg
+    shared = {**{k: cfg.to_dict()[k] for k in FT_SHARED}, "groups": cfg.ft.replica_groups}
+    trainer.attach_replicas(ReplicaGroup.join(cfg.ft, trainer.job, job_fingerprint(shared),
+                                              trainer.recovery_state, trainer.load_recovery_state))
+
+
+def _train_step(trainer: Trainer, phase: _Phase, first: bool) -> StepResult:
+    try:
+        return trainer.train_step()
+    except ConfigError:
+        if first and trainer.replicas is not None:
+            phase.where = _Phase.where  # refused by the other replica groups at its first step: write nothing
+        raise
+
+
+def _stop_without_lighthouse(trainer: Trainer, checkpointer: Checkpointer, metrics: MetricsWriter,
+                             err: ReplicaGroupLost) -> dict[str, Any]:
+    """The lighthouse is gone: save this group's state (its own run directory), say one line, stop (exit 3)."""
+    with no_space_left(checkpointer.dir, "checkpoint"):
+        saved = checkpointer.maybe_save(trainer.step, trainer, force=True) if trainer.cfg.checkpoint.enabled else None
+        checkpointer.wait()
+    metrics.write({"kind": "stopped", "step": trainer.step, "reason": "lighthouse lost",
+                   "checkpoint_step": None if saved is None else saved.step})
+    where = f"checkpoint {saved.path.name} saved" if saved is not None else "no checkpoint (checkpoint.enabled = false)"
+    raise CollectiveFailed(f"{err}; {where}; restart the lighthouse, then this group with --checkpoint.resume auto")
 
 
 def _stop_on_signal(trainer: Trainer, checkpointer: Checkpointer, metrics: MetricsWriter, stop: StopSignals,

@@ -17,6 +17,12 @@ and step the optimizer unless the loss or norm is NaN/inf. Under expert parallel
 the time in the MoE token all-to-alls is reported on its own (`all_to_all_s`, with the
 rows each rank sent and received) and left out of the compute time. Deciding what a
 non-finite step means, when to evaluate, log or save is the run's job, not this one's.
+
+Under fault-tolerant HSDP (`ft.enabled`, `moetrain.parallel.fault_tolerance`) the step first asks
+for its quorum (a rejoining group loads a live peer's state there), the token count and the small
+totals are also summed over the participating replica groups, their gradients once after the last
+microbatch, and the step is applied only when torchft's vote commits it; otherwise it is redone
+from the same data position.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from moetrain.data.dataset import TrainingData
 from moetrain.data.loader import DataLoader
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.dtypes import DTYPES
+from moetrain.errors import ConfigError
 from moetrain.evaluate.tasks import evaluate_choice_tasks, read_choice_tasks
 from moetrain.logging import get_logger
 from moetrain.model.flops import count_params, flops_per_token
@@ -49,6 +56,13 @@ from moetrain.observe.peak_memory import PeakMemory
 from moetrain.observe.step_phases import StepPhases
 from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum
 from moetrain.parallel.expert_parallel import all_to_all_stats
+from moetrain.parallel.fault_tolerance import (
+    ReplicaGroup,
+    data_position,
+    load_recovery_state,
+    parameter_checksum,
+    recovery_state,
+)
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.precision import compute_copy
@@ -137,8 +151,15 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.schedule = LRSchedule.from_config(cfg.train)
         batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, cfg.train.seed)
-        self.loader = DataLoader(batching, seed=cfg.train.seed, dp_rank=job.data_rank, dp_world=job.data_world,
+        dp_rank, dp_world = job.data_rank, job.data_world
+        if cfg.ft.enabled:  # this group's share of every step's global batch
+            dp_rank, dp_world = data_position(cfg.ft, dp_rank, dp_world)
+        self.loader = DataLoader(batching, seed=cfg.train.seed, dp_rank=dp_rank, dp_world=dp_world,
                                  microbatches_per_rank=cfg.train.grad_accum)
+        self.replicas: ReplicaGroup | None = None  # set by the run under ft.enabled (attach_replicas)
+        self.group_tokens = 0  # this replica group's valid tokens in the last step (ft only)
+        self.group_loss_sum = 0.0  # and their summed token loss
+        self.redone_steps = 0  # steps redone because a replica group was lost mid-step (ft only)
         self.step_input_tokens = 0  # all ranks' input tokens in the last step (varies under token budgets)
         self.token_bytes = data.token_bytes.to(self.device)
         self.params = count_params(cfg.model)
@@ -163,6 +184,29 @@ class Trainer:
     def per_rank_state(self) -> dict[str, Any]:
         return {"loader": self.loader.state_dict(), "rng": capture_rng_state()}
 
+    def attach_replicas(self, replicas: ReplicaGroup) -> None:
+        """Run as one replica group of a fault-tolerant run from now on (after any checkpoint restore)."""
+        replicas.set_step(self.step)
+        self.replicas = replicas
+
+    def recovery_state(self) -> dict[str, Any]:
+        """What a rejoining group's rank copies from this rank (torchft calls it at a quorum that needs it)."""
+        return {**recovery_state(self.model, self.optimizer), "trainer": self.trainer_state(), "step": self.step,
+                "loader": self.loader.state_dict(), "fingerprint": self.replicas.fingerprint}
+
+    def load_recovery_state(self, state: dict[str, Any]) -> None:
+        """Take a live peer rank's `recovery_state`: weights, optimizer, expert bias, counters, data position."""
+        if state["fingerprint"] != self.replicas.fingerprint:
+            raise ConfigError("the live replica groups run another config or moetrain version than this group: "
+                              "start it from the same job and code")
+        load_recovery_state(self.model, self.optimizer, state)
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["trainer"]["skipped_steps"])
+        self.tokens_seen = int(state["trainer"]["tokens_seen"])
+        self.loader.load_state_dict(state["loader"])
+        log.info("recovered step %d from a live replica group (weights, optimizer, expert bias, data position)",
+                 self.step)
+
     def restore(self, ref: CheckpointRef) -> None:
         state = load_checkpoint(ref, self.model, self.optimizer,
                                 like=(self.trainer_state(), self.per_rank_state()))
@@ -183,18 +227,29 @@ class Trainer:
     # ---- one step
 
     def train_step(self) -> StepResult:
+        """One optimizer step; under ft.enabled, redone (same data) until the participating groups commit it."""
+        while True:
+            result = self._attempt_step()
+            if result is not None:
+                return result
+            self.redone_steps += 1
+            log.warning("step %d was not committed (a replica group was lost or failed mid-step); redoing it with "
+                        "the groups of the next quorum", self.step + 1)
+
+    def _attempt_step(self) -> StepResult | None:
         cfg = self.cfg.train
-        lr = self.schedule.lr(self.step)
-        set_lr(self.optimizer, lr)
         start = time.perf_counter()
         phases = StepPhases(self.device)
+        position = self._begin_attempt(phases)  # may load a live peer's state: read self.step after it
+        lr = self.schedule.lr(self.step)
+        set_lr(self.optimizer, lr)
         if self.all_to_all is not None:
             self.all_to_all.take()  # what evaluation or sampling moved belongs to no step
         with phases.phase("data"):
             microbatches = [batch.to(self.device) for batch in self.loader.next_microbatches()]
         input_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
         with phases.phase("collectives"):
-            global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
+            global_tokens = self._count_tokens(microbatches)
         aux_is_share = self.cfg.model.moe.aux_loss_scope == "global_batch"
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
@@ -221,6 +276,8 @@ class Trainer:
                 if load is not None:
                     load = load.cpu().double()
                     expert_load = load if expert_load is None else expert_load + load
+        if self.replicas is not None:
+            self.replicas.after_backward(self.model)  # the replicate all-reduce, once per step
         # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
         a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
         compute_s = time.perf_counter() - start - a2a_s
@@ -231,7 +288,7 @@ class Trainer:
             local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
             local = StepTotals(loss_sum=float(loss_sum), balance_loss=float(aux_sum), z_loss=float(z_sum),
                                nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens))
-            totals = StepTotals.summed_over_ranks(local, self.device)
+            totals = self._sum_totals(local)
         wait_s = time.perf_counter() - wait_start
         denominator = max(global_tokens, 1)
         loss = totals.loss_sum / denominator
@@ -240,6 +297,9 @@ class Trainer:
         with phases.phase("optimizer"):
             grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
             finite = totals.nonfinite_ranks == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
+            if self.replicas is not None and not self.replicas.commit():
+                self._forget_attempt(position)
+                return None
             if finite:
                 with record_function("optimizer"):  # a label in profiler traces
                     self.optimizer.step()
@@ -255,6 +315,35 @@ class Trainer:
                           compute_s=compute_s, wait_s=wait_s, step_s=time.perf_counter() - start, skipped=not finite,
                           expert_load=expert_load, all_to_all_s=a2a_s, all_to_all_rows_sent=a2a_sent,
                           all_to_all_rows_received=a2a_received, z_loss=z_loss, phases=phases.seconds)
+
+    def _begin_attempt(self, phases: StepPhases) -> dict[str, Any]:
+        """(ft) this step's quorum, where a rejoining group loads a live peer's state; then the data
+        position an uncommitted attempt starts again from."""
+        if self.replicas is not None:
+            with phases.phase("collectives"):  # the quorum (and a recovery) is part of the step's time
+                self.replicas.begin_step(self.step)
+        return self.loader.state_dict()
+
+    def _count_tokens(self, microbatches: list) -> int:
+        """The step's valid target tokens: over this group's ranks, then (ft) over the participating groups."""
+        self.group_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
+        if self.replicas is None:
+            return self.group_tokens
+        return int(self.replicas.exchange([float(self.group_tokens)])[0])  # exact: integers in float64
+
+    def _sum_totals(self, local: StepTotals) -> StepTotals:
+        """The step's totals over this group's ranks, then (ft) over the participating groups."""
+        totals = StepTotals.summed_over_ranks(local, self.device)
+        self.group_loss_sum = totals.loss_sum
+        if self.replicas is None:
+            return totals
+        return StepTotals(*self.replicas.exchange([getattr(totals, f.name) for f in fields(StepTotals)]))
+
+    def _forget_attempt(self, position: dict[str, Any]) -> None:
+        """Undo a step the replica groups did not commit: gradients, expert loads, data position."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.discard_pending_expert_load()
+        self.loader.load_state_dict(position)
 
     def _compute_dtype(self) -> AbstractContextManager:
         """Where forwards (and their backwards) run on `parallel.param_dtype` weights when FSDP does not cast them."""
@@ -278,6 +367,11 @@ class Trainer:
                               all_to_all_per_rank=all_to_all, memory_per_rank=memory_per_rank,
                               expert_bias=self._expert_bias())
         record["peak_rss_since_previous_record"] = self.memory.window_peaks  # else the process's lifetime peak
+        if self.replicas is not None:  # which groups took part, this group's tokens, and its weights' checksum
+            record.update({"ft_replica_id": self.cfg.ft.replica_id, "ft_participants": self.replicas.participants,
+                           "ft_group_tokens": self.group_tokens, "ft_group_loss_sum": self.group_loss_sum,
+                           "ft_redone_steps": self.redone_steps,
+                           "param_checksum": parameter_checksum(self.model)})
         record["peak_flops_per_rank"] = self.peak_flops_per_rank()
         record["peak_flops_source"] = self.peak_flops_source
         return record
