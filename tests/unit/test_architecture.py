@@ -38,7 +38,7 @@ LAYERS: list[set[str]] = [
 ]
 # Third-party packages a user may not have installed (extras): importing them where they
 # are used keeps every other command working without them.
-OPTIONAL_PACKAGES = {"datasets", "pyarrow", "tokenizers", "transformers", "wandb", "tensorboard", "lm_eval"}
+OPTIONAL_PACKAGES = {"datasets", "pyarrow", "tokenizers", "transformers", "wandb", "tensorboard", "lm_eval", "torchao"}
 OPTIONAL_MODULE_PREFIXES = ("torch.utils.tensorboard",)
 
 
