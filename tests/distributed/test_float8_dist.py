@@ -18,6 +18,7 @@ forwards in both, SGD for 3 steps.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,8 +64,9 @@ def batches() -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     return out
 
 
-def train(model, microbatches_of_step, step_hook=None, compute=None) -> list[float]:
-    """Losses (token-weighted over the whole global batch) of STEPS SGD steps on this rank's microbatches."""
+def train(model, microbatches_of_step, step_hook=None, compute=None, on_end=None) -> list[float]:
+    """Losses (token-weighted over the whole global batch) of STEPS SGD steps on this rank's microbatches;
+    `on_end(model, optimizer)` after the last step."""
     import contextlib
 
     import torch.distributed as dist
@@ -90,6 +92,8 @@ def train(model, microbatches_of_step, step_hook=None, compute=None) -> list[flo
         if dist.is_initialized():
             dist.all_reduce(loss_sum)
         losses.append(float(loss_sum / global_tokens))
+    if on_end is not None:
+        on_end(model, optimizer)
     return losses
 
 
@@ -105,7 +109,7 @@ def one_process(state, data, recipe: str, param_dtype: str) -> list[float]:
                  compute=copies.compute if copies is not None else None)
 
 
-def sharded(state, data, recipe: str, param_dtype: str):
+def sharded(state, data, recipe: str, param_dtype: str, checkpoint_dir: str):
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from moetrain.parallel.float8 import precompute_float8_scales
@@ -123,17 +127,24 @@ def sharded(state, data, recipe: str, param_dtype: str):
     plain = build_model(CFG, parallel, job, device, weights="none")
     keys = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     plain_keys = {k: (tuple(v.shape), v.dtype) for k, v in plain.state_dict().items()}
-    losses = train(model, lambda step: data[step][rank], step_hook=precompute_float8_scales)
-    full = {n: p.full_tensor().detach().double().numpy() for n, p in model.named_parameters()}
-    return losses, gathered_in_float8, keys == plain_keys, full
+    from moetrain.checkpoint.storage import save_checkpoint
+
+    saved = []
+    losses = train(model, lambda step: data[step][rank], step_hook=precompute_float8_scales,
+                   on_end=lambda m, opt: saved.append(save_checkpoint(checkpoint_dir, STEPS, m, opt, {}, {}, 1)))
+    full = {n: p.full_tensor().detach().float().numpy() for n, p in model.named_parameters()}
+    return losses, gathered_in_float8, keys == plain_keys, full, str(saved[0].path)
 
 
 @pytest.mark.parametrize("recipe, param_dtype", CASES)
-def test_fsdp2_float8_losses_equal_one_process(recipe, param_dtype):
+def test_fsdp2_float8_losses_equal_one_process(recipe, param_dtype, tmp_path):
+    from moetrain.checkpoint.layout import CheckpointRef
+    from moetrain.checkpoint.storage import load_model_weights
+
     state, data = initial_state(), batches()
     expected = one_process(state, data, recipe, param_dtype)
-    results = run_on_ranks(sharded, WORLD, state, data, recipe, param_dtype)
-    losses, gathered, same_keys, full = results[0]
+    results = run_on_ranks(sharded, WORLD, state, data, recipe, param_dtype, str(tmp_path))
+    losses, gathered, same_keys, full, checkpoint = results[0]
     assert all(math.isfinite(x) for x in expected)
     assert losses[0] == expected[0], (losses, expected)  # the same float8 weights: the same bits
     for got, want in zip(losses, expected, strict=True):
@@ -147,7 +158,10 @@ def test_fsdp2_float8_losses_equal_one_process(recipe, param_dtype):
                                              "layers.1.attention.wo", "layers.1.moe.shared_expert.w1",
                                              "layers.1.moe.shared_expert.w2", "layers.1.moe.shared_expert.w3")}
     assert set(gathered) == (float8_weights if recipe == "tensorwise" else set())
-    # What a checkpoint saves: the same keys, shapes and float32 dtypes as without float8, loadable into a plain model.
+    # What a checkpoint saves: the same keys, shapes and float32 dtypes as without float8, and the trained
+    # float32 masters, bit for bit, in a plain model loading it in one process (as export-hf does).
     assert same_keys
     plain = Transformer(CFG)
-    plain.load_state_dict({**plain.state_dict(), **{n: torch.from_numpy(v).float() for n, v in full.items()}})
+    load_model_weights(CheckpointRef(STEPS, Path(checkpoint)), plain)
+    for name, param in plain.named_parameters():
+        assert param.dtype == torch.float32 and torch.equal(param.detach(), torch.from_numpy(full[name])), name

@@ -119,6 +119,8 @@ def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool 
     chosen = set(plan.converted)
     _torchao_float8().convert_to_float8_training(model, config=config,
                                                  module_filter_fn=lambda _module, name: name in chosen)
+    if config.enable_fsdp_float8_all_gather:
+        model.register_state_dict_post_hook(_plain_float8_weights)
     gather = "float8 all-gather" if config.enable_fsdp_float8_all_gather else "weights gathered in param_dtype"
     kept = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in plan.by_name})) or "no named linear"
     log.info("float8 %s%s: %d linears in float8 (%s); high precision: %s and the routed experts", recipe,
@@ -127,6 +129,25 @@ def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool 
         log.warning("float8: %d linears stay high precision, a dimension not a multiple of %d: %s",
                     len(plan.by_shape), ALIGNMENT, ", ".join(plan.by_shape))
     return plan
+
+
+def _plain_float8_weights(_module: nn.Module, state_dict: dict, _prefix: str, _local_metadata: dict) -> None:
+    """State-dict post hook: each float8-gathered weight as the plain float32 tensor it wraps (the same storage).
+
+    Under float8 all-gather a sharded weight is a DTensor over torchao's `WeightWithDynamicFloat8CastTensor`, a
+    wrapper without storage of its own, which the safetensors checkpoint writer cannot read. Its `_tensor` is the
+    float32 master shard itself, so saving reads it and loading writes into it in place.
+    """
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # the optional extra
+
+    for key, value in state_dict.items():
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        if not isinstance(local, WeightWithDynamicFloat8CastTensor):
+            continue
+        state_dict[key] = (DTensor.from_local(local._tensor, value.device_mesh, value.placements, run_check=False,
+                                              shape=value.shape, stride=value.stride())
+                           if isinstance(value, DTensor) else local._tensor)
 
 
 def precompute_float8_scales(model: nn.Module) -> None:
