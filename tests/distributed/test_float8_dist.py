@@ -127,13 +127,20 @@ def sharded(state, data, recipe: str, param_dtype: str, checkpoint_dir: str):
     plain = build_model(CFG, parallel, job, device, weights="none")
     keys = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     plain_keys = {k: (tuple(v.shape), v.dtype) for k, v in plain.state_dict().items()}
-    from moetrain.checkpoint.storage import save_checkpoint
+    from moetrain.checkpoint.storage import load_checkpoint, save_checkpoint
 
     saved = []
     losses = train(model, lambda step: data[step][rank], step_hook=precompute_float8_scales,
                    on_end=lambda m, opt: saved.append(save_checkpoint(checkpoint_dir, STEPS, m, opt, {}, {}, 1)))
     full = {n: p.full_tensor().detach().float().numpy() for n, p in model.named_parameters()}
-    return losses, gathered_in_float8, keys == plain_keys, full, str(saved[0].path)
+    # Resume: a fresh float8 model loading the checkpoint has the same weights and the next step's loss bit for bit.
+    resumed = build_model(CFG, parallel, job, device, weights="none", float8=recipe)
+    load_checkpoint(saved[0], resumed, torch.optim.SGD(resumed.parameters(), lr=LR))
+    same_weights = all(torch.equal(a.full_tensor(), b.full_tensor())
+                       for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
+    tokens, targets = data[0][rank][0]
+    next_losses = [float(token_loss_sum(m(tokens), targets)[0]) for m in (model, resumed)]
+    return losses, gathered_in_float8, keys == plain_keys, full, str(saved[0].path), same_weights, next_losses
 
 
 @pytest.mark.parametrize("recipe, param_dtype", CASES)
@@ -144,7 +151,7 @@ def test_fsdp2_float8_losses_equal_one_process(recipe, param_dtype, tmp_path):
     state, data = initial_state(), batches()
     expected = one_process(state, data, recipe, param_dtype)
     results = run_on_ranks(sharded, WORLD, state, data, recipe, param_dtype, str(tmp_path))
-    losses, gathered, same_keys, full, checkpoint = results[0]
+    losses, gathered, same_keys, full, checkpoint, resumed_weights, next_losses = results[0]
     assert all(math.isfinite(x) for x in expected)
     assert losses[0] == expected[0], (losses, expected)  # the same float8 weights: the same bits
     for got, want in zip(losses, expected, strict=True):
@@ -161,6 +168,7 @@ def test_fsdp2_float8_losses_equal_one_process(recipe, param_dtype, tmp_path):
     # What a checkpoint saves: the same keys, shapes and float32 dtypes as without float8, and the trained
     # float32 masters, bit for bit, in a plain model loading it in one process (as export-hf does).
     assert same_keys
+    assert resumed_weights and next_losses[0] == next_losses[1]
     plain = Transformer(CFG)
     load_model_weights(CheckpointRef(STEPS, Path(checkpoint)), plain)
     for name, param in plain.named_parameters():
