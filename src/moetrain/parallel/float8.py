@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
@@ -138,7 +139,6 @@ def _plain_float8_weights(_module: nn.Module, state_dict: dict, _prefix: str, _l
     wrapper without storage of its own, which the safetensors checkpoint writer cannot read. Its `_tensor` is the
     float32 master shard itself, so saving reads it and loading writes into it in place.
     """
-    from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # the optional extra
 
     for key, value in state_dict.items():
