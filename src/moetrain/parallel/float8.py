@@ -33,7 +33,9 @@ Under FSDP with the tensorwise recipe the weights are all-gathered in float8
 the gathered float8 weight is the one a single process would cast; `precompute_float8_scales`,
 called after each optimizer step, computes every weight's scale with one all-reduce of the amaxes
 instead of one per weight. Rowwise scales cannot be computed per shard, so rowwise gathers in
-`param_dtype`. This module changes how matmuls compute, never which parameters exist or their names.
+`param_dtype`. A float8-gathered weight is a storage-less torchao wrapper around its float32 shard, so a
+state-dict hook hands checkpoints the shard itself (`_plain_float8_weights`). Off CUDA the GEMMs run in
+torchao's emulation (`NATIVE_ON`). This module changes how matmuls compute, never which parameters exist or their names.
 torchao is an optional extra (moetrain[fp8]): it is imported only when float8 is asked for.
 """
 
