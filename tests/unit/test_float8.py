@@ -14,7 +14,7 @@ matrices (float64),
 
 where C is the exact product of the high-precision operands the linear received. The worst case is
 reached only when all K rounding errors line up; the typical error is ~√K times smaller, so the test also
-asks that the error be float8-sized (a linear left in bf16 errs 16-64x less), which catches a model that
+asks that the error be float8-sized (a linear left in bf16 errs at most 1/16 as much), which catches a model that
 was not converted at all. With the scale wrong (8x too large, so values saturate) the bound fails.
 """
 
