@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Every CUDA path moetrain has, in one run of under 8 minutes on one GPU, then one summary table.
+# Every CUDA path moetrain has, in one run of under 14 minutes on one GPU, then one summary table.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]      (default OUT_DIR: benchmarks/results/gpu_check)
 #
-# Steps (each under its own time limit; the limits add up to 7.5 minutes):
+# Steps (each under its own time limit; the limits add up to 13.5 minutes):
 #   1. the CUDA-marked tests (pytest -m cuda; a skipped or missing test counts as a failure)
 #   2. moetrain bench moe in bf16 on the GPU (expert implementations side by side)
 #   3. moetrain bench train on configs/qwen3_moe_debug.toml, flex attention, bf16 (tokens/s, MFU, memory)
 #   4. bf16 import parity against transformers (benchmarks/parity/hf_parity_bf16.py)
+#   5. float8 (train.float8 = "rowwise", torchao's _scaled_mm) against bf16 on qwen3_moe_debug (step 3 is its
+#      bf16 row) and on the DeepSeek-V3 debug preset (a bf16 row and a float8 row), then their tokens/s and
+#      MFU ratios; MFU keeps the bf16 peak as its denominator, so float8's gain shows as a higher MFU
 # A step that fails is reported and the others still run; the script exits 1 when any failed,
 # printing FAILED in the table and the tail of that step's log. Run it from the repository root
 # with the project's environment (.venv, or PYTHON=... / MOETRAIN=...).
@@ -69,6 +72,34 @@ run_step bench_moe_bf16 90 "$MOETRAIN" bench moe --device "$DEVICE" --dtype bflo
 run_step bench_train_flex_bf16 150 "$MOETRAIN" bench train --config configs/qwen3_moe_debug.toml \
     --model.attention flex --parallel.param_dtype bfloat16 --parallel.device "$DEVICE" \
     --steps 20 --json "$OUT/bench_train_flex_bf16.json"
+
+run_step bench_train_flex_float8 120 "$MOETRAIN" bench train --config configs/qwen3_moe_debug.toml \
+    --model.attention flex --parallel.param_dtype bfloat16 --parallel.device "$DEVICE" --train.float8 rowwise \
+    --steps 20 --json "$OUT/bench_train_flex_float8.json"
+
+for precision in bf16 float8; do
+    extra=()
+    [ "$precision" = "float8" ] && extra=(--train.float8 rowwise)
+    run_step "bench_train_dsv3_$precision" 120 "$MOETRAIN" bench train --config configs/deepseek_v3_debug.toml \
+        --model.attention flex --parallel.param_dtype bfloat16 --parallel.device "$DEVICE" "${extra[@]}" \
+        --steps 20 --json "$OUT/bench_train_dsv3_$precision.json"
+done
+
+# float8 / bf16 ratios of tokens/s and MFU (printed; the table below shows each row's own numbers).
+"$PYTHON" - "$OUT" <<'PY' | tee "$OUT/float8_ratios.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for model, bf16, float8 in (("qwen3_moe_debug", "bench_train_flex_bf16", "bench_train_flex_float8"),
+                            ("deepseek_v3_debug", "bench_train_dsv3_bf16", "bench_train_dsv3_float8")):
+    try:
+        a, b = (json.loads((out / f"{name}.json").read_text()) for name in (bf16, float8))
+    except (OSError, ValueError):
+        print(f"gpu_check: float8 vs bf16 on {model}: missing a row")
+        continue
+    print(f"gpu_check: float8 rowwise vs bf16 on {model}: tokens/s {b['tokens_per_s']:.0f} / {a['tokens_per_s']:.0f} "
+          f"= {b['tokens_per_s'] / a['tokens_per_s']:.3f}x, MFU {100 * b['mfu']:.2f}% / {100 * a['mfu']:.2f}%")
+PY
 
 run_step hf_parity_bf16 90 "$PYTHON" benchmarks/parity/hf_parity_bf16.py --device "$DEVICE" --json "$OUT/hf_parity_bf16.json"
 

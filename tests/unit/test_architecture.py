@@ -39,7 +39,7 @@ LAYERS: list[set[str]] = [
 # Third-party packages a user may not have installed (extras): importing them where they
 # are used keeps every other command working without them.
 OPTIONAL_PACKAGES = {"datasets", "pyarrow", "tokenizers", "transformers", "wandb", "tensorboard", "lm_eval",
-                     "torchft"}
+                     "torchft", "torchao"}
 OPTIONAL_MODULE_PREFIXES = ("torch.utils.tensorboard",)
 
 

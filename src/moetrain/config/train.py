@@ -51,6 +51,11 @@ class TrainConfig:
     """Checkpoint only blocks 0, N, 2N, ... (N = this); 1 = every block."""
     compile: bool = False
     """torch.compile each transformer block."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """FP8 matmuls through torchao (moetrain.parallel.float8): the attention, dense FFN and shared-expert
+    linears run in float8 with one scale per tensor ("tensorwise", with FSDP's float8 weight all-gather)
+    or per row ("rowwise"); routers, norms, embeddings, the head and the routed experts stay in
+    parallel.param_dtype, and the master weights and checkpoints stay float32. "none" = off."""
     nan_policy: Literal["skip", "stop"] = "stop"
     """A step whose loss or gradient norm is NaN/inf: skip it (no optimizer step) or stop the run."""
     max_consecutive_skips: int = 10

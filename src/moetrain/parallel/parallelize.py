@@ -44,6 +44,7 @@ from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.model import moe_function  # registers torch.ops.moetrain.memory_efficient_experts
 from moetrain.parallel.expert_parallel import apply_expert_parallel
+from moetrain.parallel.float8 import convert_to_float8
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.shard import apply_fsdp
 
@@ -70,6 +71,7 @@ SAVED_OPS = frozenset({
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
     torch.ops.aten._grouped_mm.default,
+    torch.ops.aten._scaled_mm.default,  # train.float8's matmuls
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -163,11 +165,15 @@ def apply_compile(model: nn.Module, device_type: str = "cpu") -> None:
 
 def parallelize_model(model: nn.Module, job: JobMesh | None, parallel: ParallelConfig, *,
                       activation_checkpointing: bool | str = False, compile: bool = False,
-                      activation_checkpointing_every: int = 1, device_type: str = "cpu") -> nn.Module:
-    """Apply EP, activation checkpointing, compile and FSDP (not on one rank) to `model` in place; return it.
+                      activation_checkpointing_every: int = 1, device_type: str = "cpu",
+                      float8: str = "none") -> nn.Module:
+    """Apply float8, EP, activation checkpointing, compile and FSDP (not on one rank) to `model` in place; return it.
 
-    `device_type` is where the model will run (it may still be on the meta device here).
+    `device_type` is where the model will run (it may still be on the meta device here). `float8`
+    (train.float8) swaps linears for torchao's float8 ones first (moetrain.parallel.float8).
     """
+    if float8 != "none":
+        convert_to_float8(model, float8, float8_all_gather=not runs_unsharded(job), device_type=device_type)
     apply_ep(model, job, parallel.ep)
     mode = checkpointing_mode(activation_checkpointing)
     if compile and mode == "selective":

@@ -35,7 +35,7 @@ WEIGHTS = ("init", "none", "hf:DIR")
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = None, job: JobMesh | None = None,
                 device: torch.device | str = "cpu", *, weights: str = "init", seed: int = 0,
                 init_scheme: str | None = None, activation_checkpointing: bool | str = False,
-                compile: bool = False, activation_checkpointing_every: int = 1) -> Transformer:
+                compile: bool = False, activation_checkpointing_every: int = 1, float8: str = "none") -> Transformer:
     """The model of `model_cfg`, parallelized over the job's mesh per `parallel_cfg`, on `device`, with `weights`.
 
     Without a mesh (or on one rank without expert parallelism) the model stays a plain module.
@@ -47,7 +47,7 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
         model = Transformer(model_cfg)
     parallelize_model(model, job, parallel_cfg or ParallelConfig(), activation_checkpointing=activation_checkpointing,
                       compile=compile, activation_checkpointing_every=activation_checkpointing_every,
-                      device_type=torch.device(device).type)
+                      device_type=torch.device(device).type, float8=float8)
     model.to_empty(device=device)
     if weights == "none":
         reset_buffers(model)
@@ -65,7 +65,8 @@ def build_for_job(cfg: JobConfig, job: JobMesh) -> Transformer:
     model = build_model(cfg.model, cfg.parallel, job, job.device, weights=cfg.model.init_from or "init",
                         seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing,
                         compile=cfg.train.compile,
-                        activation_checkpointing_every=cfg.train.activation_checkpointing_every)
+                        activation_checkpointing_every=cfg.train.activation_checkpointing_every,
+                        float8=cfg.train.float8)
     model.train()
     return model
 

@@ -63,8 +63,10 @@ from moetrain.parallel.fault_tolerance import (
     parameter_checksum,
     recovery_state,
 )
+from moetrain.parallel.float8 import precompute_float8_scales
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.mesh import JobMesh
+from moetrain.parallel.parallelize import runs_unsharded
 from moetrain.parallel.precision import compute_copy
 from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
@@ -149,6 +151,7 @@ class Trainer:
         self.compute_copy = compute_copy(self.model, cfg.parallel)  # None under FSDP or in float32
         self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)
+        self.float8_gathered = cfg.train.float8 == "tensorwise" and not runs_unsharded(job)
         self.schedule = LRSchedule.from_config(cfg.train)
         batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, cfg.train.seed)
         dp_rank, dp_world = job.data_rank, job.data_world
@@ -303,6 +306,8 @@ class Trainer:
             if finite:
                 with record_function("optimizer"):  # a label in profiler traces
                     self.optimizer.step()
+                if self.float8_gathered:  # the next all-gathers' float8 scales, in one collective
+                    precompute_float8_scales(self.model)
             self.optimizer.zero_grad(set_to_none=True)
             if finite:
                 self.model.update_expert_bias(all_reduce_sum if self.world > 1 else None)
