@@ -200,6 +200,9 @@ class Muon(torch.optim.AdamW):
         state = self.state[param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+            # A step count as AdamW keeps one: torch's Adam.__setstate__ (load_state_dict) reads every group's.
+            state["step"] = torch.tensor(0.0)
+        state["step"] += 1
         grad, buf = _local(param.grad), _local(state["momentum_buffer"])
         buf.lerp_(grad, 1 - settings.momentum)
         update = grad.lerp(buf, settings.momentum) if settings.nesterov else buf

@@ -55,6 +55,7 @@ from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
+from moetrain.train.qk_clip import QKClip
 
 log = get_logger("train")
 
@@ -134,6 +135,9 @@ class Trainer:
         self.compute_copy = compute_copy(self.model, cfg.parallel)  # None under FSDP or in float32
         self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)
+        # QK-clip: each head's largest logit recorded during the step, its weights clipped after it.
+        self.qk_clip = QKClip(self.model, cfg.train.qk_clip_tau) if cfg.train.qk_clip_tau > 0 else None
+        self.max_logits: torch.Tensor | None = None  # [layers, heads] of the last clipped step
         self.schedule = LRSchedule.from_config(cfg.train)
         batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, cfg.train.seed)
         self.loader = DataLoader(batching, seed=cfg.train.seed, dp_rank=job.data_rank, dp_world=job.data_world,
@@ -201,6 +205,8 @@ class Trainer:
         with self._compute_dtype():
             with phases.phase("forward"):
                 prepare_global_balance(self.model, microbatches)
+            if self.qk_clip is not None:
+                self.qk_clip.arm()
             for batch, _is_last in accumulation(self.model, microbatches, self.policy):
                 with phases.phase("forward"):
                     logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
@@ -241,6 +247,10 @@ class Trainer:
             if finite:
                 with record_function("optimizer"):  # a label in profiler traces
                     self.optimizer.step()
+                if self.qk_clip is not None:
+                    self.max_logits = self.qk_clip.clip()
+            elif self.qk_clip is not None:
+                self.qk_clip.disarm()
             self.optimizer.zero_grad(set_to_none=True)
             if finite:
                 self.model.update_expert_bias(all_reduce_sum if self.world > 1 else None)
@@ -277,6 +287,8 @@ class Trainer:
                               expert_bias=self._expert_bias())
         record["peak_rss_since_previous_record"] = self.memory.window_peaks  # else the process's lifetime peak
         record["peak_flops_per_rank"] = self.peak_flops_per_rank()
+        if self.max_logits is not None:
+            record["attention_max_logit"] = self.max_logits.tolist()  # [layer][head], before the clip
         return record
 
     def _expert_bias(self) -> torch.Tensor | None:
