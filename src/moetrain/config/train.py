@@ -14,6 +14,7 @@ from moetrain.config.checks import check, check_nonnegative, check_positive
 # "norms" (block and final RMSNorm gains) is 1-D only: Muon cannot orthogonalize it.
 PARAM_GROUPS = ("router", "experts", "attention", "dense_ffn", "embeddings", "head", "norms")
 MUON_REFUSED_GROUPS = ("norms",)
+NewtonSchulzDType = Literal["bfloat16", "float32", "float64"]
 
 
 @dataclass
@@ -64,7 +65,7 @@ class TrainConfig:
     """Nesterov momentum for Muon."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per orthogonalization."""
-    muon_ns_dtype: Literal["bfloat16", "float32", "float64"] = "bfloat16"
+    muon_ns_dtype: NewtonSchulzDType = "bfloat16"
     """Dtype the Newton-Schulz iteration computes in (torch.optim.Muon's is bfloat16)."""
     lr_scale: GroupScales = field(default_factory=GroupScales)
     """Per-group multipliers of the learning rate (both optimizers)."""
