@@ -373,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", default=None, help="only these rows (default: all)")
     parser.add_argument("--quick", action="store_true",
                         help="two rows, 6 steps, sequence length 64: checks the pipeline, not quality")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="train and evaluate on rows of this many tokens instead of the config's (a cheaper grid)")
     parser.add_argument("--report-only", action="store_true", help="rebuild summary, table and figures only")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality"))
     args = parser.parse_args(argv)
@@ -389,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown rows {sorted(unknown)}; known: {[r.name for r in grid_rows]}")
         grid_rows = [r for r in grid_rows if r.name in wanted]
-    seq_len = 64 if args.quick else base.data.seq_len
+    seq_len = 64 if args.quick else args.seq_len or base.data.seq_len
+    shorter = ["--data.seq_len", str(seq_len)] if args.seq_len and not args.quick else []
     if not args.report_only:
         # Row-major: both seeds of a row run side by side (same cost, so they finish together).
         tasks = [(row, seed) for row in grid_rows for seed in args.seeds if not row.refused]
@@ -398,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{row.name}: not run ({row.refused})", flush=True)
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = [pool.submit(run_one, row, seed, args.steps,
-                                   schedule_args(row, args.steps, args.eval_every, args.eval_batches, seed, args.quick),
+                                   schedule_args(row, args.steps, args.eval_every, args.eval_batches, seed, args.quick)
+                                   + shorter,
                                    runs / f"{row.name}_s{seed}", sys.executable) for row, seed in tasks]
             for future in futures:
                 print(future.result(), flush=True)
