@@ -1,8 +1,8 @@
 """Muon under FSDP 4, HSDP 2x2 and expert parallelism on 4 gloo ranks against one process, with Newton–Schulz counted.
 
 One 4-rank run serves every case: the parity grid's tiny 2-dense + 2-MoE transformer, its uneven
-microbatches, 3 optimizer steps of `train.optimizer = "muon"` (Newton–Schulz in float32, AdamW on the
-rest) built by `build_optimizer`. The reference is the same model and optimizer in this process,
+microbatches (2 per rank and step), 3 optimizer steps of `train.optimizer = "muon"` (Newton–Schulz in
+float32, AdamW on the rest) built by `build_optimizer`. The reference is the same model and optimizer in this process,
 unsharded, on the whole global batch: after 3 steps every parameter must match within 1e-6 of its
 largest entry (float32), and in every step the ranks together must run Newton–Schulz exactly once
 per matrix (counted by wrapping `moetrain.train.muon.orthogonalize` on every rank), no more (each
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_support import MODEL_CFG, N_MICRO, initial_state, load_full_state, make_batches, relative_error
+from parity_support import MODEL_CFG, initial_state, load_full_state, make_batches, relative_error
 
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.train import TrainConfig
@@ -26,8 +26,11 @@ from moetrain.train.loss import microbatch_loss, token_loss_sum
 from moetrain.train.optim import build_optimizer
 
 BOUND = 1e-6
-# (name, (dp_replicate, dp_shard), ep)
-CASES = [("fsdp4", (1, 4), 1), ("hsdp2x2", (2, 2), 1), ("ep2_fsdp2", (1, 4), 2), ("hsdp2x2_ep2", (2, 2), 2)]
+N_MICRO = 2  # uneven microbatches per rank and step (the parity grid's data, fewer of them: a faster test)
+# (name, (dp_replicate, dp_shard), ep). EP 2 under HSDP: experts whole on each rank (left in place across the
+# EP and expert-FSDP dimensions) and split over the replicate dimension; EP 2 x FSDP 2 without replication
+# leaves them entirely in place, as one process does (checked by hand, not repeated here for time).
+CASES = [("fsdp4", (1, 4), 1), ("hsdp2x2", (2, 2), 1), ("hsdp2x2_ep2", (2, 2), 2)]
 # A large AdamW epsilon keeps the AdamW parameters' update a smooth function of the gradient: with 1e-8, an
 # entry whose gradient is summation noise takes ±lr either way on its sign.
 TRAIN = TrainConfig(optimizer="muon", lr=0.02, muon_ns_dtype="float32", eps=1e-4, weight_decay=0.1)
@@ -115,7 +118,7 @@ def _reference(state, batches) -> tuple[dict[str, torch.Tensor], list[int]]:
 
 @pytest.fixture(scope="module")
 def runs():
-    state, batches = initial_state(), make_batches()
+    state, batches = initial_state(), make_batches(n_micro=N_MICRO)
     reference, reference_calls = _reference(state, batches)
     return run_on_ranks(_worker, 4, state, batches), reference, reference_calls
 
