@@ -132,9 +132,10 @@ def test_build_optimizer_puts_hidden_matrices_on_muon_and_the_rest_on_adamw():
     assert optimizer._column_blocks == {id(model.layers[1].moe.experts.w1): 2}  # SwiGLU's fused gate | up
 
 
-def test_per_group_rates_reach_every_group():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_per_group_rates_reach_every_group(optimizer):
     model = Transformer(MOE_MODEL)
-    cfg = TrainConfig(optimizer="muon", lr_scale=GroupScales(router=0.5, embeddings=2.0),
+    cfg = TrainConfig(optimizer=optimizer, lr_scale=GroupScales(router=0.5, embeddings=2.0),
                       weight_decay_scale=GroupScales(experts=0.0, attention=3.0))
     optimizer = build_optimizer(model, cfg)
     set_lr(optimizer, 0.01)
