@@ -13,7 +13,8 @@ being its summed token loss over the global count plus its part of the MoE route
 losses (`loss.router_loss_terms`); then one small all-reduce of [loss sum, balance
 loss, z-loss, non-finite flag, input tokens] — the time a rank
 spends in it is its wait for the slowest rank — clip by the global gradient norm,
-and step the optimizer unless the loss or norm is NaN/inf. Under expert parallelism
+and step the optimizer unless the loss or norm is NaN/inf (then, with `train.qk_clip_tau`, clip the attention
+heads whose logits the step's forwards recorded above τ: `qk_clip`). Under expert parallelism
 the time in the MoE token all-to-alls is reported on its own (`all_to_all_s`, with the
 rows each rank sent and received) and left out of the compute time. Deciding what a
 non-finite step means, when to evaluate, log or save is the run's job, not this one's.
