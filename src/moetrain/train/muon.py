@@ -42,6 +42,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
 
+from moetrain.errors import ConfigError
+
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 RMS_MATCHING = "match_rms_adamw"  # torch's name for Moonlight's 0.2·sqrt(max(A, B)) scaling
 
@@ -104,7 +106,10 @@ def _stack_layout(param: Tensor) -> tuple[DeviceMesh | None, tuple[Placement, ..
     mesh, kept_dims, placements = param.device_mesh, [], []
     for mesh_dim, placement in enumerate(param.placements):
         if isinstance(placement, _StridedShard) and (param.ndim == 2 or placement.dim != 0):
-            raise ValueError(f"Muon cannot gather a matrix strided-sharded as {param.placements}")
+            # FSDP over a tensor-parallel split of the same dimension: not gathered yet (torchtitan's DistMuon
+            # refuses tensor parallelism too).
+            raise ConfigError(f"train.optimizer = 'muon' is invalid for a matrix sharded as {param.placements} "
+                              "(FSDP over a tensor-parallel dimension): use train.optimizer = 'adamw'")
         if param.ndim == 3 and isinstance(placement, Shard | _StridedShard) and placement.dim == 0:
             continue  # splits the experts: whole matrices on each rank
         if isinstance(placement, Shard):
@@ -112,7 +117,7 @@ def _stack_layout(param: Tensor) -> tuple[DeviceMesh | None, tuple[Placement, ..
         elif isinstance(placement, Replicate):
             placements.append(Replicate())
         else:
-            raise ValueError(f"Muon cannot orthogonalize a parameter placed as {param.placements}")
+            raise ConfigError(f"train.optimizer = 'muon' is invalid for a parameter placed as {param.placements}")
         kept_dims.append(mesh_dim)
     if not kept_dims:
         return None, ()
@@ -157,15 +162,24 @@ class Muon(torch.optim.AdamW):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, fused=fused)
         self.settings = settings
         self._column_blocks = {id(p): n for p, n in (column_blocks or {}).items()}
-        self._layouts: dict[int, tuple[DeviceMesh | None, tuple[Placement, ...]]] = {}  # per parameter, built once
+        self._layouts: dict[int, tuple[DeviceMesh | None, tuple[Placement, ...]]] = {}  # per parameter
         for group in self.param_groups:
             for param in group["params"] if group["muon"] else ():
-                if param.ndim not in (2, 3):
-                    raise ValueError(f"Muon orthogonalizes matrices and stacks of them; a parameter of shape "
-                                     f"{tuple(param.shape)} must go to an AdamW group")
-                if param.shape[-1] % self._column_blocks.get(id(param), 1):
-                    raise ValueError(f"{self._column_blocks[id(param)]} column blocks do not divide a parameter "
-                                     f"of shape {tuple(param.shape)}")
+                self._layouts[id(param)] = self._layout(param)
+
+    def _layout(self, param: Tensor) -> tuple[DeviceMesh | None, tuple[Placement, ...]]:
+        """Where the pieces of `param`'s matrices live (`_stack_layout`); refuses what Muon cannot handle."""
+        blocks = self._column_blocks.get(id(param), 1)
+        if param.ndim not in (2, 3):
+            raise ValueError(f"Muon orthogonalizes matrices and stacks of them; a parameter of shape "
+                             f"{tuple(param.shape)} must go to an AdamW group")
+        if param.shape[-1] % blocks:
+            raise ValueError(f"{blocks} column blocks do not divide a parameter of shape {tuple(param.shape)}")
+        mesh, placements = _stack_layout(param)
+        if blocks > 1 and any(isinstance(p, Shard) and p.dim == 2 for p in placements):
+            raise ConfigError(f"train.optimizer = 'muon' is invalid for a gate | up weight sharded as "
+                              f"{param.placements} (its columns split)")
+        return mesh, placements
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -207,11 +221,7 @@ class Muon(torch.optim.AdamW):
         buf.lerp_(grad, 1 - settings.momentum)
         update = grad.lerp(buf, settings.momentum) if settings.nesterov else buf
         blocks = self._column_blocks.get(id(param), 1)
-        if id(param) not in self._layouts:
-            self._layouts[id(param)] = _stack_layout(param)
         mesh, placements = self._layouts[id(param)]
-        if blocks > 1 and any(isinstance(p, Shard) and p.dim == 2 for p in placements):
-            raise ValueError(f"Muon cannot split the column blocks of a parameter sharded as {param.placements}")
         shape = (param.shape[-2], param.shape[-1] // blocks)
         return _Matrices(param, group, blocks, shape, mesh, placements, _as_stack(update, blocks))
 
