@@ -18,6 +18,10 @@ Rows (the default MoE: first layer dense FFN 512, three MoE layers of 16 experts
                                               "per microbatch" (512 tokens) and "global batch" (2048) differ
   bal_aux_free_fast                           aux-loss-free bias at rate 1e-2 instead of the default 1e-3
   dense_total_lr1e-3                          dense_total at a third of the default learning rate
+  moe_muon, dense_active_muon                 the MoE and its active-parameter dense twin with train.optimizer =
+                                              "muon" (Muon on attention, dense FFN and expert matrices, AdamW
+                                              on the rest, the default lr and weight decay carried over)
+  moe_muon_router_lr0.3                       moe_muon with the router's learning rate at 0.3x (train.lr_scale)
   gran_8x1x256_renorm (diagnostic)            top-1 with renormalized gates: every gate is 1, so the router
                                               learns from the aux loss only; moetrain's config validation
                                               now refuses it, so the grid no longer runs it and reports
@@ -90,6 +94,9 @@ def dense_width(base: JobConfig, key: str) -> int:
     return best[1]
 
 
+MUON = ("--train.optimizer", "muon")
+
+
 def rows(base: JobConfig) -> list[Row]:
     n_layers = str(base.model.n_layers)
     dense = ("--model.n_dense_layers", n_layers)
@@ -119,6 +126,11 @@ def rows(base: JobConfig) -> list[Row]:
         # with its fan-in: the wide dense model may want a smaller rate than the default's 3e-3.
         Row("dense_total_lr1e-3", "headline", "dense, MoE's total params, lr 1e-3",
             dense + ("--model.ffn_hidden", str(dense_width(base, "total")), "--train.lr", "1e-3")),
+        Row("moe_muon", "optimizer", "MoE default, Muon", MUON),
+        Row("dense_active_muon", "optimizer", "dense, MoE's active params, Muon",
+            dense + ("--model.ffn_hidden", str(dense_width(base, "active_matmul"))) + MUON),
+        Row("moe_muon_router_lr0.3", "optimizer", "MoE default, Muon, router lr 0.3x",
+            MUON + ("--train.lr_scale.router", "0.3")),
         Row("gran_8x1x256_renorm", "diagnostic", "8 experts, top-1, renormalized gate = 1 (router: aux loss only)",
             _moe(8, 1, 256, renormalize=True),
             refused="config validation refuses model.moe.top_k = 1 with model.moe.renormalize = True"),
@@ -361,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", default=None, help="only these rows (default: all)")
     parser.add_argument("--quick", action="store_true",
                         help="two rows, 6 steps, sequence length 64: checks the pipeline, not quality")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="train and evaluate on rows of this many tokens instead of the config's (a cheaper grid)")
     parser.add_argument("--report-only", action="store_true", help="rebuild summary, table and figures only")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality"))
     args = parser.parse_args(argv)
@@ -377,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown rows {sorted(unknown)}; known: {[r.name for r in grid_rows]}")
         grid_rows = [r for r in grid_rows if r.name in wanted]
-    seq_len = 64 if args.quick else base.data.seq_len
+    seq_len = 64 if args.quick else args.seq_len or base.data.seq_len
+    shorter = ["--data.seq_len", str(seq_len)] if args.seq_len and not args.quick else []
     if not args.report_only:
         # Row-major: both seeds of a row run side by side (same cost, so they finish together).
         tasks = [(row, seed) for row in grid_rows for seed in args.seeds if not row.refused]
@@ -386,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{row.name}: not run ({row.refused})", flush=True)
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = [pool.submit(run_one, row, seed, args.steps,
-                                   schedule_args(row, args.steps, args.eval_every, args.eval_batches, seed, args.quick),
+                                   schedule_args(row, args.steps, args.eval_every, args.eval_batches, seed, args.quick)
+                                   + shorter,
                                    runs / f"{row.name}_s{seed}", sys.executable) for row, seed in tasks]
             for future in futures:
                 print(future.result(), flush=True)

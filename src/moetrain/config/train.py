@@ -10,6 +10,38 @@ from typing import Literal
 
 from moetrain.config.checks import check, check_nonnegative, check_positive
 
+# The parameter groups per-group rates name, and which of them `train.muon_groups` may put on Muon.
+# "norms" (block and final RMSNorm gains) is 1-D only: Muon cannot orthogonalize it.
+PARAM_GROUPS = ("router", "experts", "attention", "dense_ffn", "embeddings", "head", "norms")
+MUON_REFUSED_GROUPS = ("norms",)
+NewtonSchulzDType = Literal["bfloat16", "float32", "float64"]
+
+
+@dataclass
+class GroupScales:
+    """A multiplier per parameter group (moetrain.train.optim.param_role says which parameter is in which);
+    1 = the base value. Block and final norms always take the base value."""
+
+    router: float = 1.0
+    """Router weights (and the shared-expert gate)."""
+    experts: float = 1.0
+    """Routed-expert weights (and their stacked biases)."""
+    attention: float = 1.0
+    """Attention projections, QK-norms, sinks, MLA's latent norms."""
+    dense_ffn: float = 1.0
+    """Dense feed-forward blocks and shared experts."""
+    embeddings: float = 1.0
+    """Token embedding (and a head tied to it)."""
+    head: float = 1.0
+    """The untied output projection."""
+
+    def of(self, group: str) -> float:
+        """The multiplier of `group` (one of PARAM_GROUPS; "norms" is 1)."""
+        return 1.0 if group == "norms" else getattr(self, group)
+
+    def validate(self, prefix: str) -> None:
+        check_nonnegative(self, prefix, [name for name in PARAM_GROUPS if name != "norms"])
+
 
 @dataclass
 class TrainConfig:
@@ -20,7 +52,28 @@ class TrainConfig:
     grad_accum: int = 1
     """Microbatches per rank per optimizer step."""
     lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW, and Muon's through its RMS matching: moetrain.train.muon)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """"muon": Muon (orthogonalized momentum) on the matrices of train.muon_groups, AdamW on every other
+    parameter (docs/design/optimizers.md); "adamw": AdamW on everything."""
+    muon_groups: list[str] = field(default_factory=lambda: ["attention", "dense_ffn", "experts"])
+    """Parameter groups whose matrices Muon updates (the rest, and every 1-D parameter, take AdamW): any of
+    router, experts, attention, dense_ffn, embeddings, head."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (torch.optim.Muon's EMA form)."""
+    muon_nesterov: bool = True
+    """Nesterov momentum for Muon."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per orthogonalization."""
+    muon_ns_dtype: NewtonSchulzDType = "bfloat16"
+    """Dtype the Newton-Schulz iteration computes in (torch.optim.Muon's is bfloat16)."""
+    lr_scale: GroupScales = field(default_factory=GroupScales)
+    """Per-group multipliers of the learning rate (both optimizers)."""
+    weight_decay_scale: GroupScales = field(default_factory=GroupScales)
+    """Per-group multipliers of train.weight_decay (both optimizers; not-decayed parameters stay at 0)."""
+    qk_clip_tau: float = 0.0
+    """QK-clip (MuonClip): after each step, scale the query and key weights of every attention head whose
+    largest pre-softmax logit in the step exceeded this, so that it would be this; 0 = off."""
     min_lr_ratio: float = 0.1
     """The schedule's final learning rate as a fraction of train.lr."""
     warmup_steps: int = 20
@@ -30,7 +83,7 @@ class TrainConfig:
     decay_fraction: float = 0.2
     """WSD: fraction of steps spent in the final decay."""
     weight_decay: float = 0.1
-    """AdamW weight decay (matrices only unless decay_norms_and_embeddings)."""
+    """Decoupled weight decay, AdamW's and Muon's (matrices only unless decay_norms_and_embeddings)."""
     decay_norms_and_embeddings: bool = False
     """Apply weight decay to norm weights and embeddings too."""
     beta1: float = 0.9
@@ -102,6 +155,7 @@ class TrainConfig:
         check(0 <= self.beta1 < 1, "train.beta1", self.beta1, "must be in [0, 1)")
         check(0 <= self.beta2 < 1, "train.beta2", self.beta2, "must be in [0, 1)")
         check(self.eps > 0, "train.eps", self.eps, "must be > 0")
+        self._validate_optimizer()
         check(self.peak_flops >= 0, "train.peak_flops", self.peak_flops, "must be >= 0 (0 = measure)")
         check(self.sample_temperature >= 0, "train.sample_temperature", self.sample_temperature,
               "must be >= 0 (0 = greedy)")
@@ -109,3 +163,18 @@ class TrainConfig:
         if self.stop_at_step is not None:
             check(1 <= self.stop_at_step <= self.steps, "train.stop_at_step", self.stop_at_step,
                   f"must be in [1, train.steps = {self.steps}]")
+
+    def _validate_optimizer(self) -> None:
+        self.lr_scale.validate("train.lr_scale")
+        self.weight_decay_scale.validate("train.weight_decay_scale")
+        for name in self.muon_groups:
+            check(name in PARAM_GROUPS, "train.muon_groups", self.muon_groups,
+                  f"{name!r} is not a parameter group: use any of {', '.join(PARAM_GROUPS[:-1])}")
+            check(name not in MUON_REFUSED_GROUPS, "train.muon_groups", self.muon_groups,
+                  f"{name!r} holds 1-D parameters only, which Muon cannot orthogonalize")
+        check(0 <= self.muon_momentum < 1, "train.muon_momentum", self.muon_momentum, "must be in [0, 1)")
+        check(1 <= self.muon_ns_steps < 100, "train.muon_ns_steps", self.muon_ns_steps, "must be in [1, 99]")
+        check(self.qk_clip_tau >= 0, "train.qk_clip_tau", self.qk_clip_tau,
+              "must be > 0 (the logit bound), or 0 for no QK-clip")
+        check(not (self.qk_clip_tau > 0 and self.compile), "train.qk_clip_tau", self.qk_clip_tau,
+              "QK-clip records each head's largest logit outside the compiled graph: use train.compile = False")

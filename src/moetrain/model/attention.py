@@ -52,6 +52,10 @@ the GEMM attention (`gemm_attention.GemmAttention`: batched GEMMs over causal qu
 the probabilities saved for the backward), with the same masks, windows and sinks: SDPA's CPU flash
 kernel ran at a third of the bf16 GEMM rate at the model's shapes (docs/design/performance.md).
 
+`max_logit_per_head` is what QK-clip (train/qk_clip.py) reads: each head's largest pre-softmax logit over
+the keys the plan lets it see, computed apart from the attention itself (an extra q·kᵀ in float32), and only
+when a layer is asked to record it.
+
 Documents must be contiguous runs (each id appears in one run per row, as packing produces):
 "dense" and "flex" compare ids, "segments" cuts at id changes. This module holds no parameters
 and no projections (layers.Attention does); from moetrain.model it imports the GEMM attention only.
@@ -423,6 +427,23 @@ def _sdpa_repeated_kv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> T
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+@torch.no_grad()
+def max_logit_per_head(q: Tensor, k: Tensor, plan: AttentionPlan | None, window: int | None = None) -> Tensor:
+    """[H] in float32 (float64 for float64 inputs): each query head's largest q·k/√D over the keys `attend`
+    lets it see (sinks are not q·k logits).
+
+    q [B, S, H, D], k [B, S, H_kv, D] as `attend` gets them (so the scale is its SDPA scale).
+    """
+    batch, seq, heads, head_dim = q.shape
+    groups = k.shape[2]
+    allowed = (plan or AttentionPlan("causal")).mask_for(seq, q.device, window)  # [B or 1, 1, S, S]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q_g = q.to(dtype).view(batch, seq, groups, heads // groups, head_dim)
+    scores = torch.einsum("bsgrd,btgd->bgrst", q_g, k.to(dtype)) * head_dim ** -0.5
+    scores = scores.masked_fill(~allowed.view(allowed.shape[0], 1, 1, seq, seq), float("-inf"))
+    return scores.amax(dim=(0, 3, 4)).reshape(heads)  # query head h = g·r + i, as attend pairs them
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan | None, sinks: Tensor | None = None,

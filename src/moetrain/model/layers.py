@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from moetrain.config.model import ModelConfig
-from moetrain.model.attention import AttentionPlan, attend
+from moetrain.model.attention import AttentionPlan, attend, max_logit_per_head
 from moetrain.model.kv_cache import LayerCache
 
 ROPE_LAYOUTS = ("interleaved", "half")
@@ -207,6 +207,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=out_bias)
         # One logit per query head in the softmax's denominator (attention.attend); None: no sinks.
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attention_sinks else None
+        self.max_logits: Tensor | None = None  # [H] while QK-clip records this step's largest logits (train/qk_clip.py)
         if cfg.qk_norm == "per_head":  # one weight of head_dim, shared by every head (Qwen3)
             self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
@@ -292,6 +293,8 @@ class Attention(nn.Module):
             q, k = qk.view(batch, 1, -1, self.head_dim).split((self.n_heads, self.n_kv_heads), dim=2)
         with profiler_label("attention"):  # a label in profiler traces
             if cache is None:
+                if self.max_logits is not None:
+                    self.max_logits = torch.maximum(self.max_logits, max_logit_per_head(q, k, plan, self.window))
                 out = attend(q, k, v, plan, self.sinks, self.window)
             else:
                 out = cache.attend(q, k, v, window=self.window, sinks=self.sinks)

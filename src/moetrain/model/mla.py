@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moetrain.config.model import ModelConfig
-from moetrain.model.attention import AttentionPlan, attend
+from moetrain.model.attention import AttentionPlan, attend, max_logit_per_head
 from moetrain.model.kv_cache import LayerCache
 from moetrain.model.layers import apply_rope, rope_cos_sin, yarn_mscale
 
@@ -66,6 +66,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_norm = nn.RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_dim, cfg.dim, bias=False)
+        self.max_logits: Tensor | None = None  # [H] while QK-clip records this step's largest logits (train/qk_clip.py)
 
     def forward(self, x: Tensor, positions: Tensor, plan: AttentionPlan | None = None,
                 cache: LayerCache | None = None) -> Tensor:
@@ -94,5 +95,7 @@ class MultiHeadLatentAttention(nn.Module):
             scale *= (width / self.qk_head_dim) ** 0.5  # SDPA divides by sqrt(width), not sqrt(qk_head_dim)
         if scale != 1.0:
             q = q * scale
+        if self.max_logits is not None:
+            self.max_logits = torch.maximum(self.max_logits, max_logit_per_head(q, k, plan))
         out = attend(q, k, v, plan)[..., :self.v_dim]
         return self.wo(out.reshape(batch, seq, self.n_heads * self.v_dim))

@@ -1,4 +1,14 @@
-"""AdamW with decoupled weight decay on the right parameters, and the learning-rate schedule.
+"""The optimizer (AdamW, or Muon with AdamW beside it) over parameter groups, and the learning-rate schedule.
+
+Every parameter belongs to one group of `moetrain.config.train.PARAM_GROUPS` (`param_group`: router,
+experts, attention, dense_ffn, embeddings, head, norms), whose multipliers scale the learning rate
+and weight decay (`train.lr_scale`, `train.weight_decay_scale`). Under `train.optimizer = "muon"` the
+matrices of `train.muon_groups` take Muon (`moetrain.train.muon`); every 1-D parameter, the stacked
+expert biases and the other groups take AdamW. The default leaves out the router (its rows are the
+experts' score directions: orthogonalizing its update moves a rarely chosen expert's scores as fast
+as a busy one's, noise included), the embeddings and the head (a lookup table and the logit layer,
+not maps between hidden states: Muon's authors and Moonlight keep them on AdamW). Parameters with
+the same optimizer, rate multiplier and weight decay share one torch param group.
 
 Weight decay pulls weights toward zero; for norm gains, biases and embedding rows
 that is a prior we do not want (a norm gain's natural value is 1, an embedding row
@@ -19,6 +29,9 @@ from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from moetrain.config.train import TrainConfig
+from moetrain.dtypes import DTYPES
+from moetrain.model.moe import RoutedExpertWeights
+from moetrain.train.muon import Muon, MuonSettings
 
 
 def split_decay_groups(model: nn.Module, decay_norms_and_embeddings: bool) -> tuple[list[str], list[str]]:
@@ -50,15 +63,67 @@ def _fused_supported(params: list[nn.Parameter]) -> bool:
     return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
+def param_group(name: str) -> str:
+    """The PARAM_GROUPS entry of the parameter called `name` (by the module names moetrain's models use).
+
+    A parameter outside the named modules (block and final norms, anything new) is in "norms":
+    base rates, AdamW.
+    """
+    parts = name.split(".")
+    if parts[0] == "tok_embeddings":
+        return "embeddings"
+    if parts[0] == "output":
+        return "head"
+    if "attention" in parts:
+        return "attention"
+    if "router" in parts or "shared_expert_gate" in parts:
+        return "router"
+    if "experts" in parts:
+        return "experts"
+    if "feed_forward" in parts or "shared_expert" in parts:
+        return "dense_ffn"
+    return "norms"
+
+
+def _muon_matrices(model: nn.Module, cfg: TrainConfig) -> dict[str, int]:
+    """{name: column blocks} of the parameters Muon updates: the weight matrices (and expert stacks) of
+    train.muon_groups; a fused gate | up expert weight holds 2 matrices side by side."""
+    if cfg.optimizer != "muon":
+        return {}
+    blocks = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, RoutedExpertWeights):
+            prefix = f"{module_name}." if module_name else ""
+            blocks[prefix + "w1"] = module.w1.shape[-1] // module.w2.shape[-2]
+    stacked_biases = {id(getattr(m, b)) for m in model.modules() for b in getattr(m, "bias_names", ())
+                      if getattr(m, b, None) is not None}
+    chosen = {}
+    for name, param in model.named_parameters():
+        if (param.requires_grad and param_group(name) in cfg.muon_groups and param.ndim in (2, 3)
+                and id(param) not in stacked_biases):
+            chosen[name] = blocks.get(name, 1)
+    return chosen
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW (`train.optimizer = "adamw"`) or Muon with AdamW beside it, over the per-group rates."""
     named = dict(model.named_parameters())
     decay, no_decay = split_decay_groups(model, cfg.decay_norms_and_embeddings)
-    groups = [{"params": [named[n] for n in decay], "weight_decay": cfg.weight_decay},
-              {"params": [named[n] for n in no_decay], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    params = [p for g in groups for p in g["params"]]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=True if _fused_supported(params) else None)
+    muon = _muon_matrices(model, cfg)
+    by_settings: dict[tuple[bool, float, float], list[nn.Parameter]] = {}
+    for decayed, names in ((True, decay), (False, no_decay)):
+        for name in names:
+            group = param_group(name)
+            weight_decay = cfg.weight_decay * cfg.weight_decay_scale.of(group) if decayed else 0.0
+            by_settings.setdefault((name in muon, cfg.lr_scale.of(group), weight_decay), []).append(named[name])
+    groups = [{"params": params, "muon": on_muon, "lr_scale": scale, "lr": cfg.lr * scale, "weight_decay": decay_}
+              for (on_muon, scale, decay_), params in by_settings.items()]
+    fused = True if _fused_supported([p for g in groups if not g["muon"] for p in g["params"]]) else None
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+    settings = MuonSettings(cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps, DTYPES[cfg.muon_ns_dtype])
+    return Muon(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, settings=settings,
+                column_blocks={named[n]: b for n, b in muon.items() if b > 1}, fused=fused)
 
 
 @dataclass(frozen=True)
@@ -102,5 +167,6 @@ class LRSchedule:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's rate: `lr` times the group's multiplier (train.lr_scale)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -13,7 +13,8 @@ being its summed token loss over the global count plus its part of the MoE route
 losses (`loss.router_loss_terms`); then one small all-reduce of [loss sum, balance
 loss, z-loss, non-finite flag, input tokens] — the time a rank
 spends in it is its wait for the slowest rank — clip by the global gradient norm,
-and step the optimizer unless the loss or norm is NaN/inf. Under expert parallelism
+and step the optimizer unless the loss or norm is NaN/inf (then, with `train.qk_clip_tau`, clip the attention
+heads whose logits the step's forwards recorded above τ: `qk_clip`). Under expert parallelism
 the time in the MoE token all-to-alls is reported on its own (`all_to_all_s`, with the
 rows each rank sent and received) and left out of the compute time. Deciding what a
 non-finite step means, when to evaluate, log or save is the run's job, not this one's.
@@ -72,6 +73,7 @@ from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
+from moetrain.train.qk_clip import QKClip
 
 log = get_logger("train")
 
@@ -152,6 +154,9 @@ class Trainer:
         self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.float8_gathered = cfg.train.float8 == "tensorwise" and not runs_unsharded(job)
+        # QK-clip: each head's largest logit recorded during the step, its weights clipped after it.
+        self.qk_clip = QKClip(self.model, cfg.train.qk_clip_tau) if cfg.train.qk_clip_tau > 0 else None
+        self.max_logits: torch.Tensor | None = None  # [layers, heads] of the last clipped step
         self.schedule = LRSchedule.from_config(cfg.train)
         batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, cfg.train.seed)
         dp_rank, dp_world = job.data_rank, job.data_world
@@ -261,6 +266,8 @@ class Trainer:
         with self._compute_dtype():
             with phases.phase("forward"):
                 prepare_global_balance(self.model, microbatches)
+            if self.qk_clip is not None:
+                self.qk_clip.arm()
             for batch, _is_last in accumulation(self.model, microbatches, self.policy):
                 with phases.phase("forward"):
                     logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
@@ -308,6 +315,10 @@ class Trainer:
                     self.optimizer.step()
                 if self.float8_gathered:  # the next all-gathers' float8 scales, in one collective
                     precompute_float8_scales(self.model)
+                if self.qk_clip is not None:
+                    self.max_logits = self.qk_clip.clip()
+            elif self.qk_clip is not None:
+                self.qk_clip.disarm()
             self.optimizer.zero_grad(set_to_none=True)
             if finite:
                 self.model.update_expert_bias(all_reduce_sum if self.world > 1 else None)
@@ -379,6 +390,8 @@ class Trainer:
                            "param_checksum": parameter_checksum(self.model)})
         record["peak_flops_per_rank"] = self.peak_flops_per_rank()
         record["peak_flops_source"] = self.peak_flops_source
+        if self.max_logits is not None:
+            record["attention_max_logit"] = self.max_logits.tolist()  # [layer][head], before the clip
         return record
 
     def _expert_bias(self) -> torch.Tensor | None:
