@@ -1,4 +1,4 @@
-"""The whole job (`JobConfig`): its seven sections, the rules across sections, and its TOML and CLI forms.
+"""The whole job (`JobConfig`): its eight sections, the rules across sections, and its TOML and CLI forms.
 
 Each section validates its own fields (moetrain.config.model, .data, ...); here live only the rules
 that read two sections, the TOML reading and writing, and `--section.field value` parsing (tyro).
@@ -25,6 +25,7 @@ from moetrain.config.checkpoint import CheckpointConfig
 from moetrain.config.checks import check, check_field_types, type_name
 from moetrain.config.data import DataConfig
 from moetrain.config.logging import LoggingConfig
+from moetrain.config.lora import LoraConfig, target_widths
 from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.profile import ProfileConfig
@@ -41,6 +42,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> JobConfig:
         """Check every field's type, then each section's own rules, then the rules across sections;
@@ -76,6 +78,21 @@ class JobConfig:
                   "use 1")
             check(moe.n_experts % p.ep == 0, "parallel.ep", p.ep,
                   f"must divide model.moe.n_experts = {moe.n_experts} (each rank owns whole experts)")
+        if self.lora.enabled:
+            _check_lora(self.lora, m, p)
+
+
+def _check_lora(lora: LoraConfig, model: ModelConfig, parallel: ParallelConfig) -> None:
+    # Every target must exist in this model and be at least `rank` wide: a rank past a matrix's smaller
+    # dimension adds parameters that cannot raise the update's rank.
+    widths = target_widths(model)
+    for target in lora.targets:
+        check(target in widths, "lora.targets", lora.targets, f"this model has no {target} to adapt")
+        check(lora.rank <= widths[target], "lora.rank", lora.rank,
+              f"must be <= {widths[target]}, the smallest dimension of the {target} matrices")
+    check(not (lora.expert_mode == "shared" and "experts" in lora.targets and parallel.ep > 1), "lora.expert_mode",
+          lora.expert_mode, "one adapter shared by experts split over ranks is not implemented; use per_expert "
+          "with parallel.ep > 1")
 
 
 def _check_tokenizer_travels(model_dir: str, tokenizer: str) -> None:

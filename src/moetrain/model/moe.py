@@ -77,6 +77,10 @@ class RoutedExpertWeights(nn.Module):
             self.b1 = nn.Parameter(torch.empty(cfg.n_experts, width))
             self.b2 = nn.Parameter(torch.empty(cfg.n_experts, dim))
 
+    def weights(self) -> tuple[Tensor, Tensor]:
+        """(w1, w2) as the expert functions use them; LoRA's subclass (model/lora.py) folds its adapters in."""
+        return self.w1, self.w2
+
     def biases(self) -> dict[str, Tensor]:
         """{"b1": ..., "b2": ...} for the expert functions' keyword arguments; empty without biases."""
         return {"b1": self.b1, "b2": self.b2} if hasattr(self, "b1") else {}
@@ -170,12 +174,13 @@ class MoE(nn.Module):
                 if self.cfg.token_rounding_tile > 1:
                     routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
         with profiler_label("experts"):
+            w1, w2 = self.experts.weights()
             if few:
-                out_TD = few_token_experts(x_TD, topk_idx_TK, gates_TK.to(x_TD.dtype), self.experts.w1,
-                                           self.experts.w2, self.activation, **self.experts.biases())
+                out_TD = few_token_experts(x_TD, topk_idx_TK, gates_TK.to(x_TD.dtype), w1, w2, self.activation,
+                                           **self.experts.biases())
             else:
-                out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.activation,
-                                             self.cfg.impl, **self.experts.biases())
+                out_TD = self.expert_compute(x_TD, routing, w1, w2, self.activation, self.cfg.impl,
+                                             **self.experts.biases())
         with profiler_label("combine"):  # the routed experts' output joined with the shared expert's
             if self.shared_expert is not None:
                 shared_TD = self.shared_expert(x_TD)

@@ -11,6 +11,10 @@ distribution as an unsharded init); "hf:DIR" reads a Hugging Face directory (eac
 its own slices); "none" leaves the parameters for the caller to load from a checkpoint and
 resets only the buffers a checkpoint does not carry. This module builds; it does not train,
 save or parse a command line.
+
+LoRA (`lora.rank > 0`): the adapters are added and the base frozen (in the compute dtype) on the meta
+device, before parallelism, so EP and FSDP shard them with the weights they adapt; once the weights are
+in, the adapters start as PEFT starts them, or from `lora.init_from`'s PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ from pathlib import Path
 import torch
 
 from moetrain.config.job import JobConfig
+from moetrain.config.lora import LoraConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
+from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.interop import hf_job_config, load_hf_weights
+from moetrain.interop.peft_adapter import load_peft_adapter
 from moetrain.model.init import reset_buffers
+from moetrain.model.lora import apply_lora, init_adapters
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.parallelize import parallelize_model
@@ -35,17 +43,22 @@ WEIGHTS = ("init", "none", "hf:DIR")
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = None, job: JobMesh | None = None,
                 device: torch.device | str = "cpu", *, weights: str = "init", seed: int = 0,
                 init_scheme: str | None = None, activation_checkpointing: bool | str = False,
-                compile: bool = False, activation_checkpointing_every: int = 1) -> Transformer:
+                compile: bool = False, activation_checkpointing_every: int = 1,
+                lora: LoraConfig | None = None) -> Transformer:
     """The model of `model_cfg`, parallelized over the job's mesh per `parallel_cfg`, on `device`, with `weights`.
 
-    Without a mesh (or on one rank without expert parallelism) the model stays a plain module.
+    `lora` (rank > 0) adds adapters (PEFT's start; "none" leaves them for the checkpoint too) and freezes
+    the rest. Without a mesh (or on one rank without expert parallelism) the model stays a plain module.
     Collective when the model is sharded: every rank of the mesh calls it with the same arguments.
     """
     if weights not in ("init", "none") and not weights.startswith("hf:"):
         raise ConfigError(f"weights = {weights!r} is invalid: must be one of {', '.join(WEIGHTS)}")
     with torch.device("meta"):
         model = Transformer(model_cfg)
-    parallelize_model(model, job, parallel_cfg or ParallelConfig(), activation_checkpointing=activation_checkpointing,
+    parallel_cfg = parallel_cfg or ParallelConfig()
+    if lora is not None and lora.enabled:
+        apply_lora(model, lora, frozen_dtype=DTYPES[parallel_cfg.param_dtype])
+    parallelize_model(model, job, parallel_cfg, activation_checkpointing=activation_checkpointing,
                       compile=compile, activation_checkpointing_every=activation_checkpointing_every,
                       device_type=torch.device(device).type)
     model.to_empty(device=device)
@@ -57,6 +70,7 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
         model.init_weights(seed=seed, scheme=init_scheme)
         if weights.startswith("hf:"):
             load_hf_weights(model, weights)
+        init_adapters(model, seed=seed)
     return model
 
 
@@ -65,7 +79,9 @@ def build_for_job(cfg: JobConfig, job: JobMesh) -> Transformer:
     model = build_model(cfg.model, cfg.parallel, job, job.device, weights=cfg.model.init_from or "init",
                         seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing,
                         compile=cfg.train.compile,
-                        activation_checkpointing_every=cfg.train.activation_checkpointing_every)
+                        activation_checkpointing_every=cfg.train.activation_checkpointing_every, lora=cfg.lora)
+    if cfg.lora.init_from is not None:
+        load_peft_adapter(model, cfg, cfg.lora.init_from)
     model.train()
     return model
 
