@@ -88,8 +88,13 @@ def _check_lora(lora: LoraConfig, model: ModelConfig, parallel: ParallelConfig) 
     widths = target_widths(model)
     for target in lora.targets:
         check(target in widths, "lora.targets", lora.targets, f"this model has no {target} to adapt")
-        check(lora.rank <= widths[target], "lora.rank", lora.rank,
-              f"must be <= {widths[target]}, the smallest dimension of the {target} matrices")
+    narrowest = min(lora.targets, key=widths.__getitem__)
+    check(lora.rank <= widths[narrowest], "lora.rank", lora.rank,
+          f"must be <= {widths[narrowest]}, the smallest dimension of the {narrowest} matrices")
+    moe = model.moe
+    check(not (moe.load_balance == "aux_free" and moe.bias_update_rate > 0 and model.n_dense_layers < model.n_layers),
+          "model.moe.bias_update_rate", moe.bias_update_rate, "must be 0 with lora.rank > 0: the aux-free balancing "
+          "bias is base state, which LoRA keeps frozen and a PEFT adapter cannot carry")
     check(not (lora.expert_mode == "shared" and "experts" in lora.targets and parallel.ep > 1), "lora.expert_mode",
           lora.expert_mode, "one adapter shared by experts split over ranks is not implemented; use per_expert "
           "with parallel.ep > 1")
