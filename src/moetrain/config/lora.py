@@ -84,3 +84,43 @@ def target_widths(model: ModelConfig) -> dict[str, int]:
         if moe.n_shared_experts > 0:
             widths["shared_experts"] = min(dim, moe.shared_width())
     return widths
+
+
+def _linear_pairs(model: ModelConfig, target: str) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer of one layer's `target` ("attention", "ffn", "shared_experts")."""
+    dim = model.dim
+    if target == "ffn":
+        return [(dim, model.ffn_hidden)] * 2 + [(model.ffn_hidden, dim)]
+    if target == "shared_experts":
+        width = model.moe.shared_width()
+        return [(dim, width)] * 2 + [(width, dim)]
+    heads = model.n_heads
+    if model.kv_lora_rank is None:
+        head_dim, kv_heads = model.attention_head_dim(), model.n_kv_heads or heads
+        return [(dim, heads * head_dim), (dim, kv_heads * head_dim), (dim, kv_heads * head_dim),
+                (heads * head_dim, dim)]
+    q_width = heads * (model.qk_nope_head_dim + model.qk_rope_head_dim)
+    query = [(dim, q_width)] if model.q_lora_rank is None else [(dim, model.q_lora_rank), (model.q_lora_rank, q_width)]
+    return query + [(dim, model.kv_lora_rank + model.qk_rope_head_dim),
+                    (model.kv_lora_rank, heads * (model.qk_nope_head_dim + model.v_head_dim)),
+                    (heads * model.v_head_dim, dim)]
+
+
+def adapter_count(model: ModelConfig, lora: LoraConfig) -> int:
+    """Adapter parameters `lora` adds to `model` (0 when off): rank · (in + out) per adapted matrix."""
+    if not lora.enabled:
+        return 0
+    moe, r = model.moe, lora.rank
+    n_moe = model.n_layers - model.n_dense_layers
+    layers = {"attention": model.n_layers, "ffn": model.n_dense_layers, "shared_experts": n_moe}
+    total = 0
+    for target in lora.targets:
+        if target in layers:
+            total += layers[target] * sum(r * (a + b) for a, b in _linear_pairs(model, target))
+        elif target == "router":
+            total += n_moe * r * (model.dim + moe.n_experts)
+        elif target == "experts":
+            stacks = moe.n_experts if lora.expert_mode == "per_expert" else 1
+            width = moe.expert_hidden if moe.activation == "gelu" else 2 * moe.expert_hidden
+            total += n_moe * stacks * r * (model.dim + width + moe.expert_hidden + model.dim)
+    return total
