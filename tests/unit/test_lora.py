@@ -232,3 +232,20 @@ def test_bad_adapter_directories_and_options_fail_in_one_line_writing_nothing(ba
         assert cli.main(["train", *lora_args(directory, corpus, run_dir), *extra]) == 2, expected
         assert expected in one_error_line(capsys), expected
         assert not run_dir.exists(), expected
+
+
+def test_generation_with_adapters_equals_the_merged_model():
+    from moetrain.evaluate.generate import generate_tokens
+    from moetrain.model.lora import merge_adapters
+
+    cfg = small_model_config()
+    model = build_model(cfg, seed=4, lora=LoraConfig(rank=2, alpha=8.0, targets=ALL_TARGETS)).eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in adapter_parameters(model).values():
+            param.copy_(torch.randn(param.shape, generator=gen))
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    with torch.no_grad():
+        adapted = generate_tokens(model, prompts, 6)
+        merge_adapters(model)
+        assert generate_tokens(model, prompts, 6) == adapted

@@ -28,8 +28,6 @@ import tyro
 
 from moetrain.args import parse_typed_args
 from moetrain.checkpoint.layout import CheckpointRef, latest_complete, list_complete
-from moetrain.checkpoint.lora_base import STATE_KEY, check_base_identity
-from moetrain.checkpoint.storage import load_model_weights
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.interop import FAMILIES, check_output_dir, export_family, save_hf
@@ -40,7 +38,7 @@ from moetrain.parallel.mesh import JobMesh, MeshDims
 from moetrain.parallel.process_group import init_distributed, owned_process_group
 from moetrain.runtime.disk import no_space_left
 from moetrain.runtime.run_dir import RunDir
-from moetrain.train.build import build_model
+from moetrain.train.build import model_of_run
 
 
 @dataclass
@@ -94,12 +92,7 @@ def export(args: ExportOptions) -> Path:
             parallel = dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1, ep=1)
             dims = MeshDims.from_config(parallel, world)
         job = JobMesh.build(dims, device)
-        # The weights: the checkpoint's; a LoRA run's frozen base is its init_from (or its seeded draw) again.
-        base = (cfg.model.init_from or "init") if cfg.lora.enabled else "none"
-        model = build_model(cfg.model, parallel, job, device, weights=base, seed=cfg.train.seed, lora=cfg.lora)
-        trainer_state = load_model_weights(ref, model)
-        if cfg.lora.enabled:
-            check_base_identity(trainer_state.get(STATE_KEY), cfg, ref.path)
+        model = model_of_run(cfg, ref, parallel, job, device)
         with no_space_left(args.out, "Hugging Face export"):
             if args.lora == "adapter":
                 out = save_peft_adapter(model, cfg, args.out)

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+from moetrain.checkpoint.layout import CheckpointRef
+from moetrain.checkpoint.lora_base import STATE_KEY, check_base_identity
+from moetrain.checkpoint.storage import load_model_weights
 from moetrain.config.job import JobConfig
 from moetrain.config.lora import LoraConfig
 from moetrain.config.model import ModelConfig
@@ -92,3 +95,16 @@ def load_hf_model(model_dir: str | Path, device: torch.device | str = "cpu") -> 
     cfg = hf_job_config(model_dir)
     model = build_model(cfg.model, device=device, weights=f"hf:{model_dir}")
     return model, cfg
+
+
+def model_of_run(cfg: JobConfig, ref: CheckpointRef, parallel_cfg: ParallelConfig | None = None,
+                 job: JobMesh | None = None, device: torch.device | str = "cpu") -> Transformer:
+    """A training run's model at checkpoint `ref` (collective when sharded). A LoRA run's checkpoint holds its
+    adapters only: the base is `model.init_from` (or the run's seeded draw) again, checked against the base
+    the checkpoint records (one ConfigError line when it is another)."""
+    weights = (cfg.model.init_from or "init") if cfg.lora.enabled else "none"  # else all from the checkpoint
+    model = build_model(cfg.model, parallel_cfg, job, device, weights=weights, seed=cfg.train.seed, lora=cfg.lora)
+    trainer_state = load_model_weights(ref, model)
+    if cfg.lora.enabled:
+        check_base_identity(trainer_state.get(STATE_KEY), cfg, ref.path)
+    return model
