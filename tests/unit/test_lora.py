@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,35 @@ def test_generation_with_adapters_equals_the_merged_model():
         adapted = generate_tokens(model, prompts, 6)
         merge_adapters(model)
         assert generate_tokens(model, prompts, 6) == adapted
+
+
+@pytest.mark.parametrize("impl", ["memory_efficient", "grouped"])
+def test_backward_refolds_the_expert_stacks_instead_of_keeping_them(monkeypatch, impl):
+    from moetrain.model import lora as lora_module
+
+    cfg = small_model_config(impl=impl)
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def adapter_grads():
+        model = build_model(cfg, seed=2, lora=LoraConfig(rank=2, targets=["experts"]))
+        with torch.no_grad():
+            for param in adapter_parameters(model).values():
+                param.normal_(generator=torch.Generator().manual_seed(9))
+        model(x).square().mean().backward()
+        return {n: p.grad for n, p in adapter_parameters(model).items()}
+
+    refolds = []
+
+    class CountedRefold(lora_module._Refold):
+        def __new__(cls, *args):
+            refolds.append(args[0].shape)
+            return super().__new__(cls, *args)
+
+    monkeypatch.setattr(lora_module, "_Refold", CountedRefold)
+    refolded = adapter_grads()
+    # memory-efficient: w1 and w2 of the one MoE layer, neither folded stack kept for backward; grouped (standard
+    # autograd): what it saves of the stacks themselves (its GEMM of w1 saves a copy of its own)
+    assert len(refolds) == (2 if impl == "memory_efficient" else 1)
+    monkeypatch.setattr(lora_module.LoRAExpertWeights, "saving", lambda self, w1, w2: nullcontext())
+    kept = adapter_grads()
+    assert all(torch.equal(refolded[n], kept[n]) for n in kept)

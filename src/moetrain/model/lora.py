@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from contextlib import AbstractContextManager, nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +98,50 @@ class LoRAExpertWeights(RoutedExpertWeights):
     def weights(self) -> tuple[Tensor, Tensor]:
         return (fold(self.w1, self.lora_A1, self.lora_B1, self.lora_scaling),
                 fold(self.w2, self.lora_A2, self.lora_B2, self.lora_scaling))
+
+    def saving(self, w1: Tensor, w2: Tensor) -> AbstractContextManager:
+        """Autograd keeps how to fold w1 and w2 again instead of the folded stacks (refolded in backward).
+
+        The expert functions save the weights they get for backward; kept, every layer's folded stacks would
+        live until its backward, another copy of all expert weights. Where another saved-tensor hook already
+        decides (activation checkpointing saves no block tensor at all) or under compile, nothing changes."""
+        if torch.compiler.is_compiling() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            return nullcontext()
+        recipes = [(_local(w1), (self.w1, self.lora_A1, self.lora_B1)),
+                   (_local(w2), (self.w2, self.lora_A2, self.lora_B2))]
+
+        def pack(saved: Tensor) -> Tensor | _Refold:
+            for folded, (weight, lora_A, lora_B) in recipes:  # the stack itself or a view of it (one expert's)
+                if saved.dtype == folded.dtype and saved.untyped_storage().data_ptr() == \
+                        folded.untyped_storage().data_ptr():
+                    view = (tuple(saved.shape), saved.stride(), saved.storage_offset() - folded.storage_offset())
+                    return _Refold(weight, lora_A, lora_B, self.lora_scaling, view)
+            return saved
+
+        def unpack(saved: Tensor | _Refold) -> Tensor:
+            if isinstance(saved, _Refold):
+                with torch.no_grad():
+                    refolded = _local(fold(saved.weight, saved.lora_A, saved.lora_B, saved.scaling))
+                shape, stride, offset = saved.view
+                return refolded.as_strided(shape, stride, refolded.storage_offset() + offset)
+            return saved
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+class _Refold(NamedTuple):
+    """What `fold` needs to form a folded expert stack again, and which view of it was saved."""
+
+    weight: Tensor
+    lora_A: Tensor
+    lora_B: Tensor
+    scaling: float
+    view: tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, stride, offset from the stack's start)
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of an expert-parallel stack (what the expert functions see and save), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def adapt_experts(experts: RoutedExpertWeights, rank: int, scaling: float, shared: bool) -> None:
