@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import shutil
+import weakref
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -259,13 +261,28 @@ def test_backward_refolds_the_expert_stacks_instead_of_keeping_them(monkeypatch,
     cfg = small_model_config(impl=impl)
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
 
+    folded = []  # weak references to the folded stacks of each forward
+
     def adapter_grads():
         model = build_model(cfg, seed=2, lora=LoraConfig(rank=2, targets=["experts"]))
         with torch.no_grad():
             for param in adapter_parameters(model).values():
                 param.normal_(generator=torch.Generator().manual_seed(9))
-        model(x).square().mean().backward()
-        return {n: p.grad for n, p in adapter_parameters(model).items()}
+        folded.clear()
+        loss = model(x).square().mean()
+        gc.collect()
+        alive = [ref() is not None for ref in folded]
+        loss.backward()
+        return {n: p.grad for n, p in adapter_parameters(model).items()}, alive
+
+    weights = lora_module.LoRAExpertWeights.weights
+
+    def recorded_weights(self):
+        stacks = weights(self)
+        folded.extend(weakref.ref(t) for t in stacks)
+        return stacks
+
+    monkeypatch.setattr(lora_module.LoRAExpertWeights, "weights", recorded_weights)
 
     refolds = []
 
@@ -275,10 +292,14 @@ def test_backward_refolds_the_expert_stacks_instead_of_keeping_them(monkeypatch,
             return super().__new__(cls, *args)
 
     monkeypatch.setattr(lora_module, "_Refold", CountedRefold)
-    refolded = adapter_grads()
+    refolded, alive = adapter_grads()
+    if impl == "memory_efficient":  # nothing keeps the folded stacks between forward and backward
+        assert alive == [False, False]
     # memory-efficient: w1 and w2 of the one MoE layer, neither folded stack kept for backward; grouped (standard
     # autograd): what it saves of the stacks themselves (its GEMM of w1 saves a copy of its own)
     assert len(refolds) == (2 if impl == "memory_efficient" else 1)
     monkeypatch.setattr(lora_module.LoRAExpertWeights, "saving", lambda self, w1, w2: nullcontext())
-    kept = adapter_grads()
+    kept, alive = adapter_grads()
+    if impl == "memory_efficient":  # what the recipe saves: without it autograd keeps both stacks
+        assert alive == [True, True]
     assert all(torch.equal(refolded[n], kept[n]) for n in kept)

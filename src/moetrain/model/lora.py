@@ -107,14 +107,15 @@ class LoRAExpertWeights(RoutedExpertWeights):
         decides (activation checkpointing saves no block tensor at all) or under compile, nothing changes."""
         if torch.compiler.is_compiling() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             return nullcontext()
-        recipes = [(_local(w1), (self.w1, self.lora_A1, self.lora_B1)),
-                   (_local(w2), (self.w2, self.lora_A2, self.lora_B2))]
+        # Where each folded stack lives, never the stack itself: the hooks outlive the forward (every saved
+        # tensor keeps them), and a reference here would keep the stacks alive just the same.
+        recipes = [(_where(w1), (self.w1, self.lora_A1, self.lora_B1)),
+                   (_where(w2), (self.w2, self.lora_A2, self.lora_B2))]
 
         def pack(saved: Tensor) -> Tensor | _Refold:
-            for folded, (weight, lora_A, lora_B) in recipes:  # the stack itself or a view of it (one expert's)
-                if saved.dtype == folded.dtype and saved.untyped_storage().data_ptr() == \
-                        folded.untyped_storage().data_ptr():
-                    view = (tuple(saved.shape), saved.stride(), saved.storage_offset() - folded.storage_offset())
+            for (storage, offset, dtype), (weight, lora_A, lora_B) in recipes:  # the stack or a view of it
+                if saved.dtype == dtype and saved.untyped_storage().data_ptr() == storage:
+                    view = (tuple(saved.shape), saved.stride(), saved.storage_offset() - offset)
                     return _Refold(weight, lora_A, lora_B, self.lora_scaling, view)
             return saved
 
@@ -137,6 +138,12 @@ class _Refold(NamedTuple):
     lora_B: Tensor
     scaling: float
     view: tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, stride, offset from the stack's start)
+
+
+def _where(folded: Tensor) -> tuple[int, int, torch.dtype]:
+    """(storage address, storage offset, dtype) of this rank's part of a folded stack."""
+    local = _local(folded)
+    return local.untyped_storage().data_ptr(), local.storage_offset(), local.dtype
 
 
 def _local(t: Tensor) -> Tensor:
