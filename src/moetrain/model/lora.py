@@ -170,11 +170,12 @@ def targeted_linears(model: nn.Module, target: str) -> list[nn.Linear]:
     found: list[nn.Linear] = []
     for block in model.layers:
         moe: MoE | None = block.moe if block.is_moe else None
-        owner = {"attention": block.attention, "ffn": None if moe is not None else block.feed_forward,
-                 "shared_experts": None if moe is None else moe.shared_expert}[target] if target != "router" else None
         if target == "router":
             found += [] if moe is None else [moe.router]
-        elif owner is not None:
+            continue
+        owner = {"attention": block.attention, "ffn": None if moe is not None else block.feed_forward,
+                 "shared_experts": None if moe is None else moe.shared_expert}[target]
+        if owner is not None:
             found += [m for m in owner.children() if isinstance(m, nn.Linear)]
     return found
 
