@@ -4,7 +4,7 @@ The parity grid's tiny transformer (2 dense + 2 MoE layers, a shared expert adde
 target (attention, dense feed-forward, shared expert, per-expert routed adapters, router), every adapter
 random (B too, so every gradient is non-zero). Each rank runs its own uneven microbatches of step 0
 (one has no valid target); the gathered adapter gradients must equal the float64 single process's over
-the whole global batch to 1e-5 relative, the base must hold no gradient, and after two more AdamW
+the whole global batch to 1e-5 relative, the base must hold no gradient, and after two AdamW
 steps the frozen base weights (sharded by EP and FSDP alike) must be bitwise what they were.
 """
 
@@ -89,7 +89,7 @@ def worker(state, batches):
     grads = {name: full(p.grad) for name, p in adapters.items()}
     base_grads = [name for name, p in model.named_parameters() if name not in adapters and p.grad is not None]
     optimizer = torch.optim.AdamW(adapters.values(), lr=1e-2)
-    for step in (1, 2):
+    for step in (1,):
         optimizer.step()
         optimizer.zero_grad()
         microbatches = batches[step][rank]
@@ -105,7 +105,7 @@ def worker(state, batches):
 
 def test_adapter_gradients_under_fsdp2_ep2_equal_float64_and_the_base_stays_unchanged():
     state = lora_state()
-    batches = make_batches(n_steps=3)
+    batches = make_batches(n_steps=2)
     grads, base_grads, base, moved = run_on_ranks(worker, 4, state, batches, timeout=240)[0]
     want = reference_grads(state, batches)
     assert set(grads) == set(want) and base_grads == []
