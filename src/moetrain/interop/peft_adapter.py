@@ -60,7 +60,8 @@ IMPLEMENTED_OPTIONS = {"peft_type": ("LORA",), "use_dora": (False, None), "use_r
                        "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "modules_to_save": (None, []),
                        "layers_to_transform": (None,), "layer_replication": (None,), "use_qalora": (False, None),
                        "trainable_token_indices": (None,), "alora_invocation_tokens": (None,),
-                       "exclude_modules": (None, [])}
+                       "exclude_modules": (None, []), "use_bdlora": (None, False), "kasa_config": (None,),
+                       "arrow_config": (None,), "monteclora_config": (None,), "megatron_config": (None,)}
 
 
 @dataclass
@@ -175,6 +176,7 @@ def adapter_config(cfg: JobConfig, modules: list[str], parameters: list[str], ba
 def save_peft_adapter(model: nn.Module, cfg: JobConfig, out_dir: str | Path) -> Path:
     """Write `model`'s adapters (plain or sharded; collective then) as a PEFT adapter directory `out_dir`."""
     out = check_output_dir(out_dir)
+    barrier()  # every rank has checked before rank 0 writes
     entries, modules, parameters = adapter_entries(model, cfg)
     if not entries:
         raise ConfigError("lora.rank = 0: the run has no adapters to export; use --lora merged or leave --lora out")
