@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError
 
 from moetrain.checkpoint.layout import CONFIG_FILE, TRAINER_FILE, TRAINER_TENSORS_FILE, CheckpointRef
+from moetrain.checkpoint.lora_base import STATE_KEY, check_base_identity
 from moetrain.checkpoint.manifest import require_verified
 from moetrain.config.job import JobConfig, from_dict
 from moetrain.errors import ConfigError
@@ -35,7 +36,7 @@ TENSOR_REF = "__tensor__"  # {"__tensor__": key}: a tensor stored in trainer_ten
 # weights were made (the checkpoint replaces them), the expert kernel (same parameters, same
 # function) and whether unreadable files are skipped (a corpus that loads is the same corpus).
 RESUME_MAY_DIFFER = frozenset({"model.init_from", "model.init_scheme", "model.init_scale_embedding",
-                               "model.moe.impl", "data.skip_bad_files"})
+                               "model.moe.impl", "data.skip_bad_files", "lora.init_from", "lora.dropout"})
 
 
 def to_json(obj: Any, tensors: dict[str, torch.Tensor], key: str) -> Any:
@@ -223,12 +224,14 @@ def check_resume_config(ref: CheckpointRef, job: JobConfig) -> None:
     if saved is None:
         raise ConfigError(f"checkpoint {ref.path} has no {CONFIG_FILE}: cannot check that this job continues it")
     old, new = _flatten(saved.to_dict()), _flatten(job.to_dict())
-    checked = [k for k in sorted(new) if k.startswith("model.")] + \
+    checked = [k for k in sorted(new) if k.startswith(("model.", "lora."))] + \
               [k for k in sorted(new) if k.startswith("data.") or k == "train.seed"]
     for key in checked:
         if key in RESUME_MAY_DIFFER or old.get(key) == new[key]:
             continue
-        why = ("the model's architecture cannot change on resume" if key.startswith("model.") else
+        why = ("the model's architecture cannot change on resume" if key.startswith(("model.", "lora.")) else
                "another seed or other data would not continue the same run")
         raise ConfigError(f"{key} = {new[key]!r} differs from {old.get(key)!r} in checkpoint {ref.path} ({why}); "
                           "use the checkpoint's value or another --logging.run_dir")
+    if job.lora.enabled:  # the adapters continue only on the base they were trained on (checkpoint/lora_base.py)
+        check_base_identity(read_trainer_state(ref.path, ref.step).get(STATE_KEY), job, ref.path)

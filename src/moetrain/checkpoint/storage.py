@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -129,9 +130,16 @@ def _locally_finite(state: Any) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def _state_options(model: nn.Module) -> StateDictOptions:
+    # A model with frozen parameters (LoRA: the base) saves and restores only what trains and the buffers;
+    # the frozen weights come from model.init_from again, whose identity checkpoint/lora_base.py checks.
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """What DCP saves and loads: tensors only (the optimizer's param groups come from the config)."""
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=_state_options(model))}
     if optimizer is not None:
         state["optimizer"] = {"state": get_optimizer_state_dict(model, optimizer)["state"]}
     return state
@@ -378,7 +386,7 @@ def load_checkpoint(ref: CheckpointRef, model: nn.Module, optimizer: torch.optim
     state = tensor_state(model, optimizer)
     param_groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
     _load_tensors(ref, state)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_state_options(model))
     set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"]["state"], "param_groups": param_groups})
     return trainer_state
 
@@ -389,5 +397,5 @@ def load_model_weights(ref: CheckpointRef, model: nn.Module) -> dict[str, Any]:
     trainer_state = read_trainer_state(ref.path, ref.step)
     state = tensor_state(model, None)
     _load_tensors(ref, state)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_state_options(model))
     return trainer_state

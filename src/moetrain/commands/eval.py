@@ -27,7 +27,6 @@ import tyro
 
 from moetrain.args import parse_typed_args
 from moetrain.checkpoint.state import stored_config
-from moetrain.checkpoint.storage import load_model_weights
 from moetrain.commands.export_hf import checkpoint_ref
 from moetrain.config.parallel import ParallelConfig
 from moetrain.data.tokenizer import build_tokenizer
@@ -39,7 +38,7 @@ from moetrain.logging import get_logger
 from moetrain.observe.metrics import MetricsWriter
 from moetrain.parallel.process_group import init_distributed, owned_process_group
 from moetrain.runtime.run_dir import RunDir
-from moetrain.train.build import build_model, load_hf_model
+from moetrain.train.build import load_hf_model, model_of_run
 
 log = get_logger("eval")
 
@@ -115,8 +114,7 @@ def _load(args: EvalOptions, device: torch.device):
     run_cfg = run_dir.load_config()
     ref = checkpoint_ref(run_dir, args.step, args.run_dir)
     cfg = stored_config(ref) or run_cfg
-    model = build_model(cfg.model, device=device, weights="none")
-    load_model_weights(ref, model)
+    model = model_of_run(cfg, ref, device=device)
     return model, build_tokenizer(cfg.data.tokenizer), cfg, ref.step
 
 

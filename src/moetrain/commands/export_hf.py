@@ -8,6 +8,12 @@ safetensors files with per-expert tensors, config.json and the run's tokenizer. 
 the whole model. Run it under `torchrun` to spread a large model over several processes.
 Everything is checked (family fits, checkpoint exists, output directory is new) before anything
 is written.
+
+A LoRA run (`lora.rank > 0`) checkpoints its adapters only: the base comes from the run's
+`model.init_from` again (checked against the base the checkpoint records), and `--lora` chooses the
+output: "merged" (the default) folds the adapters into the weights and writes the Hugging Face model
+as above; "adapter" writes a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)
+for `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), OUT)`.
 """
 
 from __future__ import annotations
@@ -22,16 +28,17 @@ import tyro
 
 from moetrain.args import parse_typed_args
 from moetrain.checkpoint.layout import CheckpointRef, latest_complete, list_complete
-from moetrain.checkpoint.storage import load_model_weights
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.interop import FAMILIES, check_output_dir, export_family, save_hf
+from moetrain.interop.peft_adapter import save_peft_adapter
+from moetrain.model.lora import merge_adapters
 from moetrain.parallel.collectives import barrier
 from moetrain.parallel.mesh import JobMesh, MeshDims
 from moetrain.parallel.process_group import init_distributed, owned_process_group
 from moetrain.runtime.disk import no_space_left
 from moetrain.runtime.run_dir import RunDir
-from moetrain.train.build import build_model
+from moetrain.train.build import model_of_run
 
 
 @dataclass
@@ -44,6 +51,9 @@ class ExportOptions:
     out: str  # new directory to write (must not exist or be empty)
     step: int | None = None  # checkpoint step; None = the newest complete checkpoint
     dtype: Literal["float32", "bfloat16"] | None = None  # dtype of the written tensors; None = the parameters'
+    lora: Literal["merged", "adapter"] | None = None
+    """A LoRA run: "merged" (default) writes the model with the adapters folded in, "adapter" a PEFT adapter
+    directory."""
 
 
 DESCRIPTION = ("Write a training run's checkpoint as a Hugging Face model directory (a family of the registry: "
@@ -67,6 +77,9 @@ def export(args: ExportOptions) -> Path:
     run_dir = RunDir(Path(args.run_dir))
     cfg = run_dir.load_config()
     export_family(cfg.model)
+    if args.lora is not None and not cfg.lora.enabled:
+        raise ConfigError(f"--lora {args.lora} is invalid: --run-dir {args.run_dir!r} trained without adapters "
+                          "(lora.rank = 0); leave --lora out")
     ref = checkpoint_ref(run_dir, args.step, args.run_dir)
     check_output_dir(args.out)
     with owned_process_group():
@@ -79,12 +92,17 @@ def export(args: ExportOptions) -> Path:
             parallel = dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1, ep=1)
             dims = MeshDims.from_config(parallel, world)
         job = JobMesh.build(dims, device)
-        model = build_model(cfg.model, parallel, job, device, weights="none")  # the weights: the checkpoint's
-        load_model_weights(ref, model)
+        model = model_of_run(cfg, ref, parallel, job, device)
         with no_space_left(args.out, "Hugging Face export"):
-            out = save_hf(model, cfg, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)
+            if args.lora == "adapter":
+                out = save_peft_adapter(model, cfg, args.out)
+            else:
+                merge_adapters(model)
+                out = save_hf(model, cfg, args.out, dtype=DTYPES[args.dtype] if args.dtype else None)
         if dist.get_rank() == 0:
-            print(f"wrote {out} from {ref.path} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
+            how = ("peft's PeftModel.from_pretrained on the base" if args.lora == "adapter" else
+                   "transformers' AutoModelForCausalLM.from_pretrained")
+            print(f"wrote {out} from {ref.path} (load it with {how})")
         barrier()
         return out
 

@@ -17,13 +17,12 @@ import tyro
 from moetrain.args import parse_typed_args
 from moetrain.checkpoint.manifest import newest_intact
 from moetrain.checkpoint.state import stored_config
-from moetrain.checkpoint.storage import load_model_weights
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.evaluate.generate import generate
 from moetrain.logging import get_logger
 from moetrain.runtime.run_dir import RunDir
-from moetrain.train.build import build_model
+from moetrain.train.build import model_of_run
 
 log = get_logger("sample")
 
@@ -68,8 +67,7 @@ def main(argv: list[str]) -> int:
         log.warning("skipping a damaged checkpoint: %s; sampling from %s", problem, ref.path.name)
     cfg = stored_config(ref) or run_cfg  # the config the weights were trained with
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg.model, weights="none")  # the weights: the checkpoint's
-    load_model_weights(ref, model)
+    model = model_of_run(cfg, ref)  # the weights: the checkpoint's (a LoRA run's on its base)
     text = generate(model, tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
                     max_context=cfg.data.seq_len, top_k=args.top_k)
     how = "greedy" if args.temperature == 0 else f"T={args.temperature} top-p={args.top_p}"

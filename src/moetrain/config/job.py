@@ -26,6 +26,7 @@ from moetrain.config.checks import check, check_field_types, type_name
 from moetrain.config.data import DataConfig
 from moetrain.config.ft import FtConfig
 from moetrain.config.logging import LoggingConfig
+from moetrain.config.lora import LoraConfig, target_widths
 from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.profile import ProfileConfig
@@ -43,6 +44,8 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     ft: FtConfig = field(default_factory=FtConfig)
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> JobConfig:
         """Check every field's type, then each section's own rules, then the rules across sections;
@@ -85,6 +88,26 @@ class JobConfig:
             check(p.pp == 1, "parallel.pp", p.pp, "with ft.enabled = true: must be 1 (not supported yet)")
             check(not self.checkpoint.async_save, "checkpoint.async_save", self.checkpoint.async_save,
                   "with ft.enabled = true: must be false (a recovery must not race a background save)")
+        if self.lora.enabled:
+            _check_lora(self.lora, m, p)
+
+
+def _check_lora(lora: LoraConfig, model: ModelConfig, parallel: ParallelConfig) -> None:
+    # Every target must exist in this model and be at least `rank` wide: a rank past a matrix's smaller
+    # dimension adds parameters that cannot raise the update's rank.
+    widths = target_widths(model)
+    for target in lora.targets:
+        check(target in widths, "lora.targets", lora.targets, f"this model has no {target} to adapt")
+    narrowest = min(lora.targets, key=widths.__getitem__)
+    check(lora.rank <= widths[narrowest], "lora.rank", lora.rank,
+          f"must be <= {widths[narrowest]}, the smallest dimension of the {narrowest} matrices")
+    moe = model.moe
+    check(not (moe.load_balance == "aux_free" and moe.bias_update_rate > 0 and model.n_dense_layers < model.n_layers),
+          "model.moe.bias_update_rate", moe.bias_update_rate, "must be 0 with lora.rank > 0: the aux-free balancing "
+          "bias is base state, which LoRA keeps frozen and a PEFT adapter cannot carry")
+    check(not (lora.expert_mode == "shared" and "experts" in lora.targets and parallel.ep > 1), "lora.expert_mode",
+          lora.expert_mode, "one adapter shared by experts split over ranks is not implemented; use per_expert "
+          "with parallel.ep > 1")
 
 
 def _check_tokenizer_travels(model_dir: str, tokenizer: str) -> None:

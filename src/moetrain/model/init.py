@@ -367,6 +367,11 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
+def is_adapter_name(name: str) -> bool:
+    """Whether a (dotted) parameter name is a LoRA adapter's (`lora_A`, `lora_B1`, ...; model/lora.py)."""
+    return name.rpartition(".")[2].startswith("lora_")
+
+
 def classify(name: str, cfg: ModelConfig) -> list[Segment]:
     """The kinds making up parameter `name` of a `Transformer(cfg)`; ValueError for unknown names."""
     parts = canonical_name(name).split(".")
@@ -508,6 +513,8 @@ def init_model(model: nn.Module, scheme_name: str, seed: int = 0) -> None:
     with single_cpu_thread():
         for name, param in model.named_parameters():
             canonical = canonical_name(name)
+            if is_adapter_name(canonical):  # LoRA adapters start as PEFT starts them: model/lora.py
+                continue
             fill_parameter(param, canonical, classify(canonical, cfg), scheme, seed, tied=cfg.tie_embeddings)
     reset_buffers(model)
 

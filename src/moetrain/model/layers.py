@@ -241,6 +241,8 @@ class Attention(nn.Module):
         """
         if not cache.copy_weights or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
             return self._project(x)
+        if any(type(p) is not nn.Linear for p in (self.wq, self.wk, self.wv)):  # LoRA: more than the weights
+            return self._project(x)
         batch = x.shape[0]
         heads, kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
 

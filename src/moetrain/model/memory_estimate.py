@@ -14,6 +14,11 @@
 - the document-causal attention mask `[microbatch, 1, seq, seq]` of booleans, built once per
   forward (`moetrain.model.layers.document_causal_mask`).
 
+With LoRA (`lora.rank > 0`) the frozen base is stored in the compute dtype with no gradient and no
+optimizer state; only the adapters (`config.lora.adapter_count`) keep float32 weights, gradients and
+moments, and a MoE layer with routed-expert adapters forms its folded expert weights and their
+gradient in backward (two expert stacks in the compute dtype, one layer at a time).
+
 It is an estimate of what certainly gets allocated (no allocator overhead, no temporary
 buffers, no FSDP all-gather buffers), so a config it says does not fit certainly does not.
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moetrain.config.job import JobConfig
+from moetrain.config.lora import adapter_count
 from moetrain.dtypes import DTYPES
 from moetrain.model.flops import count_params
 from moetrain.model.gemm_attention import gemm_attention_saved_keys
@@ -85,7 +91,8 @@ def activation_elements_per_token(cfg: JobConfig) -> tuple[int, int, int]:
 def estimate_training_memory(cfg: JobConfig, dp_shard: int = 1) -> MemoryEstimate:
     """Bytes per rank to train `cfg` with parameters sharded over `dp_shard` ranks."""
     m, t = cfg.model, cfg.train
-    parameters = TRAINING_BYTES_PER_PARAM * count_params(m)["total"] // max(dp_shard, 1)
+    weights, gradients, optimizer = _state_bytes(cfg, dp_shard)
+    parameters = weights + gradients + optimizer
     # A microbatch is microbatch_size rows of seq_len tokens, or one row of up to data.token_budget tokens.
     if cfg.data.batching == "token_budget":
         rows, row_len = 1, cfg.data.token_budget or cfg.data.seq_len
@@ -122,13 +129,33 @@ class MemoryBreakdown:
         return self.weights + self.gradients + self.optimizer + saved + self.attention_mask
 
 
+def _state_bytes(cfg: JobConfig, dp_shard: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes of this rank's shard; under LoRA a frozen base in the compute
+    dtype plus float32 adapters, their gradients and AdamW's moments of the adapters only."""
+    shard = count_params(cfg.model)["total"] // max(dp_shard, 1)
+    adapters = adapter_count(cfg.model, cfg.lora) // max(dp_shard, 1)
+    if not adapters:
+        return 4 * shard, 4 * shard, 8 * shard
+    return shard * DTYPE_BYTES[cfg.parallel.param_dtype] + 4 * adapters, 4 * adapters, 8 * adapters
+
+
+def _folded_experts_bytes(cfg: JobConfig) -> int:
+    """One MoE layer's folded expert weights and their gradient in backward, with routed-expert adapters."""
+    m, moe = cfg.model, cfg.model.moe
+    if not cfg.lora.enabled or "experts" not in cfg.lora.targets or m.n_dense_layers == m.n_layers:
+        return 0
+    width = moe.expert_hidden if moe.activation == "gelu" else 2 * moe.expert_hidden
+    stack = moe.n_experts // max(cfg.parallel.ep, 1) * m.dim * (width + moe.expert_hidden)
+    return 2 * stack * DTYPE_BYTES[cfg.parallel.param_dtype]
+
+
 def training_memory_breakdown(cfg: JobConfig, dp_shard: int = 1) -> MemoryBreakdown:
     """estimate_training_memory's parts: weights, gradients and optimizer state apart, activations both ways."""
-    shard = count_params(cfg.model)["total"] // max(dp_shard, 1)
+    weights, gradients, optimizer = _state_bytes(cfg, dp_shard)
     with_ac = replace(cfg, train=replace(cfg.train, activation_checkpointing=True))
     without_ac = replace(cfg, train=replace(cfg.train, activation_checkpointing=False))
     full, checkpointed = estimate_training_memory(without_ac, dp_shard), estimate_training_memory(with_ac, dp_shard)
-    return MemoryBreakdown(weights=4 * shard, gradients=4 * shard, optimizer=8 * shard,
+    return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=optimizer,
                            activations=full.activations, activations_checkpointed=checkpointed.activations,
                            attention_mask=full.attention_mask)
 
@@ -242,7 +269,6 @@ def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", p
     ac = (t.activation_checkpointing not in (False, "none")) if activation_checkpointing is None \
         else activation_checkpointing
     counts = count_params(m)
-    shard = counts["total"] // max(dp_shard, 1)
     rows = 1 if cfg.data.batching == "token_budget" else t.microbatch_size
     tokens = rows * _row_length(cfg)
     act_bytes = DTYPE_BYTES[cfg.parallel.param_dtype]
@@ -266,10 +292,12 @@ def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", p
         embedding = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
         per_block = max((counts["total"] - embedding) // max(m.n_layers, 1), m.vocab_size * m.dim)
         fsdp = 2 * per_block * act_bytes + per_block * DTYPE_BYTES[cfg.parallel.reduce_dtype]
-    activations, backward_working = tokens * saved * act_bytes, tokens * working * act_bytes
+    activations = tokens * saved * act_bytes
+    backward_working = tokens * working * act_bytes + _folded_experts_bytes(cfg)
     transients = activations + backward_working + logits
     allocator = int(HEAP_SLACK * transients) if host_heap else 0
-    return PeakEstimate(process=process_bytes, data=data_bytes, weights=4 * shard, gradients=4 * shard,
-                        optimizer=8 * shard, activations=activations, backward_working=backward_working,
+    weights, gradients, optimizer = _state_bytes(cfg, dp_shard)
+    return PeakEstimate(process=process_bytes, data=data_bytes, weights=weights, gradients=gradients,
+                        optimizer=optimizer, activations=activations, backward_working=backward_working,
                         logits=logits, attention_mask=mask, fsdp_buffers=fsdp, optimizer_temporaries=0,
                         allocator=allocator)

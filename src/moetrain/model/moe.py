@@ -34,6 +34,7 @@ Shape suffixes on local names: T tokens, D model dim, E experts, K top_k.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -76,6 +77,15 @@ class RoutedExpertWeights(nn.Module):
         if cfg.expert_proj_bias:
             self.b1 = nn.Parameter(torch.empty(cfg.n_experts, width))
             self.b2 = nn.Parameter(torch.empty(cfg.n_experts, dim))
+
+    def weights(self) -> tuple[Tensor, Tensor]:
+        """(w1, w2) as the expert functions use them; LoRA's subclass (model/lora.py) folds its adapters in."""
+        return self.w1, self.w2
+
+    def saving(self, w1: Tensor, w2: Tensor) -> AbstractContextManager:
+        """The context the expert functions run in on `weights()`'s (w1, w2): how autograd saves them (LoRA's
+        subclass keeps a recipe of its folded weights instead of the weights)."""
+        return nullcontext()
 
     def biases(self) -> dict[str, Tensor]:
         """{"b1": ..., "b2": ...} for the expert functions' keyword arguments; empty without biases."""
@@ -170,12 +180,14 @@ class MoE(nn.Module):
                 if self.cfg.token_rounding_tile > 1:
                     routing, self.rounding_changes = round_routing(probs_TE, routing, self.cfg.token_rounding_tile)
         with profiler_label("experts"):
-            if few:
-                out_TD = few_token_experts(x_TD, topk_idx_TK, gates_TK.to(x_TD.dtype), self.experts.w1,
-                                           self.experts.w2, self.activation, **self.experts.biases())
-            else:
-                out_TD = self.expert_compute(x_TD, routing, self.experts.w1, self.experts.w2, self.activation,
-                                             self.cfg.impl, **self.experts.biases())
+            w1, w2 = self.experts.weights()
+            with self.experts.saving(w1, w2):
+                if few:
+                    out_TD = few_token_experts(x_TD, topk_idx_TK, gates_TK.to(x_TD.dtype), w1, w2, self.activation,
+                                               **self.experts.biases())
+                else:
+                    out_TD = self.expert_compute(x_TD, routing, w1, w2, self.activation, self.cfg.impl,
+                                                 **self.experts.biases())
         with profiler_label("combine"):  # the routed experts' output joined with the shared expert's
             if self.shared_expert is not None:
                 shared_TD = self.shared_expert(x_TD)

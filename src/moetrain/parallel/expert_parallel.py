@@ -192,8 +192,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> AllToAllStat
     for moe in moe_layers(model):
         if moe.cfg.n_experts % ep_mesh.size():
             raise ValueError(f"{moe.cfg.n_experts} experts cannot be split over {ep_mesh.size()} ranks")
-        for name in ("w1", "w2"):
-            weight = getattr(moe.experts, name)
+        for name, weight in list(moe.experts.named_parameters(recurse=False)):
+            if weight.shape[0] != moe.cfg.n_experts:  # not one slice per expert (a LoRA adapter all experts share)
+                continue
             sharded = distribute_tensor(weight.data, ep_mesh, [Shard(0)], src_data_rank=None)
             moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
         moe.expert_compute = ExpertParallelCompute(group, stats)

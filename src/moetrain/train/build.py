@@ -11,6 +11,10 @@ distribution as an unsharded init); "hf:DIR" reads a Hugging Face directory (eac
 its own slices); "none" leaves the parameters for the caller to load from a checkpoint and
 resets only the buffers a checkpoint does not carry. This module builds; it does not train,
 save or parse a command line.
+
+LoRA (`lora.rank > 0`): the adapters are added and the base frozen (in the compute dtype) on the meta
+device, before parallelism, so EP and FSDP shard them with the weights they adapt; once the weights are
+in, the adapters start as PEFT starts them, or from `lora.init_from`'s PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -19,12 +23,19 @@ from pathlib import Path
 
 import torch
 
+from moetrain.checkpoint.layout import CheckpointRef
+from moetrain.checkpoint.lora_base import STATE_KEY, check_base_identity
+from moetrain.checkpoint.storage import load_model_weights
 from moetrain.config.job import JobConfig
+from moetrain.config.lora import LoraConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
+from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
 from moetrain.interop import hf_job_config, load_hf_weights
+from moetrain.interop.peft_adapter import load_peft_adapter
 from moetrain.model.init import reset_buffers
+from moetrain.model.lora import apply_lora, init_adapters
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.parallelize import parallelize_model
@@ -35,17 +46,22 @@ WEIGHTS = ("init", "none", "hf:DIR")
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = None, job: JobMesh | None = None,
                 device: torch.device | str = "cpu", *, weights: str = "init", seed: int = 0,
                 init_scheme: str | None = None, activation_checkpointing: bool | str = False,
-                compile: bool = False, activation_checkpointing_every: int = 1, float8: str = "none") -> Transformer:
+                compile: bool = False, activation_checkpointing_every: int = 1, float8: str = "none",
+                lora: LoraConfig | None = None) -> Transformer:
     """The model of `model_cfg`, parallelized over the job's mesh per `parallel_cfg`, on `device`, with `weights`.
 
-    Without a mesh (or on one rank without expert parallelism) the model stays a plain module.
+    `lora` (rank > 0) adds adapters (PEFT's start; "none" leaves them for the checkpoint too) and freezes
+    the rest. Without a mesh (or on one rank without expert parallelism) the model stays a plain module.
     Collective when the model is sharded: every rank of the mesh calls it with the same arguments.
     """
     if weights not in ("init", "none") and not weights.startswith("hf:"):
         raise ConfigError(f"weights = {weights!r} is invalid: must be one of {', '.join(WEIGHTS)}")
     with torch.device("meta"):
         model = Transformer(model_cfg)
-    parallelize_model(model, job, parallel_cfg or ParallelConfig(), activation_checkpointing=activation_checkpointing,
+    parallel_cfg = parallel_cfg or ParallelConfig()
+    if lora is not None and lora.enabled:
+        apply_lora(model, lora, frozen_dtype=DTYPES[parallel_cfg.param_dtype])
+    parallelize_model(model, job, parallel_cfg, activation_checkpointing=activation_checkpointing,
                       compile=compile, activation_checkpointing_every=activation_checkpointing_every,
                       device_type=torch.device(device).type, float8=float8)
     model.to_empty(device=device)
@@ -57,6 +73,7 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
         model.init_weights(seed=seed, scheme=init_scheme)
         if weights.startswith("hf:"):
             load_hf_weights(model, weights)
+        init_adapters(model, seed=seed)
     return model
 
 
@@ -66,7 +83,9 @@ def build_for_job(cfg: JobConfig, job: JobMesh) -> Transformer:
                         seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing,
                         compile=cfg.train.compile,
                         activation_checkpointing_every=cfg.train.activation_checkpointing_every,
-                        float8=cfg.train.float8)
+                        float8=cfg.train.float8, lora=cfg.lora)
+    if cfg.lora.init_from is not None:
+        load_peft_adapter(model, cfg, cfg.lora.init_from)
     model.train()
     return model
 
@@ -77,3 +96,16 @@ def load_hf_model(model_dir: str | Path, device: torch.device | str = "cpu") -> 
     cfg = hf_job_config(model_dir)
     model = build_model(cfg.model, device=device, weights=f"hf:{model_dir}")
     return model, cfg
+
+
+def model_of_run(cfg: JobConfig, ref: CheckpointRef, parallel_cfg: ParallelConfig | None = None,
+                 job: JobMesh | None = None, device: torch.device | str = "cpu") -> Transformer:
+    """A training run's model at checkpoint `ref` (collective when sharded). A LoRA run's checkpoint holds its
+    adapters only: the base is `model.init_from` (or the run's seeded draw) again, checked against the base
+    the checkpoint records (one ConfigError line when it is another)."""
+    weights = (cfg.model.init_from or "init") if cfg.lora.enabled else "none"  # else all from the checkpoint
+    model = build_model(cfg.model, parallel_cfg, job, device, weights=weights, seed=cfg.train.seed, lora=cfg.lora)
+    trainer_state = load_model_weights(ref, model)
+    if cfg.lora.enabled:
+        check_base_identity(trainer_state.get(STATE_KEY), cfg, ref.path)
+    return model

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moetrain.config.job import JobConfig
+from moetrain.config.lora import adapter_count
 from moetrain.config.parallel import check_world_size
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
@@ -165,8 +166,16 @@ def describe(est: Estimate) -> str:
             f"    data            {format_bytes(parts.data):>12}  (measured: what loading the training data added "
             "here; 0 with --skip-data)",
         ]
+    adapters = adapter_count(cfg.model, cfg.lora)
+    if adapters:
+        rows.insert(2, f"  LoRA              {adapters / 1e6:12.2f} M adapter parameters (rank {cfg.lora.rank}: "
+                    f"{', '.join(cfg.lora.targets)}), the only ones with gradients and optimizer state")
+        weights = (f"(the frozen base in {cfg.parallel.param_dtype} and float32 adapters, 1/{shard} of the model; "
+                   "backward adds one layer's folded expert weights and their gradient)")
+    else:
+        weights = f"(float32, 1/{shard} of the model)"
     rows += [
-        f"    weights         {format_bytes(parts.weights):>12}  (float32, 1/{shard} of the model)",
+        f"    weights         {format_bytes(parts.weights):>12}  {weights}",
         f"    gradients       {format_bytes(parts.gradients):>12}",
         f"    optimizer       {format_bytes(parts.optimizer):>12}  (AdamW: 2 float32 moments; fused step, no "
         "temporaries)",

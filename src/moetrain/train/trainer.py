@@ -39,6 +39,8 @@ import torch
 from torch.profiler import record_function
 
 from moetrain.checkpoint.layout import CheckpointRef
+from moetrain.checkpoint.lora_base import STATE_KEY as LORA_BASE_KEY
+from moetrain.checkpoint.lora_base import base_identity
 from moetrain.checkpoint.state import capture_rng_state, restore_rng_state
 from moetrain.checkpoint.storage import load_checkpoint
 from moetrain.config.job import JobConfig
@@ -187,7 +189,10 @@ class Trainer:
     # ---- state
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"skipped_steps": self.skipped_steps, "tokens_seen": self.tokens_seen, "seed": self.cfg.train.seed}
+        state = {"skipped_steps": self.skipped_steps, "tokens_seen": self.tokens_seen, "seed": self.cfg.train.seed}
+        if self.cfg.lora.enabled:  # which frozen base the adapters belong to (checkpoint/lora_base.py)
+            state[LORA_BASE_KEY] = base_identity(self.cfg)
+        return state
 
     def per_rank_state(self) -> dict[str, Any]:
         return {"loader": self.loader.state_dict(), "rng": capture_rng_state()}
