@@ -205,3 +205,57 @@ def test_a_forward_asking_for_mtp_without_modules_is_an_error():
     model = model_of(tiny_cfg(mtp_depth=0), torch.float32)
     with pytest.raises(ValueError, match="mtp_depth"):
         model(torch.zeros(1, 4, dtype=torch.long), mtp=True)
+
+
+# --- self-speculative decoding with the MTP modules ------------------------------------------------------------
+
+CYCLE = torch.tensor([3, 17, 8, 29, 11, 33, 5, 22, 9])
+
+
+def cycle_model(steps: int) -> Transformer:
+    """A 2-depth model trained `steps` AdamW steps (main + MTP loss) on a repeating 9-token cycle."""
+    model = model_of(tiny_cfg(), torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        sequences = CYCLE[(torch.randint(0, 9, (8, 1), generator=gen) + torch.arange(25)) % 9]
+        tokens, targets = sequences[:, :-1], sequences[:, 1:]
+        documents = torch.zeros_like(tokens)
+        logits, mtp_logits = model(tokens, document_ids=documents, mtp=True)
+        loss_sum, n_valid = token_loss_sum(logits, targets)
+        term, _ = mtp_loss_term(mtp_logits, targets, documents, mtp_valid_counts(targets, documents, 2), 1.0)
+        (loss_sum / n_valid + term).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+@pytest.mark.parametrize(("steps", "prompt"), [(0, [1, 2, 3, 4, 5]), (12, [35, 3, 17, 8])])
+def test_speculative_decoding_gives_greedys_tokens_and_drafts_what_the_full_forward_predicts(steps, prompt,
+                                                                                            monkeypatch):
+    from moetrain.evaluate import generate as generation
+
+    model = cycle_model(steps)
+    rounds = []
+    draft = generation._draft
+
+    def recording(model, tokens, *args):
+        drafts, outputs = draft(model, tokens, *args)
+        rounds.append((list(tokens), drafts, [h[-1].clone() for h in outputs]))
+        return drafts, outputs
+
+    monkeypatch.setattr(generation, "_draft", recording)
+    greedy = generation.generate_tokens(model, [prompt], 24)[0]
+    tokens, stats = generation.mtp_speculative_greedy(model, prompt, 24)
+    assert tokens == greedy
+    assert stats.proposed == 2 * stats.verify_forwards and stats.verify_forwards == len(rounds)
+    if steps:  # partly trained: some drafts accepted, some not
+        assert 0 < stats.acceptance_rate < 1
+    # Each cached draft's logits are what a full forward over the committed tokens (and the drafts before) gives.
+    with torch.no_grad():
+        for committed, drafts, last_hidden in rounds:
+            for k in (1, 2):
+                _, depths = model(torch.tensor([committed + drafts[:k - 1]]), mtp=True)
+                want = depths[k - 1][0, len(committed) - 2]
+                got = model.output(model.mtp[k - 1].norm(last_hidden[k - 1]))
+                assert int(want.argmax()) == drafts[k - 1] and torch.allclose(got, want, atol=1e-5, rtol=0)
