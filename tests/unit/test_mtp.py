@@ -259,3 +259,16 @@ def test_speculative_decoding_gives_greedys_tokens_and_drafts_what_the_full_forw
                 want = depths[k - 1][0, len(committed) - 2]
                 got = model.output(model.mtp[k - 1].norm(last_hidden[k - 1]))
                 assert int(want.argmax()) == drafts[k - 1] and torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_sample_reports_acceptance_speed_up_and_agreement_and_refuses_sampling():
+    from moetrain.commands.sample import main as sample_main
+    from moetrain.commands.sample import speculative_report
+    from moetrain.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer("byte")
+    model = model_of(dataclasses.replace(tiny_cfg(), vocab_size=tokenizer.vocab_size), torch.float32)
+    text, report = speculative_report(model, tokenizer, "def ", 6)
+    assert "drafts accepted" in report and "x the speed of plain greedy" in report and "tokens identical" in report
+    with pytest.raises(ConfigError, match="--speculative mtp is greedy"):
+        sample_main(["--run", "nowhere", "--speculative", "mtp", "--temperature", "0.5"])
