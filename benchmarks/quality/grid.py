@@ -18,6 +18,7 @@ Rows (the default MoE: first layer dense FFN 512, three MoE layers of 16 experts
                                               "per microbatch" (512 tokens) and "global batch" (2048) differ
   bal_aux_free_fast                           aux-loss-free bias at rate 1e-2 instead of the default 1e-3
   dense_total_lr1e-3                          dense_total at a third of the default learning rate
+  mtp_1_l0.3                                  the default plus one multi-token-prediction module, λ = 0.3
   gran_8x1x256_renorm (diagnostic)            top-1 with renormalized gates: every gate is 1, so the router
                                               learns from the aux loss only; moetrain's config validation
                                               now refuses it, so the grid no longer runs it and reports
@@ -119,6 +120,10 @@ def rows(base: JobConfig) -> list[Row]:
         # with its fan-in: the wide dense model may want a smaller rate than the default's 3e-3.
         Row("dense_total_lr1e-3", "headline", "dense, MoE's total params, lr 1e-3",
             dense + ("--model.ffn_hidden", str(dense_width(base, "total")), "--train.lr", "1e-3")),
+        # Multi-token prediction (DeepSeek-V3): one MTP module trained at λ = 0.3 beside the default model; held-out
+        # bits/byte is the main head's, so the row asks whether the extra objective helps next-token prediction.
+        Row("mtp_1_l0.3", "mtp", "default + MTP depth 1, λ = 0.3",
+            ("--model.mtp_depth", "1", "--train.mtp_loss_weight", "0.3")),
         Row("gran_8x1x256_renorm", "diagnostic", "8 experts, top-1, renormalized gate = 1 (router: aux loss only)",
             _moe(8, 1, 256, renormalize=True),
             refused="config validation refuses model.moe.top_k = 1 with model.moe.renormalize = True"),
