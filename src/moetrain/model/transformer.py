@@ -10,6 +10,11 @@ Parameter names follow torchtitan (`tok_embeddings.weight`, `layers.{i}.attentio
 so init schemes, sharding and checkpoints can match by name (moetrain.interop maps them to Hugging
 Face names).
 
+With `model.mtp_depth` = D the model also holds D multi-token-prediction modules (`mtp.{k}`,
+moetrain.model.mtp), each with a block numbered after the main ones; a forward runs them only when
+asked (`mtp=True`, training's MTP loss) and computes the main logits the same way either way.
+`cached_forward` and `mtp_cached_forward` are the KV-cached steps self-speculative decoding uses.
+
 The model builds on any device, including `meta`; `init_weights()` fills every parameter and
 buffer (after `to_empty` when built on meta) through `init.init_model`. The MoE bookkeeping
 (`aux_loss`, `z_loss_sum`, `tokens_per_expert`, `set_global_balance`, `update_expert_bias`,
