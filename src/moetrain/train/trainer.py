@@ -209,17 +209,16 @@ class Trainer:
         mtp_sum, mtp_counts = 0.0, None
         if mtp_weight > 0:  # the step's valid targets of each MTP depth, over every rank (one all-reduce)
             with phases.phase("collectives"):
-                local_counts = [sum(c) for c in zip(*(mtp_valid_counts(b.targets, b.document_ids,
-                                                                       self.cfg.model.mtp_depth)
-                                                      for b in microbatches), strict=True)]
-                mtp_counts = all_reduce_sum(torch.tensor(local_counts, dtype=torch.int64, device=self.device)).tolist()
+                local_counts = torch.tensor([mtp_valid_counts(b.targets, b.document_ids, self.cfg.model.mtp_depth)
+                                             for b in microbatches], dtype=torch.int64).sum(dim=0)
+                mtp_counts = all_reduce_sum(local_counts.to(self.device)).tolist()
         with self._compute_dtype():
             with phases.phase("forward"):
                 prepare_global_balance(self.model, microbatches)
             for batch, _is_last in accumulation(self.model, microbatches, self.policy):
                 with phases.phase("forward"):
                     outputs = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids,
-                                         **({"mtp": True} if mtp_counts is not None else {}))
+                                         mtp=mtp_counts is not None)
                     logits = outputs[0] if mtp_counts is not None else outputs
                     mb_loss_sum, n_valid = token_loss_sum(logits, batch.targets)
                     aux = self.model.aux_loss()
