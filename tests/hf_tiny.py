@@ -103,6 +103,8 @@ def config(family: str, **overrides):
         fields.update(overrides)
         return GptOssConfig(**fields)
 
+    # DeepSeek-V3 and GLM-4.5: no multi-token-prediction layer (transformers would declare one and save none of
+    # its tensors); tests/unit/test_mtp_interop.py builds directories that hold them.
     if family == "deepseek_v3":
         # Group-limited routing (4 groups of 2, 2 chosen), routed_scaling_factor != 1, a shared expert, a dense
         # first layer, the low-rank query path and a value width unlike the query width.
@@ -110,7 +112,7 @@ def config(family: str, **overrides):
                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
                       n_routed_experts=8, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=4, v_head_dim=6,
                       qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
-                      routed_scaling_factor=2.5, max_position_embeddings=128,
+                      routed_scaling_factor=2.5, max_position_embeddings=128, num_nextn_predict_layers=0,
                       rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **SPECIAL_IDS)
         fields.update(overrides)
         return DeepseekV3Config(**fields)
@@ -119,7 +121,7 @@ def config(family: str, **overrides):
                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                       n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
                       first_k_dense_replace=1, routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True,
-                      max_position_embeddings=128,
+                      max_position_embeddings=128, num_nextn_predict_layers=0,
                       rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
                       **SPECIAL_IDS)
         fields.update(overrides)

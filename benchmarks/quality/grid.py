@@ -22,6 +22,8 @@ Rows (the default MoE: first layer dense FFN 512, three MoE layers of 16 experts
                                               "muon" (Muon on attention, dense FFN and expert matrices, AdamW
                                               on the rest, the default lr and weight decay carried over)
   moe_muon_router_lr0.3                       moe_muon with the router's learning rate at 0.3x (train.lr_scale)
+
+  mtp_1_l0.3                                  the default plus one multi-token-prediction module, λ = 0.3
   gran_8x1x256_renorm (diagnostic)            top-1 with renormalized gates: every gate is 1, so the router
                                               learns from the aux loss only; moetrain's config validation
                                               now refuses it, so the grid no longer runs it and reports
@@ -131,6 +133,11 @@ def rows(base: JobConfig) -> list[Row]:
             dense + ("--model.ffn_hidden", str(dense_width(base, "active_matmul"))) + MUON),
         Row("moe_muon_router_lr0.3", "optimizer", "MoE default, Muon, router lr 0.3x",
             MUON + ("--train.lr_scale.router", "0.3")),
+
+        # Multi-token prediction (DeepSeek-V3): one MTP module trained at λ = 0.3 beside the default model; held-out
+        # bits/byte is the main head's, so the row asks whether the extra objective helps next-token prediction.
+        Row("mtp_1_l0.3", "mtp", "default + MTP depth 1, λ = 0.3",
+            ("--model.mtp_depth", "1", "--train.mtp_loss_weight", "0.3")),
         Row("gran_8x1x256_renorm", "diagnostic", "8 experts, top-1, renormalized gate = 1 (router: aux loss only)",
             _moe(8, 1, 256, renormalize=True),
             refused="config validation refuses model.moe.top_k = 1 with model.moe.renormalize = True"),

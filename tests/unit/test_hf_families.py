@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import shutil
 
 import pytest
@@ -186,7 +185,7 @@ EXPECTED = {
         ModelConfig(vocab_size=300, dim=32, n_layers=3, n_heads=4, ffn_hidden=48, n_dense_layers=1, max_seq_len=256,
                     rope_theta=1e4, rope_layout="interleaved", norm_eps=1e-6, kv_lora_rank=16, q_lora_rank=24,
                     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, rope_scaling="yarn", rope_yarn_factor=8.0,
-                    rope_yarn_original_max_seq_len=32, rope_yarn_mscale=1.0, rope_yarn_mscale_all_dim=1.0,
+                    rope_yarn_original_max_seq_len=32, rope_yarn_mscale=1.0, rope_yarn_mscale_all_dim=1.0, mtp_depth=1,
                     moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=12, n_shared_experts=1, score_func="sigmoid",
                                   renormalize=True, load_balance="aux_free", n_group=4, topk_group=2,
                                   routed_scaling_factor=2.5)),
@@ -556,23 +555,6 @@ def test_a_moetrain_model_with_sigmoid_routing_shared_experts_and_aux_free_expor
     x = tokens(seed=4)
     with torch.no_grad():
         assert relative_error(model(x), loaded(x).logits) < TOL
-
-
-def test_multi_token_prediction_layers_are_dropped_with_one_warning(hf_dirs, tmp_path, caplog):
-    hf_model, directory = hf_dirs["deepseek_v3"]
-    copy = edit_config(directory, tmp_path, num_nextn_predict_layers=1)
-    state = load_file(str(copy / "model.safetensors"))
-    # DeepSeek-V3's files keep the MTP block as one layer past num_hidden_layers.
-    state["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)
-    state["model.layers.3.self_attn.kv_b_proj.weight"] = torch.zeros(40, 16)
-    save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    with caplog.at_level(logging.WARNING, logger="moetrain"):
-        model, _ = load_hf_model(copy)
-    warnings = [r.getMessage() for r in caplog.records if "num_nextn_predict_layers" in r.getMessage()]
-    assert len(warnings) == 1 and "num_nextn_predict_layers = 1 dropped" in warnings[0]
-    x = tokens()
-    with torch.no_grad():
-        assert relative_error(model(x), hf_model(x).logits) < TOL
 
 
 def test_bfloat16_export_keeps_router_and_correction_bias_in_float32(hf_dirs, tmp_path):

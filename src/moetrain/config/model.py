@@ -109,6 +109,11 @@ class ModelConfig:
     """Start from a Hugging Face model directory ("hf:DIR"): weights from its safetensors; the architecture
     fields the TOML and options leave unset come from its config.json (and data.tokenizer from its
     tokenizer.json), those set must agree with it (moetrain.interop.config_map). None = init_scheme."""
+    mtp_depth: int = 0
+    """Multi-token-prediction modules after the last block (DeepSeek-V3's MTP, `num_nextn_predict_layers`):
+    module k (1..mtp_depth) predicts the token k + 1 ahead from module k - 1's hidden state and the embedding
+    of the token k ahead, with one block of the model's kind and the shared embedding and head
+    (moetrain.model.mtp); trained with weight train.mtp_loss_weight. 0 = none."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The MoE layers."""
 
@@ -139,7 +144,7 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ConfigError (one line) at the first invalid [model] or [model.moe] field."""
         check_positive(self, "model", ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len"))
-        check_nonnegative(self, "model", ("n_dense_layers",))
+        check_nonnegative(self, "model", ("n_dense_layers", "mtp_depth"))
         check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
         self._validate_attention_variants()
         check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
@@ -159,6 +164,9 @@ class ModelConfig:
                   f"must name one type per layer (model.n_layers = {self.n_layers}) or be None")
             check(self.sliding_window is not None or "sliding_attention" not in self.layer_types, "model.layer_types",
                   self.layer_types, "has sliding_attention layers but model.sliding_window is None")
+        if self.mtp_depth > 0:
+            check(self.layer_types is None, "model.mtp_depth", self.mtp_depth,
+                  "multi-token-prediction blocks have no entry in model.layer_types; set it to None or mtp_depth to 0")
         self.moe.validate()
         moe = self.moe
         # One renormalised gate is g / g = 1 whatever the router says: the LM loss would never train it.

@@ -134,6 +134,10 @@ class TrainConfig:
     """Temperature of the end-of-run sample; 0 = greedy."""
     sample_top_p: float = 0.95
     """Nucleus (top-p) cut of the end-of-run sample."""
+    mtp_loss_weight: float = 0.3
+    """λ of the multi-token-prediction loss (model.mtp_depth > 0): the step's loss is the main loss + λ/D · Σ_k
+    CE_k over the D modules (DeepSeek-V3 trained with 0.3, then 0.1); 0 = the MTP modules are neither run nor
+    trained (kept as they are, e.g. for export or speculative decoding)."""
     stop_at_step: int | None = None
     """End this invocation after this step (checkpoint written) as if interrupted; the
     schedule still spans train.steps. Resume later with --checkpoint.resume True."""
@@ -146,7 +150,7 @@ class TrainConfig:
         check_positive(self, "train", ("steps", "microbatch_size", "grad_accum", "activation_checkpointing_every",
                                        "eval_batches", "max_consecutive_skips"))
         check_nonnegative(self, "train", ("warmup_steps", "weight_decay", "grad_clip", "eval_every", "sample_tokens",
-                                          "num_threads", "eval_tasks_limit"))
+                                          "num_threads", "eval_tasks_limit", "mtp_loss_weight"))
         check(self.lr > 0, "train.lr", self.lr, "must be > 0")
         check(self.warmup_steps < self.steps, "train.warmup_steps", self.warmup_steps,
               f"must be < train.steps = {self.steps} (the schedule would never leave warm-up)")

@@ -10,14 +10,16 @@ for the speed benchmark; once a row's context outgrows `max_context` both paths 
 
 Generation works on a plain or an FSDP-sharded model; with several ranks every rank must call it
 (each forward gathers parameters) and rank 0's choice of each token is broadcast so all ranks extend
-the same text and finish the same rows. Training's final sample, `moetrain sample` and
-lm-evaluation-harness's `generate_until` all generate here. It neither loads checkpoints nor parses
-command lines, and it never changes the model.
+the same text and finish the same rows. `mtp_speculative_greedy` is greedy decoding drafted by the
+model's multi-token-prediction modules (self-speculative, one process). Training's final sample,
+`moetrain sample` and lm-evaluation-harness's `generate_until` all generate here. It neither loads
+checkpoints nor parses command lines, and it never changes the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -161,6 +163,108 @@ def generate_tokens(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_
     finally:
         model.train(was_training)
     return new_tokens
+
+
+@dataclass
+class SpeculationStats:
+    """What self-speculative decoding measured: drafts proposed and accepted, and the main model's forwards."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verify_forwards: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(self.proposed, 1)
+
+
+@torch.no_grad()
+def mtp_speculative_greedy(model: nn.Module, prompt: Sequence[int], max_new_tokens: int, *,
+                           eos_id: int | None = None, device: torch.device | str = "cpu"
+                           ) -> tuple[list[int], SpeculationStats]:
+    """Greedy continuation of one prompt, drafted by the model's MTP modules and verified by the main model.
+
+    Each round MTP depth k drafts token T + k from the hidden states so far; one main forward over the
+    newest token and the D drafts gives the greedy token at every one of those positions; the drafts are
+    kept up to the first that greedy would not have chosen, followed by greedy's own token there. Every
+    emitted token is the main model's greedy choice, so the tokens are those of plain greedy decoding (up to
+    floating-point differences between a forward of D + 1 tokens and D + 1 forwards of one, which could only
+    flip an exact tie). The KV caches (main, and one per depth) are rewound past rejected drafts; depth k
+    keeps position j only once token j + k is committed. A whole (unsharded) model in one process.
+    """
+    depth, n_layers = model.cfg.mtp_depth, len(model.layers)
+    if depth < 1:
+        raise ConfigError("--speculative mtp needs a model with multi-token-prediction modules (model.mtp_depth >= 1)")
+    was_training = model.training
+    model.eval()
+    stats, new = SpeculationStats(), []
+    capacity = len(prompt) + max_new_tokens + depth + 2
+    main_cache = KVCache(n_layers + depth, 1, capacity, device=device)
+    depth_caches = [KVCache(n_layers + depth, 1, capacity, device=device) for _ in range(depth)]
+    tokens = list(prompt)
+    try:
+        with torch.inference_mode():
+            logits, hidden = model.cached_forward(torch.tensor([tokens], device=device), main_cache)
+            # history[k]: h^k [positions, dim] of the committed positions (as many as depth k's cache holds).
+            history = [hidden[0]] + [hidden.new_zeros(0, hidden.shape[-1]) for _ in range(depth)]
+            pending = [int(logits[0, -1].argmax())]
+            while True:
+                for token in pending:
+                    if token == eos_id or len(new) == max_new_tokens:
+                        return new, stats
+                    new.append(token)
+                tokens += pending
+                if len(new) == max_new_tokens:
+                    return new, stats
+                drafts, outputs = _draft(model, tokens, history, depth_caches, device)
+                pending = _verify(model, tokens, drafts, outputs, history, main_cache, depth_caches, stats, device)
+    finally:
+        model.train(was_training)
+
+
+def _draft(model: nn.Module, tokens: list[int], history: list[torch.Tensor], caches: list[KVCache],
+           device) -> tuple[list[int], list[torch.Tensor]]:
+    """(drafts of tokens T + 1..T + D, each depth's hidden states this round) where T = len(tokens) - 1.
+
+    Depth k runs its positions from its committed length to T - 1, on h^{k-1} there (committed history, then
+    this round's outputs of depth k - 1) and the tokens k ahead (committed, then the drafts so far).
+    """
+    last = len(tokens) - 1
+    drafts: list[int] = []
+    outputs: list[torch.Tensor] = []
+    for k, cache in enumerate(caches, start=1):
+        start = cache.length
+        previous = history[k - 1] if k == 1 else torch.cat([history[k - 1], outputs[-1]])
+        ahead = (tokens + drafts)[start + k:last + k]
+        logits, hidden = model.mtp_cached_forward(k, previous[start:last].unsqueeze(0),
+                                                  torch.tensor([ahead], device=device), cache)
+        drafts.append(int(logits[0, -1].argmax()))
+        outputs.append(hidden[0])
+    return drafts, outputs
+
+
+def _verify(model: nn.Module, tokens: list[int], drafts: list[int], outputs: list[torch.Tensor],
+            history: list[torch.Tensor], main_cache: KVCache, caches: list[KVCache], stats: SpeculationStats,
+            device) -> list[int]:
+    """The tokens this round commits after tokens[-1]: the accepted drafts and greedy's next token; caches and
+    history are cut back to what those make final."""
+    last = len(tokens) - 1
+    logits, hidden = model.cached_forward(torch.tensor([[tokens[-1], *drafts]], device=device), main_cache)
+    greedy = logits[0].argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
+        accepted += 1
+    stats.proposed += len(drafts)
+    stats.accepted += accepted
+    stats.verify_forwards += 1
+    main_cache.rewind(last + accepted + 1)
+    history[0] = torch.cat([history[0], hidden[0, :accepted + 1]])
+    newest = last + accepted + 1  # the index the next round's last token will have
+    for k, (cache, output) in enumerate(zip(caches, outputs, strict=True), start=1):
+        committed = min(last, newest - k)  # position j is final once token j + k is
+        history[k] = torch.cat([history[k], output])[:committed]
+        cache.rewind(committed)
+    return [*drafts[:accepted], greedy[accepted]]
 
 
 def generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,

@@ -74,9 +74,12 @@ class Family:
     fused_expert_names: Callable[[int], tuple[str, str]] | None = None
     # layer -> on-disk (gate_up, gate_up_bias, down, down_bias) names in the interleaved layout (see above).
     interleaved_expert_names: Callable[[int], tuple[str, str, str, str]] | None = None
-    # (cfg, on-disk name) -> whether the files may hold this tensor though moetrain computes nothing with it
-    # (DeepSeek-V3's multi-token-prediction layers): import skips it instead of refusing the directory.
+    # (cfg, on-disk name) -> whether the files may hold this tensor though the job computes nothing with it
+    # (DeepSeek-V3's multi-token-prediction layers past model.mtp_depth): import skips it instead of refusing.
     skipped_tensors: Callable[[ModelConfig, str], bool] | None = None
+    # cfg -> {on-disk name: moetrain name}: tensors the files hold as copies of one moetrain tensor (DeepSeek-V3's
+    # MTP layers repeat the embedding and head): import checks each copy equals it, export writes it again.
+    shared_copies: Callable[[ModelConfig], dict[str, str]] | None = None
     # Endings of on-disk names an export writes in float32 whatever its dtype (what transformers keeps in
     # float32: DeepSeek-V3's router and correction bias, `_keep_in_fp32_modules_strict`).
     float32_names: tuple[str, ...] = ()
@@ -115,6 +118,7 @@ def plain_top_k_refusals(cfg: ModelConfig, label: str, allow: tuple[str, ...] = 
          f"its expert bias changes the routing and {label} has no place for it"),
         (moe.token_rounding_tile == 1, "model.moe.token_rounding_tile", moe.token_rounding_tile,
          f"rounding changes which experts tokens reach; {label} routes plain top-k"),
+        (cfg.mtp_depth == 0, "model.mtp_depth", cfg.mtp_depth, f"{label} has no multi-token-prediction layers"),
         (cfg.attention_bias == "none", "model.attention_bias", cfg.attention_bias,
          f"{label}'s attention projections have no bias"),
         *gpt_oss_era_checks(cfg, label),

@@ -75,7 +75,8 @@ def check_architecture(cfg: ModelConfig, model_dir: str | Path) -> tuple[str, di
     """Raise one ConfigError line listing every architecture field where `cfg` and DIR/config.json differ."""
     family, hf = read_hf_config(model_dir)
     where = str(Path(model_dir) / "config.json")
-    want = architecture(model_config_from_hf(hf, family, where))
+    theirs = model_config_from_hf(hf, family, where)
+    want = architecture(theirs)
     have = architecture(cfg)
     field_names = families.family(family).field_names
     diffs = []
@@ -85,6 +86,8 @@ def check_architecture(cfg: ModelConfig, model_dir: str | Path) -> tuple[str, di
                 else value == expected)
         if not same:
             diffs.append(f"model.{name} = {value!r} but {field_names[name]} gives {expected!r}")
+    if cfg.mtp_depth > theirs.mtp_depth:  # fewer is fine: the deeper modules are not read
+        diffs.append(f"model.mtp_depth = {cfg.mtp_depth} but num_nextn_predict_layers gives {theirs.mtp_depth}")
     if diffs:
         raise ConfigError(f"model.init_from = 'hf:{model_dir}': the job's architecture differs from {where}: "
                           + "; ".join(diffs))

@@ -58,7 +58,7 @@ from moetrain.interop.sharded_tensors import (
 from moetrain.logging import get_logger
 from moetrain.model.init import canonical_name
 from moetrain.model.layers import rope_permutation
-from moetrain.parallel.collectives import barrier, distributed, rank_and_world
+from moetrain.parallel.collectives import all_ranks_true, barrier, distributed, rank_and_world
 
 log = get_logger("interop")
 INDEX_FILE = "model.safetensors.index.json"
@@ -76,6 +76,17 @@ def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
     return tensors
 
 
+def routed_layers(cfg: ModelConfig) -> list[tuple[int, str]]:
+    """(Hugging Face layer index, moetrain MoE module name) of every layer with routed experts: the main MoE
+    blocks, then the multi-token-prediction blocks, which the files number after them."""
+    main = [(layer, f"layers.{layer}.moe") for layer in range(cfg.n_dense_layers, cfg.n_layers)]
+    return main + [(cfg.n_layers + k, f"mtp.{k}.block.moe") for k in range(cfg.mtp_depth)]
+
+
+def _shared_copies(family: Family, cfg: ModelConfig) -> dict[str, str]:
+    return family.shared_copies(cfg) if family.shared_copies is not None else {}
+
+
 def _needs_rope_reorder(cfg: ModelConfig, name: str) -> bool:
     # Multi-head latent attention keeps the files' row order: the family maps its layout to rope_interleave.
     return cfg.rope_layout == "interleaved" and cfg.kv_lora_rank is None and name.endswith(ROPE_ROWS)
@@ -87,7 +98,8 @@ def expected_shapes(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
     layout except `fused_layers`): the model's own shape for all but the routed experts."""
     d, n, n_experts = cfg.dim, cfg.moe.expert_hidden, cfg.moe.n_experts
     shapes = {theirs: tuple(tensors[ours].shape) for ours, theirs in family.tensor_names(cfg).items()}
-    for layer in range(cfg.n_dense_layers, cfg.n_layers):
+    shapes.update((theirs, tuple(tensors[ours].shape)) for theirs, ours in _shared_copies(family, cfg).items())
+    for layer, _ in routed_layers(cfg):
         if family.interleaved_expert_names is not None:
             gate_up, gate_up_bias, down, down_bias = family.interleaved_expert_names(layer)
             shapes[gate_up], shapes[down] = (n_experts, d, 2 * n), (n_experts, n, d)
@@ -167,15 +179,23 @@ def _check_dtypes(model_dir: Path, dtypes: dict[str, str]) -> None:
 def _check_stored(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor], model_dir: Path) -> set[int]:
     """Check the files hold exactly the architecture's tensors; return the MoE layers stored fused."""
     stored, dtypes = stored_headers(model_dir)
-    if family.skipped_tensors is not None:  # tensors of parts moetrain does not compute (announced by the family)
-        stored = {name: shape for name, shape in stored.items() if not family.skipped_tensors(cfg, name)}
-    fused = ({layer for layer in range(cfg.n_dense_layers, cfg.n_layers)
+    if family.skipped_tensors is not None:  # tensors of parts the job does not compute
+        skipped = sorted(name for name in stored if family.skipped_tensors(cfg, name))
+        if skipped:
+            log.warning("%s: %d tensor(s) the job does not compute are not read (e.g. %s; model.mtp_depth = %d)",
+                        model_dir, len(skipped), skipped[0], cfg.mtp_depth)
+        stored = {name: shape for name, shape in stored.items() if name not in skipped}
+    fused = ({layer for layer, _ in routed_layers(cfg)
               if family.fused_expert_names(layer)[0] in stored} if family.fused_expert_names else set())
     want = expected_shapes(family, cfg, tensors, fused)
     missing = [name for name in want if name not in stored]
     if missing:
+        mtp_layers = tuple(f"model.layers.{cfg.n_layers + k}." for k in range(cfg.mtp_depth))
+        hint = (f"; model.mtp_depth = {cfg.mtp_depth} reads multi-token-prediction layers (transformers' "
+                "save_pretrained drops them): set --model.mtp_depth 0 to import without them"
+                if missing[0].startswith(mtp_layers) else "")
         raise ConfigError(f"{model_dir}: tensor {missing[0]} is missing from its safetensors files"
-                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + hint)
     for name, shape in want.items():
         if stored[name] != shape:
             raise ConfigError(f"{model_dir}: tensor {name} has shape {list(stored[name])}, config.json implies "
@@ -218,6 +238,19 @@ def load_hf_weights(model: nn.Module, init_from: str | Path) -> None:
     with torch.no_grad():
         for step in finish:
             step()
+        _check_shared_copies(family, cfg, tensors, state, model_dir)
+
+
+def _check_shared_copies(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor], state: dict[str, Tensor],
+                         model_dir: Path) -> None:
+    """The files' copies of a shared tensor (DeepSeek-V3's MTP embedding and head) must equal it exactly
+    (moetrain keeps one tensor): one ConfigError line, on every rank, naming the first that differs."""
+    for theirs, ours in _shared_copies(family, cfg).items():
+        same = torch.equal(local_view(state[theirs])[0], local_view(tensors[ours].detach())[0])
+        if not all_ranks_true(same):
+            raise ConfigError(f"{model_dir}: tensor {theirs} differs from the one it should copy (moetrain shares "
+                              f"{ours} with it): a directory whose multi-token-prediction layers have their own "
+                              "embedding or head is not supported")
 
 
 def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor],
@@ -259,10 +292,12 @@ def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
             finish.append(reorder_into(param, state[theirs]))
         else:
             state[theirs] = param  # read straight into the (local shard of the) parameter
+    for theirs, ours in _shared_copies(family, cfg).items():  # read aside, compared by _check_shared_copies
+        state[theirs] = torch.empty_like(tensors[ours].detach())
 
-    for layer in range(cfg.n_dense_layers, cfg.n_layers):
-        w1_param = tensors[f"layers.{layer}.moe.experts.w1"].detach()
-        w2_param = tensors[f"layers.{layer}.moe.experts.w2"].detach()
+    for layer, moe in routed_layers(cfg):
+        w1_param = tensors[f"{moe}.experts.w1"].detach()
+        w2_param = tensors[f"{moe}.experts.w2"].detach()
         w1, w2 = by_rows(w1_param), by_rows(w2_param)  # the parameters themselves unless sharded on dim 1
         local_w1, first = local_rows(w1)
         local_w2, _ = local_rows(w2)
@@ -272,10 +307,10 @@ def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
             finish.append(deinterleave_into(local_w1, state[gate_up_name]))
             state[down_name] = w2  # the same layout as moetrain's w2: read in place
             if cfg.moe.expert_proj_bias:  # biases are FSDP-sharded on dim 0 (expert parallelism refuses them)
-                b1 = tensors[f"layers.{layer}.moe.experts.b1"].detach()
+                b1 = tensors[f"{moe}.experts.b1"].detach()
                 state[gate_up_bias_name] = rows_like(b1, tuple(b1.shape))
                 finish.append(deinterleave_into(local_rows(b1)[0], state[gate_up_bias_name]))
-                state[down_bias_name] = tensors[f"layers.{layer}.moe.experts.b2"].detach()
+                state[down_bias_name] = tensors[f"{moe}.experts.b2"].detach()
         elif layer in fused:
             gate_up_name, down_name = family.fused_expert_names(layer)
             state[gate_up_name] = rows_like(w1, (cfg.moe.n_experts, 2 * n, cfg.dim))
@@ -329,16 +364,18 @@ def _export_tensors(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
         if _needs_rope_reorder(cfg, ours):
             tensor = rope_reorder(full(tensor), head_dim, order)
         state[theirs] = tensor.to(torch.float32 if theirs.endswith(family.float32_names) else dtype)
-    for layer in range(cfg.n_dense_layers, cfg.n_layers):
-        w1 = by_rows(tensors[f"layers.{layer}.moe.experts.w1"].detach())
-        w2 = by_rows(tensors[f"layers.{layer}.moe.experts.w2"].detach())
+    for theirs, ours in _shared_copies(family, cfg).items():  # a tensor of its own under each name
+        state[theirs] = tensors[ours].detach().to(dtype).clone()
+    for layer, moe in routed_layers(cfg):
+        w1 = by_rows(tensors[f"{moe}.experts.w1"].detach())
+        w2 = by_rows(tensors[f"{moe}.experts.w2"].detach())
         if family.interleaved_expert_names is not None:
             gate_up, gate_up_bias, down, down_bias = family.interleaved_expert_names(layer)
             state[gate_up] = _interleaved(w1, n).to(dtype)
             state[down] = w2.to(dtype)
             if cfg.moe.expert_proj_bias:
-                state[gate_up_bias] = _interleaved(tensors[f"layers.{layer}.moe.experts.b1"].detach(), n).to(dtype)
-                state[down_bias] = tensors[f"layers.{layer}.moe.experts.b2"].detach().to(dtype)
+                state[gate_up_bias] = _interleaved(tensors[f"{moe}.experts.b1"].detach(), n).to(dtype)
+                state[down_bias] = tensors[f"{moe}.experts.b2"].detach().to(dtype)
             continue
         local_w1, first = local_rows(w1)
         local_w2, _ = local_rows(w2)

@@ -382,6 +382,14 @@ def classify(name: str, cfg: ModelConfig) -> list[Segment]:
         return [Segment("lm_head", "", top)]
     if parts == ["norm", "weight"]:
         return [Segment("norm", "", top)]
+    if len(parts) >= 3 and parts[0] == "mtp" and parts[1].isdigit():  # multi-token prediction (model.mtp)
+        layer = cfg.n_layers + int(parts[1])  # its block is numbered after the main blocks
+        if parts[2] == "block":
+            return classify(".".join(["layers", str(layer), *parts[3:]]), cfg)
+        if parts[2:] in (["enorm", "weight"], ["hnorm", "weight"], ["norm", "weight"]):
+            return [Segment("norm", "", top)]
+        if parts[2:] == ["eh_proj", "weight"]:  # an input projection of the block, drawn like q/k/v
+            return [Segment("qkv", "", Dims(cfg.dim, cfg.n_layers, layer, cfg.ffn_hidden))]
     if len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
         layer, rest = int(parts[1]), parts[2:]
         dims = Dims(cfg.dim, cfg.n_layers, layer, cfg.ffn_hidden)

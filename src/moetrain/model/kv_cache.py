@@ -100,6 +100,12 @@ class KVCache:
         self.mask = ((causal & real_key.unsqueeze(1)) | itself).unsqueeze(1)
         return (query_slot - self.pad_B.unsqueeze(1)).clamp(min=0)
 
+    def rewind(self, length: int) -> None:
+        """Forget every slot from `length` on (speculative decoding's rejected drafts); later forwards write them."""
+        if not 0 <= length <= self.length:
+            raise ModelError(f"KV cache rewind to {length} is invalid: {self.length} slots are written")
+        self.length = self.start = length
+
     def per_forward(self, key, compute: Callable[[], object]):
         """`compute()` once per forward for every layer asking with an equal `key` (e.g. RoPE's rotation
         at this forward's positions, the same in every layer of a model)."""

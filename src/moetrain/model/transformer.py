@@ -10,6 +10,11 @@ Parameter names follow torchtitan (`tok_embeddings.weight`, `layers.{i}.attentio
 so init schemes, sharding and checkpoints can match by name (moetrain.interop maps them to Hugging
 Face names).
 
+With `model.mtp_depth` = D the model also holds D multi-token-prediction modules (`mtp.{k}`,
+moetrain.model.mtp), each with a block numbered after the main ones; a forward runs them only when
+asked (`mtp=True`, training's MTP loss) and computes the main logits the same way either way.
+`cached_forward` and `mtp_cached_forward` are the KV-cached steps self-speculative decoding uses.
+
 The model builds on any device, including `meta`; `init_weights()` fills every parameter and
 buffer (after `to_empty` when built on meta) through `init.init_model`. The MoE bookkeeping
 (`aux_loss`, `z_loss_sum`, `tokens_per_expert`, `set_global_balance`, `update_expert_bias`,
@@ -31,6 +36,7 @@ from moetrain.model.kv_cache import KVCache
 from moetrain.model.layers import Attention, FeedForward, positions_from_documents
 from moetrain.model.mla import MultiHeadLatentAttention
 from moetrain.model.moe import MoE
+from moetrain.model.mtp import MTPModule, shifted_ahead
 
 
 class TransformerBlock(nn.Module):
@@ -72,6 +78,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Multi-token prediction: module k's block is layer n_layers + k - 1 (MoE past n_dense_layers, as
+        # the Hugging Face families number it); run only when a forward asks (`mtp=True`).
+        self.mtp = nn.ModuleList(MTPModule(cfg, TransformerBlock(cfg, cfg.n_layers + k))
+                                 for k in range(cfg.mtp_depth))
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # The document-masked attention method; compiled blocks pin it (moetrain.parallel.parallelize).
@@ -87,7 +97,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
                 document_ids: Tensor | None = None, until_last_moe: bool = False,
-                cache: KVCache | None = None) -> Tensor | None:
+                cache: KVCache | None = None, mtp: bool = False) -> Tensor | tuple[Tensor, list[Tensor]] | None:
         """tokens [B, S] -> logits [B, S, V].
 
         `document_ids` [B, S] (contiguous runs of equal ids) restricts attention to earlier tokens of
@@ -98,17 +108,16 @@ class Transformer(nn.Module):
         `cache` (generation, `model.kv_cache.KVCache`): the tokens extend the cached rows; their
         positions come from the cache and every layer attends over the cached tokens too; its MoE
         layers record no balance statistics (`tokens_per_expert`, `aux_loss`, `router_z` are None after it).
+        `mtp` (model.mtp_depth > 0): also run the multi-token-prediction modules and return
+        (logits, [logits of depth k, [B, S, V], position i predicting token i + k + 1, for k = 1..D]);
+        the main logits are computed exactly as without it.
         """
-        batch, seq = tokens.shape
         if cache is not None:
             if document_ids is not None or positions is not None:
                 raise ValueError("a forward with a KV cache takes its positions from the cache: "
                                  "pass neither document_ids nor positions")
-            positions = cache.advance(seq)
-            h = self.tok_embeddings(tokens)
-            for layer in self.layers:
-                h = layer(h, positions, None, cache)
-            return self.output(self.norm(h))
+            return self.cached_forward(tokens, cache)[0]
+        batch, seq = tokens.shape
         if document_ids is not None and document_ids.shape != tokens.shape:
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != tokens shape "
                              f"{tuple(tokens.shape)}")
@@ -120,7 +129,8 @@ class Transformer(nn.Module):
                 positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
         elif positions.shape != tokens.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
-        h = self.tok_embeddings(tokens)
+        embedded = self.tok_embeddings(tokens)
+        h = embedded
         last_moe = max((i for i, layer in enumerate(self.layers) if layer.is_moe), default=-1)
         for i, layer in enumerate(self.layers):
             h = layer(h, positions, plan)
@@ -128,7 +138,34 @@ class Transformer(nn.Module):
                 return None
         if until_last_moe:
             return None
-        return self.output(self.norm(h))
+        if not mtp:
+            return self.output(self.norm(h))
+        if not self.mtp:
+            raise ValueError("a forward with mtp=True needs model.mtp_depth > 0")
+        normed = [self.norm(h)]
+        for depth, module in enumerate(self.mtp, start=1):
+            h = module.block(module.combine(h, shifted_ahead(embedded, depth)), positions, plan)
+            normed.append(module.norm(h))
+        # One call of the head for every depth: under FSDP it is one unit, gathered once per forward.
+        logits = self.output(torch.cat(normed, dim=1)).split(seq, dim=1)
+        return logits[0], list(logits[1:])
+
+    def cached_forward(self, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """(logits [B, S, V], the last block's output before the final norm [B, S, dim]) of a KV-cached forward."""
+        positions = cache.advance(tokens.shape[1])
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, positions, None, cache)
+        return self.output(self.norm(h)), h
+
+    def mtp_cached_forward(self, depth: int, hidden: Tensor, tokens_ahead: Tensor,
+                           cache: KVCache) -> tuple[Tensor, Tensor]:
+        """(logits, hidden state h^depth) of MTP module `depth` (1..D) on h^{depth-1} [B, S, dim] and the
+        tokens `depth` ahead [B, S], extending `cache` (its own, holding layer n_layers + depth - 1)."""
+        module = self.mtp[depth - 1]
+        positions = cache.advance(tokens_ahead.shape[1])
+        h = module.block(module.combine(hidden, self.tok_embeddings(tokens_ahead)), positions, None, cache)
+        return self.output(module.norm(h)), h
 
     def moe_layers(self) -> list:
         return [layer.moe for layer in self.layers if layer.is_moe]
@@ -143,10 +180,16 @@ class Transformer(nn.Module):
             return None
         return torch.stack(counts).detach()
 
+    def mtp_moe_layers(self) -> list:
+        """The MoE layers of the multi-token-prediction blocks. They are left out of `moe_layers` (expert
+        loads, balance and z-losses, global-batch counts): only the MTP loss trains their routers, and their
+        aux-free expert bias follows their own loads (`update_expert_bias`)."""
+        return [module.block.moe for module in self.mtp if module.block.is_moe]
+
     @torch.no_grad()
     def discard_pending_expert_load(self) -> None:
         """Forget the expert loads accumulated since the last bias update (for a skipped step)."""
-        for moe in self.moe_layers():
+        for moe in self.moe_layers() + self.mtp_moe_layers():
             moe.load_since_update.zero_()
 
     def aux_loss(self) -> Tensor:
@@ -200,8 +243,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def update_expert_bias(self, all_reduce=None) -> None:
-        """Aux-loss-free balancing step for every MoE layer (see `MoE.update_expert_bias`)."""
-        for moe in self.moe_layers():
+        """Aux-loss-free balancing step for every MoE layer, MTP blocks' too (see `MoE.update_expert_bias`)."""
+        for moe in self.moe_layers() + self.mtp_moe_layers():
             moe.update_expert_bias(all_reduce)
 
     def init_weights(self, seed: int = 0, scheme: str | None = None,

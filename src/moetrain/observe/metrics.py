@@ -61,6 +61,7 @@ class StepResult:
     all_to_all_rows_received: int = 0
     z_loss: float = 0.0  # the router z-loss term (with its coefficient), apart from aux_loss
     phases: dict[str, float] | None = None  # seconds per phase of the step (moetrain.observe.step_phases)
+    mtp_loss: float | None = None  # the multi-token-prediction loss (1/D) Σ_k CE_k; None when not trained
 
 
 class MetricsWriter:
@@ -210,6 +211,8 @@ def train_record(*, step: int, result: StepResult, window: list[StepResult], tok
         "mfu": flops_per_token * global_tokens_per_s / (peak_flops * world),
         "tokens_seen": tokens_seen, "skipped_steps": skipped_steps,
     }
+    if result.mtp_loss is not None:
+        record["mtp_loss"] = result.mtp_loss
     if all_to_all_per_rank is not None:
         record["all_to_all_s_per_rank"] = [r[0] for r in all_to_all_per_rank]
         record["all_to_all_rows_sent_per_rank"] = [int(r[1]) for r in all_to_all_per_rank]

@@ -167,6 +167,8 @@ def _shard_units(model: nn.Module) -> list[nn.Module]:
     layers = getattr(model, "layers", None)
     if layers is not None:
         units.extend(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    # Multi-token-prediction blocks (model.mtp) are blocks too: their own units, experts placed like the others'.
+    units.extend(module.block for module in getattr(model, "mtp", ()))
     # Embedding and head as their own units so the largest matrices are gathered only
     # around their use. A tied head shares the embedding weight: it must live in one
     # unit, so it stays with the root.

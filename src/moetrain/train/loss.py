@@ -6,7 +6,11 @@ where N_global counts valid targets (targets != ignore_index) over the whole ste
 (`moetrain.parallel.grad_sync.count_global_tokens`). Each microbatch contributes
 its summed token loss divided by N_global, so the sum of microbatch gradients over
 ranks (collectives SUM, no averaging) is exactly the global-batch gradient whatever
-the token counts are. This module computes losses; it must not communicate.
+the token counts are.
+
+Multi-token prediction (model.mtp_depth = D, weight λ = train.mtp_loss_weight) adds λ/D · Σ_k CE_k,
+each CE_k token-weighted over the step's valid depth-k targets (`mtp_targets`, counted over every
+rank and microbatch like N_global) in the same way. This module computes losses; it must not communicate.
 """
 
 from __future__ import annotations
@@ -76,3 +80,40 @@ def microbatch_loss(
     """
     balance, z = router_loss_terms(n_valid, global_tokens, aux_loss, z_loss_sum, aux_is_share)
     return loss_sum / max(int(global_tokens), 1) + balance + z
+
+
+def mtp_targets(targets: torch.Tensor, document_ids: torch.Tensor, depth: int,
+                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Depth-k targets [B, S]: position i predicts token i + k + 1, the main target of position i + k.
+
+    Kept only where that main target is kept (inside its document, under the loss mask) and
+    position i is in the same document as i + k, so no MTP target crosses a document boundary of a
+    packed sequence or a masked-out span of a conversation; ignore_index elsewhere and past the end.
+    """
+    out = torch.full_like(targets, ignore_index)
+    seq = targets.shape[1]
+    if depth < seq:
+        same_document = document_ids[:, :seq - depth] == document_ids[:, depth:]
+        out[:, :seq - depth] = torch.where(same_document, targets[:, depth:], ignore_index)
+    return out
+
+
+def mtp_valid_counts(targets: torch.Tensor, document_ids: torch.Tensor, mtp_depth: int) -> list[int]:
+    """Valid targets of each depth 1..mtp_depth in one microbatch (summed over the step before `mtp_loss_term`)."""
+    return [int((mtp_targets(targets, document_ids, k) != IGNORE_INDEX).sum()) for k in range(1, mtp_depth + 1)]
+
+
+def mtp_loss_term(mtp_logits: list[torch.Tensor], targets: torch.Tensor, document_ids: torch.Tensor,
+                  global_counts: list[int], weight: float) -> tuple[torch.Tensor, float]:
+    """(the microbatch's part of λ/D · Σ_k CE_k, for backward; its part of the unweighted (1/D) Σ_k CE_k, to log).
+
+    `global_counts[k - 1]` is the step's valid depth-k targets over every rank and microbatch, so the
+    parts of all microbatches and ranks sum to the step's token-weighted MTP loss.
+    """
+    depth = len(mtp_logits)
+    mean_part = torch.zeros((), device=mtp_logits[0].device)
+    for k, (logits, count) in enumerate(zip(mtp_logits, global_counts, strict=True), start=1):
+        loss_sum, _ = token_loss_sum(logits, mtp_targets(targets, document_ids, k))
+        mean_part = mean_part + loss_sum / max(int(count), 1)
+    mean_part = mean_part / depth
+    return weight * mean_part, float(mean_part.detach())

@@ -73,7 +73,13 @@ from moetrain.parallel.parallelize import runs_unsharded
 from moetrain.parallel.precision import compute_copy
 from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
-from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
+from moetrain.train.loss import (
+    microbatch_loss,
+    mtp_loss_term,
+    mtp_valid_counts,
+    router_loss_terms,
+    token_loss_sum,
+)
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
 from moetrain.train.qk_clip import QKClip
 
@@ -89,6 +95,7 @@ class StepTotals:
     z_loss: float  # this rank's part of the router z-loss
     nonfinite_ranks: float  # 1 when this rank's sums are NaN/inf, so the sum counts such ranks
     input_tokens: float  # input tokens this rank fed the model
+    mtp_loss: float = 0.0  # this rank's part of the step's multi-token-prediction loss (1/D) Σ_k CE_k
 
     @classmethod
     def summed_over_ranks(cls, local: StepTotals, device: torch.device) -> StepTotals:
@@ -268,6 +275,13 @@ class Trainer:
         aux_sum = torch.zeros((), dtype=torch.float64)
         z_sum = torch.zeros((), dtype=torch.float64)
         expert_load = None
+        mtp_weight = cfg.mtp_loss_weight if self.cfg.model.mtp_depth > 0 else 0.0
+        mtp_sum, mtp_counts = 0.0, None
+        if mtp_weight > 0:  # the step's valid targets of each MTP depth, over every rank (one all-reduce)
+            with phases.phase("collectives"):
+                local_counts = torch.tensor([mtp_valid_counts(b.targets, b.document_ids, self.cfg.model.mtp_depth)
+                                             for b in microbatches], dtype=torch.int64).sum(dim=0)
+                mtp_counts = all_reduce_sum(local_counts.to(self.device)).tolist()
         with self._compute_dtype():
             with phases.phase("forward"):
                 prepare_global_balance(self.model, microbatches)
@@ -275,11 +289,18 @@ class Trainer:
                 self.qk_clip.arm()
             for batch, _is_last in accumulation(self.model, microbatches, self.policy):
                 with phases.phase("forward"):
-                    logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
+                    outputs = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids,
+                                         mtp=mtp_counts is not None)
+                    logits = outputs[0] if mtp_counts is not None else outputs
                     mb_loss_sum, n_valid = token_loss_sum(logits, batch.targets)
                     aux = self.model.aux_loss()
                     z = self.model.z_loss_sum(batch.targets != IGNORE_INDEX)
                     objective = microbatch_loss(mb_loss_sum, n_valid, global_tokens, aux, z, aux_is_share)
+                    if mtp_counts is not None:  # + λ/D Σ_k CE_k (moetrain.train.loss)
+                        mtp_objective, mtp_part = mtp_loss_term(outputs[1], batch.targets, batch.document_ids,
+                                                                mtp_counts, mtp_weight)
+                        objective = objective + mtp_objective
+                        mtp_sum += mtp_part
                 with phases.phase("backward"):
                     objective.backward()
                 loss_sum += mb_loss_sum.detach().double().cpu()
@@ -300,9 +321,10 @@ class Trainer:
         # how much earlier it finished than the slowest rank.
         wait_start = time.perf_counter()
         with phases.phase("wait"):
-            local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
+            local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum)) and math.isfinite(mtp_sum)
             local = StepTotals(loss_sum=float(loss_sum), balance_loss=float(aux_sum), z_loss=float(z_sum),
-                               nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens))
+                               nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens),
+                               mtp_loss=mtp_sum)
             totals = self._sum_totals(local)
         wait_s = time.perf_counter() - wait_start
         denominator = max(global_tokens, 1)
@@ -335,7 +357,8 @@ class Trainer:
         return StepResult(loss=loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr, global_tokens=global_tokens,
                           compute_s=compute_s, wait_s=wait_s, step_s=time.perf_counter() - start, skipped=not finite,
                           expert_load=expert_load, all_to_all_s=a2a_s, all_to_all_rows_sent=a2a_sent,
-                          all_to_all_rows_received=a2a_received, z_loss=z_loss, phases=phases.seconds)
+                          all_to_all_rows_received=a2a_received, z_loss=z_loss, phases=phases.seconds,
+                          mtp_loss=totals.mtp_loss if mtp_counts is not None else None)
 
     def _begin_attempt(self, phases: StepPhases) -> dict[str, Any]:
         """(ft) this step's quorum, where a rejoining group loads a live peer's state; then the data

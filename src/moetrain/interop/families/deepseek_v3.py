@@ -5,10 +5,13 @@ The architecture of DeepSeek-V3/R1, Kimi-K2 and Moonlight: multi-head latent att
 RoPE), the first `first_k_dense_replace` layers dense, the rest MoE with sigmoid scores,
 group-limited top-k (`n_group`, `topk_group`) on scores + `e_score_correction_bias` (moetrain's
 aux-free `expert_bias` buffer, which travels in both directions), renormalised gates times
-`routed_scaling_factor`, and `n_shared_experts` shared experts. Multi-token-prediction layers
-(`num_nextn_predict_layers`) are not computed: config.json's count is dropped with one warning
-line and their tensors (layers past num_hidden_layers) are skipped. This module declares the
-mapping; it reads no files and moves no tensors.
+`routed_scaling_factor`, and `n_shared_experts` shared experts. Multi-token-prediction modules
+(`num_nextn_predict_layers`, moetrain's `model.mtp_depth`) are stored as layers past
+num_hidden_layers: module k is `model.layers.{num_hidden_layers + k - 1}` with `enorm`, `hnorm`,
+`eh_proj`, `shared_head.norm`, one decoder layer's tensors (MoE), and copies of the embedding and
+output head (`embed_tokens`, `shared_head.head`) that moetrain shares with the main model
+(`mtp_shared_copies`). A job with a smaller model.mtp_depth skips the deeper modules' tensors with
+one warning line. This module declares the mapping; it reads no files and moves no tensors.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from moetrain.interop.config_json import (
 )
 from moetrain.interop.families.base import YARN_FIELD_NAMES, family_field_names
 from moetrain.interop.layouts import embedding_names, fused_expert_names, per_expert_names
-from moetrain.logging import get_logger
 
 MODEL_TYPE, ARCHITECTURE, LABEL = "deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3"
 
@@ -49,15 +51,14 @@ FIELD_NAMES = family_field_names(LABEL, OWN_FIELD_NAMES)
 
 # transformers keeps the router and the correction bias in float32 (`_keep_in_fp32_modules_strict`).
 FLOAT32_NAMES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-_ANNOUNCED: set[str] = set()  # config.json paths whose dropped MTP layers were announced
+
+
 def sigmoid_moe_fields(hf: dict[str, Any], where: str, model: dict[str, Any],
                        moe: dict[str, Any]) -> tuple[int, dict]:
-    """(dense layers, MoEConfig fields) of DeepSeek-V3-style routing, shared by GLM-4.5; drops MTP layers."""
-    nextn = int(hf.get("num_nextn_predict_layers") or 0)
-    if nextn and where not in _ANNOUNCED:  # config.json is read more than once per import; say it once
-        _ANNOUNCED.add(where)
-        get_logger("interop").warning(f"{where}: num_nextn_predict_layers = {nextn} dropped: moetrain computes no "
-                                      "multi-token-prediction layer (their tensors, if any, are not read)")
+    """(dense layers, MoEConfig fields) of DeepSeek-V3-style routing, shared by GLM-4.5; model["mtp_depth"] set."""
+    model["mtp_depth"] = int(hf.get("num_nextn_predict_layers") or 0)
+    if model["mtp_depth"] < 0:
+        raise unsupported(where, "num_nextn_predict_layers", model["mtp_depth"], "must be >= 0")
     dense = int(hf.get("first_k_dense_replace") or 0)
     if not 0 <= dense <= model["n_layers"]:
         raise unsupported(where, "first_k_dense_replace", dense,
@@ -103,7 +104,7 @@ def moe_config_json(cfg: ModelConfig) -> dict[str, Any]:
     return {"n_routed_experts": moe.n_experts, "n_shared_experts": moe.n_shared_experts,
             "moe_intermediate_size": moe.expert_hidden, "intermediate_size": cfg.ffn_hidden,
             "first_k_dense_replace": cfg.n_dense_layers, "n_group": moe.n_group, "topk_group": moe.topk_group,
-            "routed_scaling_factor": moe.routed_scaling_factor, "num_nextn_predict_layers": 0,
+            "routed_scaling_factor": moe.routed_scaling_factor, "num_nextn_predict_layers": cfg.mtp_depth,
             "rope_parameters": rope_parameters(cfg)}
 
 
@@ -155,12 +156,36 @@ def tensor_names(cfg: ModelConfig) -> dict[str, str]:
     attention = {"wkv_a": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
     attention.update({"wq": "q_proj"} if cfg.q_lora_rank is None else
                      {"wq_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "wq_b": "q_b_proj"})
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        for a, b in attention.items():
-            names[f"{ours}.attention.{a}.weight"] = f"{theirs}.self_attn.{b}.weight"
-        names.update(moe_layer_names(cfg, i))
+    for i in range(cfg.n_layers + cfg.mtp_depth):
+        layer = {f"layers.{i}.attention.{a}.weight": f"model.layers.{i}.self_attn.{b}.weight"
+                 for a, b in attention.items()}
+        layer.update(moe_layer_names(cfg, i))
+        names.update(as_mtp_block(cfg, i, layer))
     return names
+
+
+def as_mtp_block(cfg: ModelConfig, i: int, layer: dict[str, str]) -> dict[str, str]:
+    """Layer i's names as they are for a main block; past n_layers, an MTP module's block (`mtp.{k}.block.*`)
+    and the module's own tensors (enorm, hnorm, eh_proj, shared_head.norm)."""
+    if i < cfg.n_layers:
+        return layer
+    ours, theirs = f"mtp.{i - cfg.n_layers}", f"model.layers.{i}"
+    names = {name.replace(f"layers.{i}.", f"{ours}.block.", 1): hf for name, hf in layer.items()}
+    names.update({f"{ours}.enorm.weight": f"{theirs}.enorm.weight", f"{ours}.hnorm.weight": f"{theirs}.hnorm.weight",
+                  f"{ours}.eh_proj.weight": f"{theirs}.eh_proj.weight",
+                  f"{ours}.norm.weight": f"{theirs}.shared_head.norm.weight"})
+    return names
+
+
+def mtp_shared_copies(cfg: ModelConfig) -> dict[str, str]:
+    """On-disk name -> the moetrain tensor it copies: each MTP layer's embedding and output head, which moetrain
+    shares with the main model (import checks the copies equal them, export writes them)."""
+    head = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
+    copies = {}
+    for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
+        copies[f"model.layers.{i}.embed_tokens.weight"] = "tok_embeddings.weight"
+        copies[f"model.layers.{i}.shared_head.head.weight"] = head
+    return copies
 
 
 def moe_layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
@@ -180,12 +205,12 @@ def moe_layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
 
 
 def skipped_tensors(cfg: ModelConfig, name: str) -> bool:
-    """Multi-token-prediction layers, stored as layers past num_hidden_layers: not computed, not read."""
+    """Multi-token-prediction layers past the job's model.mtp_depth (a job may drop the deeper ones): not read."""
     prefix = "model.layers."
     if not name.startswith(prefix):
         return False
     index = name[len(prefix):].split(".", 1)[0]
-    return index.isdigit() and int(index) >= cfg.n_layers
+    return index.isdigit() and int(index) >= cfg.n_layers + cfg.mtp_depth
 
 
 FAMILY = Family(
@@ -193,5 +218,5 @@ FAMILY = Family(
     export_key={"attention_kind": "mla"}, model_config=model_config,
     config_json=config_json, export_refusals=export_refusals, tensor_names=tensor_names,
     expert_names=per_expert_names, fused_expert_names=fused_expert_names, skipped_tensors=skipped_tensors,
-    float32_names=FLOAT32_NAMES, import_refusals=correction_bias_refusals,
+    float32_names=FLOAT32_NAMES, import_refusals=correction_bias_refusals, shared_copies=mtp_shared_copies,
 )

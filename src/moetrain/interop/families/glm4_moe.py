@@ -6,8 +6,8 @@ in `rope_parameters`, 0.5 when absent as transformers defaults it: the first hal
 channels rotate, in the "half" layout); the first `first_k_dense_replace` layers dense, the rest
 routed as DeepSeek-V3 (sigmoid, group-limited top-k on scores + the correction bias, which is
 moetrain's `expert_bias`, renormalised gates times `routed_scaling_factor`, shared experts).
-Multi-token-prediction layers are dropped as for DeepSeek-V3. This module declares the mapping;
-it reads no files and moves no tensors.
+Multi-token-prediction modules are stored and mapped as DeepSeek-V3's (their block: GLM-4.5's
+attention). This module declares the mapping; it reads no files and moves no tensors.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from moetrain.interop.families.base import family_field_names
 from moetrain.interop.families.deepseek_v3 import (
     FLOAT32_NAMES,
     OWN_FIELD_NAMES,
+    as_mtp_block,
     correction_bias_refusals,
     moe_config_json,
     moe_layer_names,
+    mtp_shared_copies,
     sigmoid_moe_fields,
     sigmoid_routing_refusals,
     skipped_tensors,
@@ -80,9 +82,8 @@ def export_refusals(cfg: ModelConfig) -> list[Refusal]:
 
 def tensor_names(cfg: ModelConfig) -> dict[str, str]:
     names = embedding_names(cfg)
-    for i in range(cfg.n_layers):
-        names.update(attention_names(cfg, i))
-        names.update(moe_layer_names(cfg, i))
+    for i in range(cfg.n_layers + cfg.mtp_depth):
+        names.update(as_mtp_block(cfg, i, {**attention_names(cfg, i), **moe_layer_names(cfg, i)}))
     return names
 
 
@@ -91,5 +92,5 @@ FAMILY = Family(
     export_key={"attention_kind": "gqa", "moe.score_func": "sigmoid"}, model_config=model_config,
     config_json=config_json, export_refusals=export_refusals, tensor_names=tensor_names,
     expert_names=per_expert_names, fused_expert_names=fused_expert_names, skipped_tensors=skipped_tensors,
-    float32_names=FLOAT32_NAMES, import_refusals=correction_bias_refusals,
+    float32_names=FLOAT32_NAMES, import_refusals=correction_bias_refusals, shared_copies=mtp_shared_copies,
 )
