@@ -124,30 +124,12 @@ def _open_prepared(cfg: JobConfig, tokenizer: Tokenizer, path: str) -> TokenShar
     return shards
 
 
-def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
-    """data.mixture entries 'PATH=WEIGHT' -> [(path, weight)] (ConfigError naming the entry when bad)."""
-    parsed = []
-    for entry in entries:
-        path, sep, weight = entry.rpartition("=")
-        try:
-            value = float(weight) if sep else float("nan")
-        except ValueError:
-            value = float("nan")
-        if not path or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"data.mixture entry {entry!r} is invalid: write PATH=WEIGHT with a weight > 0")
-        parsed.append((path, value))
-    return parsed
-
-
 def _shard_training_data(cfg: JobConfig, tokenizer: Tokenizer) -> TrainingData:
     """Memory-mapped prepared shards (data.source = 'tokens'), verified before anything else happens."""
     d = cfg.data
     if d.max_documents is not None:
         raise ConfigError("data.max_documents cannot limit data.source = 'tokens'; prepare fewer documents instead")
-    mixture = parse_mixture(d.mixture)
-    if mixture and d.path is not None:
-        raise ConfigError(f"data.path = {d.path!r} and data.mixture are both set; give the directories in "
-                          "data.mixture only")
+    mixture = d.mixture_weights()
     sets = [_open_prepared(cfg, tokenizer, path) for path, _ in mixture] or [_open_prepared(cfg, tokenizer,
                                                                                            d.path or "")]
     sources = [_packed_split(shards, "train", tokenizer, d.seq_len) for shards in sets]
