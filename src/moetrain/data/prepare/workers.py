@@ -102,9 +102,12 @@ def _read_messages(ref: DocRef, field: str, value: Any = UNREAD,
 
 
 def _chat_template(options: dict[str, Any]) -> ChatTemplate:
-    key = ("chat", options["chat_template_sha256"])
+    key = ("chat", options["chat_template_sha256"], options.get("template_time_limit"))
     if key not in WORKER_CACHE:
-        WORKER_CACHE[key] = load_chat_template(options["tokenizer"], options["chat_template"])
+        template = load_chat_template(options["tokenizer"], options["chat_template"])
+        if options.get("template_time_limit") is not None:
+            template.limits.time_limit_s = float(options["template_time_limit"])
+        WORKER_CACHE[key] = template
     return WORKER_CACHE[key]
 
 
