@@ -161,11 +161,21 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _no_constant(name: str) -> None:
+    raise ValueError(f"it holds {name}, which JSON does not allow (a number must be finite)")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object (a model's or tokenizer's config), else one ConfigError line naming it:
+    unreadable, not UTF-8, not JSON, Infinity or NaN anywhere, nested too deeply to parse, not an object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise ConfigError(f"{path} is not valid JSON") from None
+        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is not valid JSON: nested too deeply to read") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} is not a JSON object")
     return data
@@ -174,7 +184,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def tokenizer_config(directory: Path) -> dict[str, Any]:
     """A tokenizer directory's tokenizer_config.json ({} when there is none)."""
     path = directory / "tokenizer_config.json"
-    return _read_json(path) if path.is_file() else {}
+    return read_json_object(path) if path.is_file() else {}
 
 
 def special_tokens(directory: Path) -> dict[str, str]:
@@ -184,7 +194,7 @@ def special_tokens(directory: Path) -> dict[str, str]:
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins, read last
         path = directory / name
         if path.is_file():
-            for key, value in _read_json(path).items():
+            for key, value in read_json_object(path).items():
                 if key in SPECIAL_TOKEN_NAMES and _token_text(value) is not None:
                     found[key] = _token_text(value)  # type: ignore[assignment]
     return found

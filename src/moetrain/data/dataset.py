@@ -79,7 +79,8 @@ def _packed_split(shard_sets: TokenShards | list[TokenShards], split: str, token
     """One split of one prepared directory, or of several concatenated in order (a mixture's held-out)."""
     sets = shard_sets if isinstance(shard_sets, list) else [shard_sets]
     pieces = [s for shards in sets for s in shards.shards[split]]
-    stream = TokenStream([s.tokens for s in pieces], tokenizer.pad_id, [s.check_tokens for s in pieces])
+    stream = TokenStream([s.tokens for s in pieces], tokenizer.pad_id, [s.check_tokens for s in pieces],
+                         vocab_size=tokenizer.vocab_size)
     bases = np.cumsum([0] + [s.tokens.size for s in pieces[:-1]], dtype=np.int64)
     starts = np.concatenate([s.offsets[:-1] + base for s, base in zip(pieces, bases)]) if pieces else None
     loss_mask = None

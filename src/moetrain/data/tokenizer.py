@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moetrain.data.chat import SPECIAL_TOKEN_NAMES, special_tokens, tokenizer_config
+from moetrain.data.chat import SPECIAL_TOKEN_NAMES, read_json_object, special_tokens, tokenizer_config
 from moetrain.errors import ConfigError
 
 N_SPECIAL = 3
@@ -246,10 +246,7 @@ def model_special_ids(model_dir: Path) -> dict[str, int | None]:
     config = model_dir / "config.json"
     if not config.is_file():
         return {}
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise ConfigError(f"{config} is not valid JSON") from None
+    data = read_json_object(config)
 
     def first(value: object) -> int | None:
         if isinstance(value, list):

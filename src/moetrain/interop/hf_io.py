@@ -139,13 +139,19 @@ def stored_headers(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[st
         hint = (f" (it has {pickled[0]}: pickle files are never loaded; convert them to safetensors)" if pickled
                 else "")
         raise ConfigError(f"{model_dir} has no *.safetensors weight files{hint}")
-    shapes, dtypes = {}, {}
+    shapes, dtypes, where = {}, {}, {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():
+                    if key in where and not index.is_file():  # which copy would be read is then a guess
+                        raise ConfigError(f"{model_dir}: tensor {key} is in both {where[key]} and {path.name}, and "
+                                          f"there is no {INDEX_FILE} to say which is meant; keep one")
+                    where[key] = path.name
                     shapes[key] = tuple(handle.get_slice(key).get_shape())
                     dtypes[key] = handle.get_slice(key).get_dtype()
+        except ConfigError:
+            raise
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
             raise ConfigError(f"{path} is not a readable safetensors file: {str(err).splitlines()[0]}") from None
     return shapes, dtypes

@@ -205,6 +205,12 @@ def _write_manifest(args: PrepareArgs, tokenizer: Tokenizer, identity: dict[str,
                     chat: dict[str, Any] | None) -> dict[str, Any]:
     """Write manifest.json (last: it makes the directory a dataset), with the conversations' counts for chat."""
     entries = shards.entries.values()
+    if not sum(e["n_documents"] for e in entries):  # a directory of no documents is no dataset: no manifest
+        skipped = sum(e.get("skipped_documents", 0) for e in entries)
+        raise ConfigError(f"--input {' '.join(args.input)} gave no document to write: "
+                          + (f"the prepare skipped every record ({skipped}; the warnings above say why)" if skipped
+                             else "every record was empty or skipped")
+                          + f"; {args.out} holds no dataset")
     if chat:
         chat["skipped_documents"] = sum(e.get("skipped_documents", 0) for e in entries)
         chat["loss_tokens"] = {split: sum(e.get("n_loss_tokens", 0) for e in entries if e["split"] == split)
