@@ -72,7 +72,7 @@ def test_a_long_conversation_renders_a_constant_number_of_times(directory, tmp_p
     template = ChatTemplate(CHATML, {})
     encode = lambda text: ([ord(c) for c in text], [(i, i + 1) for i in range(len(text))])  # noqa: E731
     ids, mask, _ = encode_conversation(template, encode, turns)
-    assert len(renders) <= 5
+    assert len(renders) <= 6  # the whole conversation plainly and tracked, two prefix renders each for 2 turns
     # the spans are the prefix rule's, turn by turn
     for i in range(1, 12, 2):
         prompt, _ = original(template, turns[:i], add_generation_prompt=True)
@@ -118,3 +118,13 @@ def test_export_writes_the_template_the_run_trained_with_and_nothing_half_writte
     assert cli.main(["export-hf", "--run", str(run_dir), "--out", str(out)]) == 0
     assert (out / "chat_template.jinja").read_text() == CHATML
     assert not list(tmp_path.glob(".export*"))
+
+
+def test_a_template_using_the_messages_as_a_list_is_masked_by_its_prefixes():
+    # `messages + [...]` needs a real list: the one-render path steps aside, the prefix rule answers
+    template = ChatTemplate("{% for m in messages + [] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", {})
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    encode = lambda text: ([ord(c) for c in text], [(i, i + 1) for i in range(len(text))])  # noqa: E731
+    _, mask, assistant = encode_conversation(template, encode, chat)
+    assert assistant == "b<|im_end|>" and int(mask.sum()) == len("b<|im_end|>")

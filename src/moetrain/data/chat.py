@@ -318,10 +318,15 @@ class ChatTemplate:
             text, spans = self.render(messages, track=True)
             return text, [(a, b) for a, b in spans if b > a]
         turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        text, _ = self.render(messages)
         starts: dict[int, int] = {}
         blocks: list[str] = []
-        text, _ = self.render(_TrackedMessages(messages, list(range(len(messages))), starts, blocks), blocks=blocks)
-        spans = self._spans_from_positions(messages, text, starts, turns)
+        try:  # a template may use the messages as a list (`messages + [...]`): then the prefix renders answer
+            tracked, _ = self.render(_TrackedMessages(messages, list(range(len(messages))), starts, blocks),
+                                     blocks=blocks)
+        except ConversationError:
+            tracked = None
+        spans = self._spans_from_positions(messages, text, starts, turns) if tracked == text else None
         if spans is None:
             spans = [self._prefix_span(messages, i, text) for i in turns]
         return text, [span for span in spans if span[1] > span[0]]
