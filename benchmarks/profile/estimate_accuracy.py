@@ -49,6 +49,11 @@ CASES = [
     ("tiny_moe_fsdp2_no_thp", "configs/tiny_moe.toml", [], 2, NO_HUGE_PAGES),
     ("qwen3_moe_debug_fsdp2", "configs/qwen3_moe_debug.toml", ["--data.seq_len", "128"], 2, {}),
     ("qwen3_moe_debug_fsdp2_no_thp", "configs/qwen3_moe_debug.toml", ["--data.seq_len", "128"], 2, NO_HUGE_PAGES),
+    # expert parallelism: half or a quarter of the experts per rank, tokens exchanged by all-to-all
+    ("tiny_moe_ep2", "configs/tiny_moe.toml", ["--parallel.ep", "2"], 2, {}),
+    ("tiny_moe_ep2_no_thp", "configs/tiny_moe.toml", ["--parallel.ep", "2"], 2, NO_HUGE_PAGES),
+    ("tiny_moe_ep2_of4_no_thp", "configs/tiny_moe.toml", ["--parallel.ep", "2"], 4, NO_HUGE_PAGES),
+    ("tiny_moe_ep4_no_thp", "configs/tiny_moe.toml", ["--parallel.ep", "4"], 4, NO_HUGE_PAGES),
 ]
 
 

@@ -53,14 +53,21 @@ def parse_typed_args(cls: type[T], args: list[str], prog: str, default: T | None
 def _did_you_mean(cls: type, args: list[str], bool_flags: bool) -> str:
     """'unknown option --x (did you mean --y?)' for each option of `args` that `cls` lacks; '' if none."""
     known = option_help(cls, bool_flags)
-    unknown = [a.split("=")[0] for a in args if a.startswith("--") and a.split("=")[0] not in known]
+    spelled = {_underscored(name) for name in known}  # tyro takes --run-dir for --run_dir
+    unknown = [a.split("=")[0] for a in args if a.startswith("--") and _underscored(a.split("=")[0]) not in spelled]
     if not unknown:
         return ""
     described = []
     for arg in unknown:
-        close = difflib.get_close_matches(arg, list(known), n=1, cutoff=0.8)
+        close = difflib.get_close_matches(_underscored(arg), sorted(spelled), n=1, cutoff=0.8)
+        if close and "-" in arg[2:]:  # suggested in the user's own spelling
+            close = ["--" + close[0][2:].replace("_", "-")]
         described.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
     return f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(described)}"
+
+
+def _underscored(option: str) -> str:
+    return "--" + option[2:].replace("-", "_")
 
 
 def _tyro_kwargs(prog: str, default: Any, bool_flags: bool) -> dict[str, Any]:

@@ -61,7 +61,10 @@ MLA_BALANCE_CFG = ModelConfig(
     moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=6, n_shared_experts=1, score_func="sigmoid", n_group=4,
                   topk_group=2, routed_scaling_factor=2.5, impl="memory_efficient", aux_loss_coef=0.3,
                   z_loss_coef=0.02, aux_loss_scope="global_batch"))
-BALANCE_CFGS = {"gqa": BALANCE_CFG, "mla": MLA_BALANCE_CFG}
+# GPT-OSS's experts: biases on both projections (they travel with their experts under EP), a router bias.
+BIAS_BALANCE_CFG = dataclasses.replace(BALANCE_CFG, moe=dataclasses.replace(
+    BALANCE_CFG.moe, expert_proj_bias=True, router_bias=True, activation="clamped_swiglu"))
+BALANCE_CFGS = {"gqa": BALANCE_CFG, "mla": MLA_BALANCE_CFG, "expert_biases": BIAS_BALANCE_CFG}
 # Each balance model under HSDP 2x2, and FSDP 1x4 with 2 experts per EP rank.
 BALANCE_LAYOUTS = {"hsdp_2x2": {"dp_replicate": 2}, "ep_2_on_1x4": {"ep": 2}}
 # run name -> (tiny model of hf_tiny.VARIANTS, dp_replicate, ep): imported, checkpointed and exported on 4 ranks.
@@ -72,7 +75,8 @@ FOUR_RANK_RUNS = {
     "deepseek_v3-hsdp": ("deepseek_v3", 2, 1),
     "deepseek_v3-ep": ("deepseek_v3", 1, 2),
     "glm4_moe-hsdp": ("glm4_moe-fullrotary-bias", 2, 1),  # full rotary: kept in the interleaved layout
-    "gpt_oss-hsdp": ("gpt_oss", 2, 1),
+    # random expert biases travelling with their experts (2 per EP rank, FSDP over 2), the sinks sharded
+    "gpt_oss-ep": ("gpt_oss", 1, 2),
 }
 # run name -> tiny model: the same round trip in this process alone.
 ONE_RANK_RUNS = {"olmoe-one": "olmoe-clip-norm", "deepseek_v3-one": "deepseek_v3",
@@ -258,7 +262,7 @@ EXPORTS = {
     "deepseek_v3": (["deepseek_v3-hsdp", "deepseek_v3-ep", "deepseek_v3-one"],
                     "model.layers.2.mlp.gate.e_score_correction_bias"),
     "glm4_moe": (["glm4_moe-hsdp", "glm4_moe-one"], "model.layers.0.self_attn.q_proj.bias"),
-    "gpt_oss": (["gpt_oss-hsdp"], "model.layers.0.mlp.experts.gate_up_proj_bias"),
+    "gpt_oss": (["gpt_oss-ep"], "model.layers.0.mlp.experts.gate_up_proj_bias"),
 }
 
 
@@ -286,4 +290,4 @@ def test_exports_from_4_rank_checkpoints_equal_the_1_rank_round_trip_and_the_ori
 
 def test_gpt_oss_experts_their_biases_and_the_sinks_are_split_over_the_shard_ranks(runs):
     assert {"layers.0.moe.experts.w1", "layers.0.moe.experts.b1", "layers.0.attention.sinks"} <= set(
-        runs[2]["gpt_oss-hsdp"]["sharded"])
+        runs[2]["gpt_oss-ep"]["sharded"])

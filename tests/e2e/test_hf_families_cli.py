@@ -63,7 +63,7 @@ PRESETS = {
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_family_preset_trains_then_exports_to_transformers(corpus_dir, tmp_path, preset):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     own_args, architecture_class, seq_len, check_run = PRESETS[preset]
     run_dir, out = tmp_path / "run", tmp_path / "export"
@@ -81,6 +81,8 @@ def test_family_preset_trains_then_exports_to_transformers(corpus_dir, tmp_path,
     tokens = torch.randint(0, 256, (2, seq_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert hf_tiny.relative_error(model(tokens), exported.float().eval()(tokens).logits) < 1e-5
+    tokenizer = AutoTokenizer.from_pretrained(out)  # the byte tokenizer: a prompt starts as documents did
+    assert tokenizer("def f")["input_ids"] == [256, *b"def f"] and tokenizer.bos_token_id == 256
 
 
 def one_error_line(capsys) -> str:

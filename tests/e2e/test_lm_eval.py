@@ -130,7 +130,14 @@ def test_eval_command_on_hf_dir_writes_results_and_refuses_bad_input(exported, t
     cases = {"gold = 2 is invalid": ["--hf", str(exported), "--tasks", str(bad)],
              "exactly one of --run-dir RUN and --hf DIR": ["--tasks", str(CHOICE)],
              "not a Hugging Face model directory": ["--hf", str(tmp_path), "--tasks", str(CHOICE)],
-             "does not exist": ["--hf", str(exported), "--tasks", str(tmp_path / "missing.jsonl")]}
+             "does not exist": ["--hf", str(exported), "--tasks", str(tmp_path / "missing.jsonl")],
+             # a registry task whose dataset is on the Hub, neither cached nor reachable (offline)
+             "arc_easy: a task's data could not be fetched": ["--hf", str(exported), "--tasks", "arc_easy"]}
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read when they were imported
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     for message, argv in cases.items():
         capsys.readouterr()
         assert cli.main(["eval", *argv]) == 2, message

@@ -67,7 +67,7 @@ def test_wandb_offline_run_holds_the_metrics_and_the_config(job_args, read_train
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
-    argv = job_args(run_dir, train__steps=3, checkpoint__enabled=False, train__eval_every=0,
+    argv = job_args(run_dir, train__steps=3, checkpoint__every=3, train__eval_every=0,
                     logging__wandb=True, logging__wandb_project="moetrain-test")
     assert cli.main(["train", *argv]) == 0
     offline = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -85,6 +85,14 @@ def test_wandb_offline_run_holds_the_metrics_and_the_config(job_args, read_train
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["model"]["dim"] == 32 and config["logging"]["wandb_project"] == "moetrain-test"
     assert run.project == "moetrain-test"
+    # a restarted job resumes its own W&B run (the id kept in the run directory), not a new one
+    stored = (run_dir / "wandb_run_id").read_text()
+    assert offline[0].name == f"run-{stored}.wandb"
+    resumed = job_args(run_dir, train__steps=4, checkpoint__every=3, train__eval_every=0, checkpoint__resume=True,
+                       checkpoint__allow_schedule_change=True,
+                       logging__wandb=True, logging__wandb_project="moetrain-test")
+    assert cli.main(["train", *resumed]) == 0
+    assert {p.name for p in (run_dir / "wandb").glob("offline-run-*/run-*.wandb")} == {f"run-{stored}.wandb"}
 
 
 def test_flatten_record_keeps_numbers_and_indexes_lists():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
@@ -54,4 +56,6 @@ def test_sample_and_plot_commands_on_a_trained_run(job_args, tmp_path, capsys):
     out = tmp_path / "curve.png"
     assert cli.main(["plot", str(run_dir), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", out.read_bytes()[16:24])  # the IHDR chunk
+    assert width <= 1800 and width / height <= 2.5, (width, height)  # panels in rows, readable at normal size
     assert cli.main(["plot", str(tmp_path)]) == 2  # not a run directory: one line, exit 2

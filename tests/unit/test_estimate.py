@@ -55,9 +55,17 @@ def test_bad_estimate_options_are_one_line(extra, needle, capsys):
     assert len(lines) == 1 and needle in lines[0], lines
 
 
-def test_config_from_hf_is_a_toml_that_loads_as_the_directorys_job(tmp_path, capsys):
+def test_config_from_hf_is_a_fine_tuning_job_of_the_directory_with_its_data_to_fill_in(tmp_path, capsys):
     directory = hf_tiny.save(hf_tiny.build("qwen3_moe"), tmp_path / "qwen3")
     assert cli.main(["config", "--from-hf", str(directory)]) == 0
     text = capsys.readouterr().out
     assert "# Model (residual stream) width.\ndim = 32" in text
-    assert from_dict(tomllib.loads(text)).validate() == hf_job_config(directory)
+    job = tomllib.loads(text)
+    assert from_dict(job).model == hf_job_config(directory).model
+    assert job["logging"]["run_dir"] == "runs/qwen3"  # not the default job's runs/tiny_moe
+    assert (job["train"]["lr"], job["train"]["schedule"], job["train"]["sample_tokens"]) == (1e-4, "cosine", 0)
+    assert job["train"]["sample_prompt"] == "" and (job["data"]["source"], "path" in job["data"]) == ("tokens", False)
+    (tmp_path / "job.toml").write_text(text)
+    assert cli.main(["train", "--config", str(tmp_path / "job.toml")]) == 2  # the data section, first
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.path = None is invalid: a path is required" in err[0], err

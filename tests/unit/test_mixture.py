@@ -122,8 +122,8 @@ def test_heldout_of_a_mixture_is_every_source_and_bad_entries_are_refused(prepar
             load_training_data(cfg)
     cfg = job(prepared)
     cfg.data.path = str(prepared / "a")
-    with pytest.raises(ConfigError, match="data.path .* and data.mixture are both set"):
-        load_training_data(cfg)
+    with pytest.raises(ConfigError, match="data.path = .* is invalid: data.mixture names the directories"):
+        cfg.data.validate()
     directory = tokenizer_dir(tmp_path / "tok", TEMPLATES["qwen_chatml"])
     cfg = job(prepared)
     cfg.data.tokenizer = str(directory)

@@ -118,6 +118,20 @@ def _load(args: EvalOptions, device: torch.device):
     return model, build_tokenizer(cfg.data.tokenizer), cfg, ref.step
 
 
+# What the Hub's clients raise when a dataset is neither cached nor reachable (offline, no network, not found).
+_NETWORK_ERRORS = {"OfflineModeIsEnabled", "LocalEntryNotFoundError", "DatasetNotFoundError", "HfHubHTTPError"}
+
+
+def _needs_network(err: BaseException) -> bool:
+    """Whether `err` (or what caused it) says a task's data had to be downloaded and could not be."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, (ConnectionError, TimeoutError)) or type(seen).__name__ in _NETWORK_ERRORS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def evaluate(args: EvalOptions) -> dict[str, Any] | None:
     """Run the evaluation; lm-evaluation-harness's results on rank 0 (None elsewhere)."""
     lm_eval = import_lm_eval()
@@ -139,10 +153,18 @@ def evaluate(args: EvalOptions) -> dict[str, Any] | None:
     lm = harness_model(model, tokenizer, batch_size=args.batch_size, device=device,
                        max_length=args.max_length or cfg.model.max_seq_len, max_gen_toks=args.max_gen_toks,
                        seed=args.seed)
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
-                                      task_manager=TaskManager(include_path=args.include), bootstrap_iters=0,
-                                      random_seed=args.seed, numpy_random_seed=args.seed,
-                                      torch_random_seed=args.seed, fewshot_random_seed=args.seed)
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+                                          task_manager=TaskManager(include_path=args.include), bootstrap_iters=0,
+                                          random_seed=args.seed, numpy_random_seed=args.seed,
+                                          torch_random_seed=args.seed, fewshot_random_seed=args.seed)
+    except Exception as err:  # noqa: BLE001 - the Hub's errors come from datasets, huggingface_hub, requests
+        if not _needs_network(err):
+            raise
+        raise ConfigError(f"--tasks {','.join(tasks)}: a task's data could not be fetched "
+                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); lm-evaluation-harness "
+                          "downloads it from the Hugging Face Hub: run once with network access (it is then cached), "
+                          "or give a task YAML reading local files (--include DIR)") from None
     if rank != 0 or results is None:
         return None
     scores = summary(results)

@@ -4,8 +4,11 @@ Loads the newest intact checkpoint's model weights (verified against its manifes
 newer one with a warning) in one process, built from the config saved with that checkpoint, and
 prints a continuation of the prompt (`moetrain.evaluate.generate`). `--speculative mtp` decodes greedily
 with the model's multi-token-prediction modules drafting, then once more plainly, and reports the share of
-drafts accepted, the speed-up and whether the tokens agree. It parses and checks the options and prints;
-it generates nothing itself and changes neither the model nor the checkpoint.
+drafts accepted, the speed-up and whether the tokens agree. Generation stops at the tokenizer's
+EOS, at the EOS ids of the tokenizer directory's generation_config.json and, with a chat template, at its
+end-of-turn tokens. `--chat` renders the prompt as one user message with the run's chat template (the
+generation prompt after it) and prints the assistant's reply. It parses and checks the options and
+prints; it generates nothing itself and changes neither the model nor the checkpoint.
 """
 
 from __future__ import annotations
@@ -13,16 +16,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import tyro
 
 from moetrain.args import parse_typed_args
 from moetrain.checkpoint.manifest import newest_intact
 from moetrain.checkpoint.state import stored_config
-from moetrain.data.tokenizer import build_tokenizer
+from moetrain.config.job import JobConfig
+from moetrain.data.chat import ChatTemplate, ConversationError, end_of_turn_ids, load_chat_template, read_json_object
+from moetrain.data.tokenizer import HFTokenizer, Tokenizer, build_tokenizer, tokenizer_file
 from moetrain.errors import ConfigError
-from moetrain.evaluate.generate import generate, generate_tokens, mtp_speculative_greedy
+from moetrain.evaluate.generate import generate_tokens, mtp_speculative_greedy
 from moetrain.logging import get_logger
 from moetrain.runtime.run_dir import RunDir
 from moetrain.train.build import model_of_run
@@ -44,6 +49,33 @@ class SampleOptions:
     top_k: int = 0  # sample among the k most likely tokens only (0 = all)
     seed: int = 0  # sampling seed
     speculative: Literal["none", "mtp"] = "none"  # mtp: greedy, drafted by the model's MTP modules (model.mtp_depth)
+    chat: bool = False  # render the prompt as a user message with the run's chat template; print the reply
+
+
+def _chat_template(cfg: JobConfig, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The run's chat template (None: the byte tokenizer, or a directory without one)."""
+    if not isinstance(tokenizer, HFTokenizer):
+        return None
+    try:
+        return load_chat_template(str(Path(cfg.data.tokenizer)), cfg.data.chat_template)
+    except ConfigError:
+        return None
+
+
+def stop_ids(cfg: JobConfig, tokenizer: Tokenizer, template: ChatTemplate | None) -> set[int]:
+    """Where generation ends: EOS, generation_config.json's EOS ids, the template's end-of-turn tokens."""
+    ids = {tokenizer.eos_id}
+    path = tokenizer_file(cfg.data.tokenizer)
+    generation = path.parent / "generation_config.json" if path is not None else None
+    if generation is not None and generation.is_file():
+        eos: Any = read_json_object(generation).get("eos_token_id")
+        ids.update(i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int) and i >= 0)
+    if template is not None and isinstance(tokenizer, HFTokenizer):
+        try:
+            ids.update(end_of_turn_ids(template, tokenizer.encode_with_offsets, tokenizer.special_token_ids()))
+        except ConversationError:
+            pass  # a template that cannot render a one-exchange chat: the other ids stop generation
+    return ids
 
 
 def main(argv: list[str]) -> int:
@@ -82,11 +114,24 @@ def main(argv: list[str]) -> int:
         print(f"# {args.run_dir} step {ref.step}, greedy, speculative mtp (depth {cfg.model.mtp_depth}): {report}")
         print(args.prompt + text)
         return 0
-    text = generate(model, tokenizer, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
-                    max_context=cfg.data.seq_len, top_k=args.top_k)
+    template = _chat_template(cfg, tokenizer)
+    if args.chat and template is None:
+        raise ConfigError(f"--chat needs a chat template, but the run's data.tokenizer = {cfg.data.tokenizer!r} "
+                          "has none (and data.chat_template is unset)")
+    if args.chat:
+        shown, _ = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        context = tokenizer.encode(shown).tolist()  # the template frames the conversation: no BOS added
+    else:
+        shown, context = args.prompt, [tokenizer.bos_id, *tokenizer.encode(args.prompt).tolist()]
+    stops = stop_ids(cfg, tokenizer, template)
+    new = generate_tokens(model, [context], args.max_tokens, eos_id=tokenizer.eos_id, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_context=cfg.data.seq_len,
+                          stop=[lambda tokens: tokens[-1] in stops])[0]
+    stopped = bool(new) and new[-1] in stops
     how = "greedy" if args.temperature == 0 else f"T={args.temperature} top-p={args.top_p}"
-    print(f"# {args.run_dir} step {ref.step}, {how}")
-    print(args.prompt + text)
+    print(f"# {args.run_dir} step {ref.step}, {how}{', chat' if args.chat else ''}; {len(new)} new token(s)"
+          f"{', stopped at an end token' if stopped else ''}")
+    print(shown + tokenizer.decode(new[:-1] if stopped else new))
     return 0
 
 

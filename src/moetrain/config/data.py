@@ -6,10 +6,12 @@ tokenizer a model directory carries) or train (compile with token budgets) is Jo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from moetrain.config.checks import check, check_positive
+from moetrain.errors import ConfigError
 
 
 @dataclass
@@ -63,5 +65,31 @@ class DataConfig:
         check(0 <= self.heldout_fraction < 1, "data.heldout_fraction", self.heldout_fraction, "must be in [0, 1)")
         if self.max_documents is not None:
             check(self.max_documents >= 1, "data.max_documents", self.max_documents, "must be >= 1")
+        if self.mixture:
+            check(self.source == "tokens", "data.source", self.source,
+                  "data.mixture draws from prepared directories: set data.source = 'tokens'")
+            check(self.path is None, "data.path", self.path,
+                  "data.mixture names the directories; leave data.path unset (or drop data.mixture)")
+            self.mixture_weights()
+            return
         check(self.source == "stdlib" or self.path is not None, "data.path", self.path,
-              f"a path is required when data.source = {self.source!r}")
+              f"a path is required when data.source = {self.source!r}"
+              + (" (or data.mixture = ['DIR=WEIGHT', ...])" if self.source == "tokens" else ""))
+
+    def mixture_weights(self) -> list[tuple[str, float]]:
+        """data.mixture entries 'PATH=WEIGHT' -> [(path, weight)] (ConfigError naming the entry when bad)."""
+        parsed = []
+        for entry in self.mixture:
+            path, sep, weight = entry.rpartition("=")
+            try:
+                value = float(weight) if sep else math.nan
+            except ValueError:
+                value = math.nan
+            if not path or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"data.mixture entry {entry!r} is invalid: write PATH=WEIGHT with a weight > 0")
+            parsed.append((path, value))
+        total = sum(value for _, value in parsed)
+        if not math.isfinite(total):
+            raise ConfigError(f"data.mixture weights {[w for _, w in parsed]} overflow their sum; only their "
+                              "ratios matter: scale them down (e.g. 0.7 and 0.3)")
+        return parsed

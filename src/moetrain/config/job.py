@@ -74,8 +74,6 @@ class JobConfig:
               "with train.compile = True: each microbatch's row length differs (a recompile per length); "
               "use packed batching or train.compile = False")
         if p.ep > 1:
-            check(not moe.expert_proj_bias, "model.moe.expert_proj_bias", moe.expert_proj_bias,
-                  "expert parallelism does not move expert biases yet; use parallel.ep = 1")
             check(m.n_dense_layers < m.n_layers, "parallel.ep", p.ep,
                   f"expert parallelism needs an MoE layer, but all model.n_layers = {m.n_layers} layers are dense; "
                   "use 1")

@@ -26,10 +26,11 @@ This module renders and masks; it reads no data files and writes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -42,8 +43,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from moetrain.data.chat_sandbox import BoundedSandbox, RenderBudget, TemplateBudgetError, budget, render_bounded
 from moetrain.errors import ConfigError
 
 # The roles a conversation may hold (OpenAI's, plus 'developer' and 'tool' as current templates read them).
@@ -141,8 +142,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
 def compile_template(template: str) -> jinja2.Template:
     """The template compiled in transformers' sandboxed environment (ConfigError when it does not parse)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -161,11 +161,21 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _no_constant(name: str) -> None:
+    raise ValueError(f"it holds {name}, which JSON does not allow (a number must be finite)")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object (a model's or tokenizer's config), else one ConfigError line naming it:
+    unreadable, not UTF-8, not JSON, Infinity or NaN anywhere, nested too deeply to parse, not an object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise ConfigError(f"{path} is not valid JSON") from None
+        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is not valid JSON: nested too deeply to read") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} is not a JSON object")
     return data
@@ -174,7 +184,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def tokenizer_config(directory: Path) -> dict[str, Any]:
     """A tokenizer directory's tokenizer_config.json ({} when there is none)."""
     path = directory / "tokenizer_config.json"
-    return _read_json(path) if path.is_file() else {}
+    return read_json_object(path) if path.is_file() else {}
 
 
 def special_tokens(directory: Path) -> dict[str, str]:
@@ -184,10 +194,19 @@ def special_tokens(directory: Path) -> dict[str, str]:
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins, read last
         path = directory / name
         if path.is_file():
-            for key, value in _read_json(path).items():
+            for key, value in read_json_object(path).items():
                 if key in SPECIAL_TOKEN_NAMES and _token_text(value) is not None:
                     found[key] = _token_text(value)  # type: ignore[assignment]
     return found
+
+
+def _template_file_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"chat template {path} is not UTF-8 text (bad byte at offset {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"chat template {path} is unreadable ({err.strerror or type(err).__name__})") from None
 
 
 def find_chat_template(tokenizer_spec: str, override: str | None = None) -> tuple[str, str]:
@@ -196,14 +215,14 @@ def find_chat_template(tokenizer_spec: str, override: str | None = None) -> tupl
         path = Path(override)
         if not path.is_file():
             raise ConfigError(f"--chat-template {override!r} is not a file")
-        return path.read_text(encoding="utf-8"), str(path)
+        return _template_file_text(path), str(path)
     directory = Path(tokenizer_spec)
     if tokenizer_spec == "byte" or not directory.is_dir():
         raise ConfigError(f"--format chat needs a tokenizer directory with a chat template, not --tokenizer "
                           f"{tokenizer_spec!r} (or give --chat-template FILE)")
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+        return _template_file_text(jinja_file), str(jinja_file)
     template = tokenizer_config(directory).get("chat_template")
     if isinstance(template, list):  # named templates: transformers uses 'default'
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -245,6 +264,8 @@ class ChatTemplate:
 
     text: str
     special: dict[str, str]
+    limits: RenderBudget = dataclasses.field(default_factory=RenderBudget)  # per record (encode_conversation) or render
+    source: str = ""  # the file it was read from, named when it goes over its budget
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compiled", compile_template(self.text))
@@ -257,52 +278,127 @@ class ChatTemplate:
     def sha256(self) -> str:
         return template_sha256(self.text)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
-               track: bool = False) -> tuple[str, list[tuple[int, int]]]:
-        """(text, character spans of the {% generation %} blocks when `track`); ConversationError on failure."""
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False,
+               track: bool = False, blocks: list[str] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """(text, character spans of the {% generation %} blocks when `track`); ConversationError on failure.
+        `blocks` receives the text chunk by chunk as it is rendered."""
         compiled: jinja2.Template = self._compiled  # type: ignore[attr-defined]
         variables = {**self.special, "messages": messages, "tools": None, "documents": None,
                      "add_generation_prompt": add_generation_prompt}
-        blocks: list[str] = []
+        blocks = [] if blocks is None else blocks
         spans: list[tuple[int, int]] = []
         try:
-            if not track:
-                return compiled.render(**variables), spans
-            with compiled.environment.activate_tracker(blocks, spans):  # type: ignore[attr-defined]
-                for block in compiled.generate(**variables):
-                    blocks.append(block)
-                return "".join(blocks), spans
+            with budget(self.limits, fresh=False):
+                if not track:
+                    return render_bounded(compiled, variables, blocks), spans
+                with compiled.environment.activate_tracker(blocks, spans):  # type: ignore[attr-defined]
+                    return render_bounded(compiled, variables, blocks), spans
+        except TemplateBudgetError as err:
+            raise ConversationError(f"{err.message} ({self.source or 'chat template'})") from None
+        except RecursionError:
+            raise ConversationError("the chat template recursed deeper than Python allows") from None
+        except MemoryError:
+            raise ConversationError("the chat template ran out of memory") from None
         except jinja2.exceptions.TemplateError as err:
             raise ConversationError(f"the chat template raised: {err.message or type(err).__name__}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
             raise ConversationError(f"the chat template failed on it: {type(err).__name__}: {err}") from None
 
     def assistant_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
-        """(the conversation's text, the character spans the assistant writes)."""
+        """(the conversation's text, the character spans the assistant writes).
+
+        Without generation markers the rule is the prefix rule of the module doc. Rendering every
+        prefix costs time quadratic in the conversation's length, so the whole conversation is rendered
+        once, noting where the output stood as the template's loop reached each message; the spans
+        follow from those positions and the generation prompt, and the prefix rule is checked exactly on
+        the first and the last assistant turn. A template for which that does not hold (one that
+        reads the messages other than in one loop) is answered by rendering every prefix.
+        """
         if self.has_generation_markers:
             text, spans = self.render(messages, track=True)
             return text, [(a, b) for a, b in spans if b > a]
+        turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
         text, _ = self.render(messages)
+        starts: dict[int, int] = {}
+        blocks: list[str] = []
+        try:  # a template may use the messages as a list (`messages + [...]`): then the prefix renders answer
+            tracked, _ = self.render(_TrackedMessages(messages, list(range(len(messages))), starts, blocks),
+                                     blocks=blocks)
+        except ConversationError:
+            tracked = None
+        spans = self._spans_from_positions(messages, text, starts, turns) if tracked == text else None
+        if spans is None:
+            spans = [self._prefix_span(messages, i, text) for i in turns]
+        return text, [span for span in spans if span[1] > span[0]]
+
+    def _prefix_span(self, messages: list[dict[str, Any]], i: int, text: str) -> tuple[int, int]:
+        """Turn i's span by the prefix rule: after messages[:i] with the generation prompt, to the end of
+        messages[:i+1]."""
+        prompt, _ = self.render(messages[:i], add_generation_prompt=True)
+        turn, _ = self.render(messages[: i + 1])
+        turn = turn.rstrip()
+        if not (text.startswith(prompt) and text.startswith(turn) and len(turn) >= len(prompt)):
+            raise ConversationError(f"the chat template does not render turn {i} as a prefix of the whole "
+                                    "conversation, so the assistant's tokens cannot be found by rendering "
+                                    "prefixes (a template with {% generation %} markers can)")
+        return len(prompt), max(len(turn), len(prompt))
+
+    def _spans_from_positions(self, messages: list[dict[str, Any]], text: str, starts: dict[int, int],
+                              turns: list[int]) -> list[tuple[int, int]] | None:
+        """The prefix rule's spans from where each message's output starts (None when they cannot be trusted)."""
+        n = len(messages)
+        positions = [starts.get(i, -1) for i in range(n)] + [len(text)]
+        if not turns or min(positions) < 0 or positions != sorted(positions):
+            return None
+        exact = {turns[0]: self._prefix_span(messages, turns[0], text)}
+        prompt = text[positions[turns[0]]:exact[turns[0]][0]]  # the generation prompt, as the first turn has it
         spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt, _ = self.render(messages[:i], add_generation_prompt=True)
-            turn, _ = self.render(messages[: i + 1])
-            turn = turn.rstrip()
-            if not (text.startswith(prompt) and text.startswith(turn) and len(turn) >= len(prompt)):
-                raise ConversationError(f"the chat template does not render turn {i} as a prefix of the whole "
-                                        "conversation, so the assistant's tokens cannot be found by rendering "
-                                        "prefixes (a template with {% generation %} markers can)")
-            if len(turn) > len(prompt):
-                spans.append((len(prompt), len(turn)))
-        return text, spans
+        for i in turns:
+            start = positions[i] + len(prompt)
+            if text[positions[i]:start] != prompt:
+                return None
+            spans.append((start, max(len(text[:positions[i + 1]].rstrip()), start)))
+        exact[turns[-1]] = exact.get(turns[-1]) or self._prefix_span(messages, turns[-1], text)
+        return spans if all(exact[i] == spans[turns.index(i)] for i in exact) else None
+
+
+class _TrackedMessages(Sequence):
+    """The messages as a template sees them, noting in `starts` how much text was out when its loop reached each.
+
+    Slices stay tracked (templates often loop over `messages[1:]`); an item is the message itself.
+    """
+
+    def __init__(self, items: list[dict[str, Any]], indices: list[int], starts: dict[int, int], blocks: list[str]):
+        self._items, self._indices, self._starts, self._blocks = items, indices, starts, blocks
+        self._counted = [0, 0]  # blocks counted, their characters: the output's length in amortised O(1)
+
+    def _output_length(self) -> int:
+        counted = self._counted
+        while counted[0] < len(self._blocks):
+            counted[1] += len(self._blocks[counted[0]])
+            counted[0] += 1
+        return counted[1]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            view = _TrackedMessages(self._items[key], self._indices[key], self._starts, self._blocks)
+            view._counted = self._counted
+            return view
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for index, message in zip(self._indices, self._items):
+            self._starts[index] = self._output_length()
+            yield message
 
 
 def load_chat_template(tokenizer_spec: str, override: str | None = None) -> ChatTemplate:
-    text, _ = find_chat_template(tokenizer_spec, override)
+    text, source = find_chat_template(tokenizer_spec, override)
     directory = Path(tokenizer_spec)
-    return ChatTemplate(text, special_tokens(directory) if directory.is_dir() else {})
+    return ChatTemplate(text, special_tokens(directory) if directory.is_dir() else {}, source=source)
 
 
 def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -323,7 +419,8 @@ def encode_conversation(template: ChatTemplate, encode_with_offsets: Callable[[s
                         messages: Any, field: str = "messages") -> tuple[np.ndarray, np.ndarray, str]:
     """(token ids, loss mask, the assistant's text) of one conversation; ConversationError when it is bad."""
     clean = validate_messages(messages, field)
-    text, spans = template.assistant_spans(clean)
+    with budget(template.limits):  # the whole record's renders share one budget
+        text, spans = template.assistant_spans(clean)
     ids, offsets = encode_with_offsets(text)
     mask = mask_from_spans(offsets, spans)
     if not mask.any():

@@ -79,7 +79,8 @@ def _packed_split(shard_sets: TokenShards | list[TokenShards], split: str, token
     """One split of one prepared directory, or of several concatenated in order (a mixture's held-out)."""
     sets = shard_sets if isinstance(shard_sets, list) else [shard_sets]
     pieces = [s for shards in sets for s in shards.shards[split]]
-    stream = TokenStream([s.tokens for s in pieces], tokenizer.pad_id, [s.check_tokens for s in pieces])
+    stream = TokenStream([s.tokens for s in pieces], tokenizer.pad_id, [s.check_tokens for s in pieces],
+                         vocab_size=tokenizer.vocab_size)
     bases = np.cumsum([0] + [s.tokens.size for s in pieces[:-1]], dtype=np.int64)
     starts = np.concatenate([s.offsets[:-1] + base for s, base in zip(pieces, bases)]) if pieces else None
     loss_mask = None
@@ -124,30 +125,12 @@ def _open_prepared(cfg: JobConfig, tokenizer: Tokenizer, path: str) -> TokenShar
     return shards
 
 
-def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
-    """data.mixture entries 'PATH=WEIGHT' -> [(path, weight)] (ConfigError naming the entry when bad)."""
-    parsed = []
-    for entry in entries:
-        path, sep, weight = entry.rpartition("=")
-        try:
-            value = float(weight) if sep else float("nan")
-        except ValueError:
-            value = float("nan")
-        if not path or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"data.mixture entry {entry!r} is invalid: write PATH=WEIGHT with a weight > 0")
-        parsed.append((path, value))
-    return parsed
-
-
 def _shard_training_data(cfg: JobConfig, tokenizer: Tokenizer) -> TrainingData:
     """Memory-mapped prepared shards (data.source = 'tokens'), verified before anything else happens."""
     d = cfg.data
     if d.max_documents is not None:
         raise ConfigError("data.max_documents cannot limit data.source = 'tokens'; prepare fewer documents instead")
-    mixture = parse_mixture(d.mixture)
-    if mixture and d.path is not None:
-        raise ConfigError(f"data.path = {d.path!r} and data.mixture are both set; give the directories in "
-                          "data.mixture only")
+    mixture = d.mixture_weights()
     sets = [_open_prepared(cfg, tokenizer, path) for path, _ in mixture] or [_open_prepared(cfg, tokenizer,
                                                                                            d.path or "")]
     sources = [_packed_split(shards, "train", tokenizer, d.seq_len) for shards in sets]

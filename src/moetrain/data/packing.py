@@ -39,6 +39,7 @@ import torch
 
 from moetrain.data.corpus import Document
 from moetrain.data.tokenizer import Tokenizer
+from moetrain.errors import ConfigError
 
 IGNORE_INDEX = -100
 
@@ -113,8 +114,11 @@ class TokenStream:
     """
 
     def __init__(self, pieces: Sequence[np.ndarray], pad_id: int,
-                 first_read_checks: Sequence[Callable[[], None] | None] | None = None):
+                 first_read_checks: Sequence[Callable[[], None] | None] | None = None, vocab_size: int | None = None):
         checks = list(first_read_checks) if first_read_checks is not None else [None] * len(pieces)
+        # Token ids read must be below the tokenizer's vocabulary: a shard whose checksums agree with its manifest
+        # can still hold ids of another tokenizer, which the embedding would index out of range.
+        self.vocab_size = vocab_size
         kept = [i for i, p in enumerate(pieces) if p.size]
         self.pieces = [pieces[i] for i in kept]
         # Per piece, run once before its first read (a shard file's deferred sha256 check), then dropped.
@@ -137,7 +141,13 @@ class TokenStream:
                 self._checks[piece] = None
             local = position - int(self.starts[piece])
             take = min(stop, int(self.starts[piece + 1])) - position
-            out[position - start: position - start + take] = self.pieces[piece][local: local + take]
+            chunk = self.pieces[piece][local: local + take]
+            if self.vocab_size is not None and take and int(chunk.max()) >= self.vocab_size:
+                name = getattr(self.pieces[piece], "filename", None) or f"token piece {piece}"
+                raise ConfigError(f"shard file {name} holds token id {int(chunk.max())}, outside the tokenizer's "
+                                  f"{self.vocab_size} ids: it was prepared with another tokenizer or damaged; "
+                                  "prepare it again")
+            out[position - start: position - start + take] = chunk
             position += take
             piece += 1
         return out

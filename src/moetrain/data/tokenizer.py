@@ -8,7 +8,10 @@ tokenizer and a bare tokenizer JSON file get them appended after the base
 vocabulary; a Hugging Face model directory (tokenizer.json beside config.json) uses
 the model's own `bos_token_id` / `eos_token_id` / `pad_token_id` where they are set
 and distinct, and appends only the missing ones, so a model fine-tuned here keeps
-its document boundaries. A tokenizer also knows how many UTF-8 bytes each token
+its document boundaries. The tokens a directory declares only in tokenizer_config.json
+(`added_tokens_decoder`, the named special tokens, `extra_special_tokens`) are added as
+transformers' loader adds them, so a text encodes to the ids `AutoTokenizer` gives it. A
+tokenizer also knows how many UTF-8 bytes each token
 stands for, which bits-per-byte needs (exact for byte-level BPE vocabularies).
 `write_byte_level_tokenizer` writes the byte tokenizer as a tokenizer.json with the
 same ids, so an exported model directory carries a tokenizer whatever it was
@@ -21,10 +24,11 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from moetrain.data.chat import SPECIAL_TOKEN_NAMES, read_json_object, special_tokens, tokenizer_config
 from moetrain.errors import ConfigError
 
 N_SPECIAL = 3
@@ -102,7 +106,8 @@ class HFTokenizer:
     order BOS, EOS, PAD, so packing and masking work the same for every tokenizer.
     """
 
-    def __init__(self, path: str | Path, special_ids: dict[str, int | None] | None = None):
+    def __init__(self, path: str | Path, special_ids: dict[str, int | None] | None = None,
+                 declared: dict[str, Any] | None = None):
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError:
@@ -113,6 +118,8 @@ class HFTokenizer:
         except Exception as err:  # noqa: BLE001 - the library raises plain Exception subclasses
             raise ConfigError(f"data.tokenizer = {str(path)!r} is not a readable tokenizers JSON file: "
                               f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        if declared:
+            add_declared_tokens(self._tok, declared, str(path))
         base = self._tok.get_vocab_size(with_added_tokens=True)
         self.base_vocab_size = base
         given = special_ids or {}
@@ -175,15 +182,71 @@ class HFTokenizer:
         return torch.tensor(lengths, dtype=torch.long)
 
 
+_ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _added_token(value: Any, where: str, special: bool | None = None) -> Any:
+    """An AddedToken from tokenizer_config.json's spelling of one: a string (a special token) or a dict."""
+    from tokenizers import AddedToken
+
+    if isinstance(value, str):
+        return AddedToken(value, special=True if special is None else special)
+    if not isinstance(value, dict) or not isinstance(value.get("content"), str):
+        raise ConfigError(f"{where}: an added token is {str(value)[:60]!r}, not a string or a "
+                          "{'content': ...} object")
+    flags = {k: bool(value[k]) for k in _ADDED_TOKEN_FLAGS if k in value}
+    if special is not None:
+        flags["special"] = special or flags.get("special", False)
+    return AddedToken(value["content"], **flags)
+
+
+def _token_key(token: Any) -> tuple:
+    return (token.content, *(getattr(token, k) for k in _ADDED_TOKEN_FLAGS))
+
+
+def add_declared_tokens(tok: Any, declared: dict[str, Any], where: str) -> None:
+    """Add what tokenizer_config.json declares beyond tokenizer.json, in transformers' order and ids.
+
+    transformers' `TokenizersBackend` (tokenization_utils_tokenizers.py) adds, after loading
+    tokenizer.json: the `added_tokens_decoder` entries by ascending id that differ from the file's own
+    added tokens, then each named special token (`bos_token`, `eos_token`, ...) and each
+    `extra_special_tokens` / `additional_special_tokens` entry not yet among them. A token already in
+    the vocabulary keeps its id (and from then on is matched whole in text); a new one gets the next id.
+    """
+    existing = {_token_key(t) for t in tok.get_added_tokens_decoder().values()}
+    decoder = declared.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise ConfigError(f"{where}: added_tokens_decoder is not an object of id -> token")
+    try:
+        ordered = sorted(decoder.items(), key=lambda item: int(item[0]))
+    except ValueError:
+        raise ConfigError(f"{where}: added_tokens_decoder has a key that is not a token id") from None
+    to_add = [t for t in (_added_token(v, where) for _, v in ordered) if _token_key(t) not in existing]
+    known = {t.content for t in tok.get_added_tokens_decoder().values()} | {t.content for t in to_add}
+    named = [declared[name] for name in SPECIAL_TOKEN_NAMES if declared.get(name) is not None]
+    extra = declared.get("extra_special_tokens") or declared.get("additional_special_tokens") or []
+    extra = list(extra) if isinstance(extra, (list, dict)) else []
+    for value in [*named, *extra]:
+        token = _added_token(value, where, special=True)
+        if token.content not in known:
+            to_add.append(token)
+            known.add(token.content)
+    if to_add:
+        tok.add_tokens(to_add)
+
+
+def declared_tokens(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json's added tokens and special tokens (those of special_tokens_map.json too)."""
+    config = tokenizer_config(directory)
+    return {**config, **special_tokens(directory)}
+
+
 def model_special_ids(model_dir: Path) -> dict[str, int | None]:
     """BOS/EOS/PAD ids from a Hugging Face model directory's config.json (None where unset or no file)."""
     config = model_dir / "config.json"
     if not config.is_file():
         return {}
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise ConfigError(f"{config} is not valid JSON") from None
+    data = read_json_object(config)
 
     def first(value: object) -> int | None:
         if isinstance(value, list):
@@ -210,7 +273,7 @@ def build_tokenizer(spec: str) -> Tokenizer:
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"data.tokenizer = {spec!r} is a directory without tokenizer.json")
-        return HFTokenizer(path / "tokenizer.json", model_special_ids(path))
+        return HFTokenizer(path / "tokenizer.json", model_special_ids(path), declared_tokens(path))
     if not path.is_file():
         raise ConfigError(f"data.tokenizer = {spec!r} is invalid: use 'byte', the path of an existing "
                           "Hugging Face tokenizers JSON file or a model directory holding tokenizer.json")
@@ -255,10 +318,12 @@ def write_byte_level_tokenizer(path: str | Path) -> None:
 
     A byte-level BPE without merges: byte b is token b (its alphabet character), then the special
     tokens <|bos|>, <|eos|>, <|pad|> as ids 256, 257, 258. Loaded with the matching config.json
-    (bos/eos/pad ids 256-258) it encodes, decodes and counts bytes exactly like `ByteTokenizer`.
+    (bos/eos/pad ids 256-258) it encodes, decodes and counts bytes exactly like `ByteTokenizer`. Its
+    post-processor puts <|bos|> before a text, as training framed every document, so transformers'
+    default encoding (`add_special_tokens=True`) gives a prompt the start the model was trained on.
     """
     try:
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
         from tokenizers import Tokenizer as _HFTokenizer
     except ImportError:
         raise ConfigError("writing tokenizer.json needs the `tokenizers` package, which is not installed; "
@@ -268,4 +333,7 @@ def write_byte_level_tokenizer(path: str | Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(name, special=True) for name in BYTE_SPECIAL_TOKENS])
+    bos = BYTE_SPECIAL_TOKENS[0]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, ByteTokenizer.bos_id)])
     tok.save(str(path))

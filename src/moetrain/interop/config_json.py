@@ -6,13 +6,13 @@ by name, reads no tensors and touches no process group.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moetrain.config.model import ModelConfig
+from moetrain.data.chat import read_json_object
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.errors import ConfigError
 
@@ -32,10 +32,7 @@ def read_config_json(model_dir: str | Path) -> tuple[Path, Any]:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} is missing: {str(model_dir)!r} is not a Hugging Face model directory")
-    try:
-        return path, json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+    return path, read_json_object(path)
 
 
 # Bounds on what a config.json may say before anything is built from it: families loop over the

@@ -151,13 +151,19 @@ def stored_headers(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[st
         hint = (f" (it has {pickled[0]}: pickle files are never loaded; convert them to safetensors)" if pickled
                 else "")
         raise ConfigError(f"{model_dir} has no *.safetensors weight files{hint}")
-    shapes, dtypes = {}, {}
+    shapes, dtypes, where = {}, {}, {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():
+                    if key in where and not index.is_file():  # which copy would be read is then a guess
+                        raise ConfigError(f"{model_dir}: tensor {key} is in both {where[key]} and {path.name}, and "
+                                          f"there is no {INDEX_FILE} to say which is meant; keep one")
+                    where[key] = path.name
                     shapes[key] = tuple(handle.get_slice(key).get_shape())
                     dtypes[key] = handle.get_slice(key).get_dtype()
+        except ConfigError:
+            raise
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
             raise ConfigError(f"{path} is not a readable safetensors file: {str(err).splitlines()[0]}") from None
     return shapes, dtypes
@@ -301,16 +307,20 @@ def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
         w1, w2 = by_rows(w1_param), by_rows(w2_param)  # the parameters themselves unless sharded on dim 1
         local_w1, first = local_rows(w1)
         local_w2, _ = local_rows(w2)
+        pairs = [(w1_param, w1), (w2_param, w2)]
         if family.interleaved_expert_names is not None:
             gate_up_name, gate_up_bias_name, down_name, down_bias_name = family.interleaved_expert_names(layer)
             state[gate_up_name] = rows_like(w1, (cfg.moe.n_experts, cfg.dim, 2 * n))
             finish.append(deinterleave_into(local_w1, state[gate_up_name]))
             state[down_name] = w2  # the same layout as moetrain's w2: read in place
-            if cfg.moe.expert_proj_bias:  # biases are FSDP-sharded on dim 0 (expert parallelism refuses them)
-                b1 = tensors[f"{moe}.experts.b1"].detach()
+            if cfg.moe.expert_proj_bias:  # the biases travel with their experts (EP), whole rows as the weights
+                b1_param = tensors[f"{moe}.experts.b1"].detach()
+                b2_param = tensors[f"{moe}.experts.b2"].detach()
+                b1, b2 = by_rows(b1_param), by_rows(b2_param)
                 state[gate_up_bias_name] = rows_like(b1, tuple(b1.shape))
                 finish.append(deinterleave_into(local_rows(b1)[0], state[gate_up_bias_name]))
-                state[down_bias_name] = tensors[f"{moe}.experts.b2"].detach()
+                state[down_bias_name] = b2
+                pairs += [(b1_param, b1), (b2_param, b2)]
         elif layer in fused:
             gate_up_name, down_name = family.fused_expert_names(layer)
             state[gate_up_name] = rows_like(w1, (cfg.moe.n_experts, 2 * n, cfg.dim))
@@ -323,7 +333,7 @@ def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
                 down = local_w2.new_empty(cfg.dim, n)
                 state.update(zip(names, (gate, up, down), strict=True))
                 finish.append(expert_into(local_w1, local_w2, row, gate, up, down))
-        for param, rows in ((w1_param, w1), (w2_param, w2)):
+        for param, rows in pairs:
             if rows is not param:
                 finish.append(lambda param=param, rows=rows: back_into(param, rows))
     return state, finish
@@ -374,8 +384,9 @@ def _export_tensors(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
             state[gate_up] = _interleaved(w1, n).to(dtype)
             state[down] = w2.to(dtype)
             if cfg.moe.expert_proj_bias:
-                state[gate_up_bias] = _interleaved(tensors[f"{moe}.experts.b1"].detach(), n).to(dtype)
-                state[down_bias] = tensors[f"{moe}.experts.b2"].detach().to(dtype)
+                b1 = by_rows(tensors[f"{moe}.experts.b1"].detach())
+                state[gate_up_bias] = _interleaved(b1, n).to(dtype)
+                state[down_bias] = by_rows(tensors[f"{moe}.experts.b2"].detach()).to(dtype)
             continue
         local_w1, first = local_rows(w1)
         local_w2, _ = local_rows(w2)

@@ -25,8 +25,10 @@ buffers, no FSDP all-gather buffers), so a config it says does not fit certainly
 `estimate_peak(cfg, dp_shard, device_type, process_bytes, data_bytes, ...)` is the best estimate of
 the peak instead, what `moetrain estimate` and `train --dry-run` report: the process itself and the
 data (both measured by the caller), the state, the activations counted per storage as autograd
-saves them, one block's backward working set, the float32 logits, FSDP2's unsharded blocks and the
-host heap's slack (benchmarks/profile/estimate_accuracy.py compares it with the peak RSS of real runs).
+saves them (under expert parallelism the received rows the experts keep), one block's backward working
+set, the float32 logits, FSDP2's unsharded blocks (under expert parallelism only this rank's E/ep
+experts of a block, gathered over the dp_shard/ep ranks holding them) and the host heap's slack
+(benchmarks/profile/estimate_accuracy.py compares it with the peak RSS of real runs).
 This module reads the config; it never builds a model, allocates tensors or looks at the machine.
 """
 
@@ -184,6 +186,8 @@ class PeakEstimate:
     fsdp_buffers: int  # two blocks' unsharded parameters (one prefetched) and one block's unsharded gradients
     optimizer_temporaries: int  # the optimizer step's temporaries (fused AdamW: none)
     allocator: int  # memory the host allocator keeps that no live tensor uses (see estimate_peak)
+    expert_weights: int = 0  # the part of `weights` that is routed experts (this rank's E/ep, FSDP-sharded)
+    expert_exchange: int = 0  # part of `activations`: the rows expert parallelism brings in, kept for backward
 
     @property
     def step_peak(self) -> int:
@@ -287,17 +291,46 @@ def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", p
     logits = 3 * tokens * m.vocab_size * LOGITS_BYTES  # logits, log-softmax, their gradient
     # The boolean document mask, built once per forward; the dense method also keeps a float32 copy per layer.
     mask = rows * _row_length(cfg) ** 2 * (1 + (4 * m.n_layers if m.attention == "dense" else 0))
-    fsdp = 0
-    if dp_shard > 1:  # FSDP2 all-gathers a block's parameters (the next one prefetched) and reduce-scatters
-        embedding = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
-        per_block = max((counts["total"] - embedding) // max(m.n_layers, 1), m.vocab_size * m.dim)
-        fsdp = 2 * per_block * act_bytes + per_block * DTYPE_BYTES[cfg.parallel.reduce_dtype]
-    activations = tokens * saved * act_bytes
-    backward_working = tokens * working * act_bytes + _folded_experts_bytes(cfg)
+    fsdp = _fsdp_buffer_bytes(cfg, counts, dp_shard, act_bytes)
+    exchange = 0
+    if cfg.parallel.ep > 1 and n_moe and not ac:  # the experts' input is the received rows, not the layer's
+        exchange = n_moe * tokens * m.moe.top_k * (m.dim + 1) * act_bytes
+    activations, backward_working = (tokens * saved * act_bytes + exchange,
+                                    tokens * working * act_bytes + _folded_experts_bytes(cfg))
     transients = activations + backward_working + logits
     allocator = int(HEAP_SLACK * transients) if host_heap else 0
     weights, gradients, optimizer = _state_bytes(cfg, dp_shard)
     return PeakEstimate(process=process_bytes, data=data_bytes, weights=weights, gradients=gradients,
                         optimizer=optimizer, activations=activations, backward_working=backward_working,
                         logits=logits, attention_mask=mask, fsdp_buffers=fsdp, optimizer_temporaries=0,
-                        allocator=allocator)
+                        allocator=allocator, expert_weights=4 * (_expert_params(cfg) // max(dp_shard, 1)),
+                        expert_exchange=exchange)
+
+
+def _expert_params(cfg: JobConfig) -> int:
+    """Routed expert parameters of the whole model, their biases included."""
+    moe = cfg.model.moe
+    w1_width = moe.expert_hidden if moe.activation == "gelu" else 2 * moe.expert_hidden
+    bias = (w1_width + cfg.model.dim) if moe.expert_proj_bias else 0
+    n_moe = cfg.model.n_layers - cfg.model.n_dense_layers
+    return count_params(cfg.model)["routed_experts"] + n_moe * moe.n_experts * bias
+
+
+def _fsdp_buffer_bytes(cfg: JobConfig, counts: dict[str, int], dp_shard: int, act_bytes: int) -> int:
+    """FSDP2's unsharded parameters of two blocks (one prefetched) and unsharded gradients of one.
+
+    Under expert parallelism a block's all-gather covers its non-expert parameters and only this rank's
+    E/ep experts, over the dp_shard/ep ranks that hold them (none when those are this rank alone).
+    """
+    m = cfg.model
+    if dp_shard <= 1:
+        return 0
+    embedding = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
+    experts = _expert_params(cfg)
+    n_moe = m.n_layers - m.n_dense_layers
+    ep = max(cfg.parallel.ep, 1)
+    per_block = (counts["total"] - embedding - experts) // max(m.n_layers, 1)
+    if n_moe and dp_shard // ep > 1:
+        per_block += experts // (n_moe * ep)
+    per_block = max(per_block, m.vocab_size * m.dim)
+    return 2 * per_block * act_bytes + per_block * DTYPE_BYTES[cfg.parallel.reduce_dtype]

@@ -77,14 +77,27 @@ EXPERT_PANELS = (
 )
 
 
+PANEL_COLUMNS = 3  # panels per row: a figure about 1650 px wide at the saved dpi, readable without zooming
+
+
+def panel_grid(n: int) -> tuple[Figure, list[Any]]:
+    """A figure of `n` panels in rows of PANEL_COLUMNS (5 x 4.2 in each), the unused cells of the last row removed."""
+    rows = -(-n // PANEL_COLUMNS)
+    columns = min(n, PANEL_COLUMNS)
+    fig = Figure(figsize=(5 * columns, 4.2 * rows))
+    grid = list(fig.subplots(rows, columns, squeeze=False).flat)
+    for ax in grid[n:]:
+        ax.remove()
+    return fig, grid[:n]
+
+
 def expert_load_figure(records: list[dict[str, Any]], title: str) -> Figure | None:
     """Expert load per MoE layer against step (one line per layer), or None when no record has it."""
     panels = [(key, ylabel, panel_title, *per_layer_series(records, key)) for key, ylabel, panel_title in EXPERT_PANELS]
     panels = [panel for panel in panels if panel[3]]
     if not panels:
         return None
-    fig = Figure(figsize=(5 * len(panels), 4.2))
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    fig, axes = panel_grid(len(panels))
     for ax, (_key, ylabel, panel_title, steps, layers) in zip(axes, panels):
         for index, values in enumerate(layers):
             ax.plot(steps, values, linewidth=1, label=f"MoE layer {index}")
@@ -170,8 +183,8 @@ def curve_figure(records: list[dict[str, Any]], final: dict[str, Any], title: st
     entropy = final.get("unigram_entropy_bits")
     # A bare Figure (no pyplot): no global state, no GUI backend, works on machines without a display.
     task_keys = sorted({k for r in records if r.get("kind") == "tasks" for k in r if k.startswith("task/")})
-    fig = Figure(figsize=(30 if task_keys else 25, 4.2))
-    ax_loss, ax_bpb, ax_tput, ax_lr, ax_norm, *ax_tasks = fig.subplots(1, 6 if task_keys else 5)
+    fig, axes = panel_grid(6 if task_keys else 5)
+    ax_loss, ax_bpb, ax_tput, ax_lr, ax_norm, *ax_tasks = axes
     if task_keys:
         draw_task_panel(ax_tasks[0], records, task_keys)
     ax_loss.plot(train_steps, train_loss, color="tab:blue", alpha=0.35, linewidth=0.8, label="train loss (log step)")

@@ -4,17 +4,21 @@
 `log(record)` sends a metrics record's numbers under "<kind>/<field>" at the record's step;
 a list (per rank, per MoE layer) becomes one series per index ("train/peak_rss_bytes_per_rank/2").
 Offline mode needs no network: `WANDB_MODE=offline` (W&B's own variable) keeps the run on
-disk for a later `wandb sync`. A resumed job starts a new W&B run; metrics.jsonl stays the
-record of truth. Called by `MetricsWriter` on rank 0 only; this module decides nothing about
+disk for a later `wandb sync`. The run's id is kept in RUN_DIR/wandb_run_id, so a job restarted in
+the same run directory (a resume, a torchrun restart) continues its W&B run; metrics.jsonl stays
+the record of truth. Called by `MetricsWriter` on rank 0 only; this module decides nothing about
 what is measured, and `wandb` is imported only when tracking is on.
 """
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any
 
+from moetrain.durable import write_atomically
 from moetrain.errors import ConfigError
+from moetrain.runtime.run_dir import RunDir
 
 
 def _numbers(prefix: str, value: Any) -> dict[str, float]:
@@ -40,6 +44,18 @@ def flatten_record(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def run_id(run_dir: RunDir) -> str:
+    """The W&B run id stored in the run directory, else a new one stored there first (written atomically)."""
+    path = run_dir.wandb_run_id
+    if path.is_file():
+        stored = path.read_text(encoding="utf-8").strip()
+        if stored.isalnum():
+            return stored
+    fresh = secrets.token_hex(8)  # W&B takes any letters and digits as an id
+    write_atomically(path, lambda handle: handle.write(fresh.encode()))
+    return fresh
+
+
 class WandbTracker:
     """One W&B run for this job; `log` takes metrics records, `finish` closes the run."""
 
@@ -52,6 +68,7 @@ class WandbTracker:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._wandb = wandb
         self._run = wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=config,
+                               id=run_id(RunDir(run_dir)), resume="allow",
                                settings=wandb.Settings(console="off"))
 
     def log(self, record: dict[str, Any]) -> None:

@@ -2,8 +2,9 @@
 
 Layout (torchtitan's "dp2ep"): the EP group is `parallel.ep` consecutive ranks of the data-parallel
 shard dimension (`moetrain.parallel.mesh.JobMesh.experts`). `apply_expert_parallel` turns every MoE
-layer's stacked expert weights `w1` [E, d, N] and `w2` [E, n, d] into DTensors sharded on dim 0 over
-the EP group, so EP rank r owns experts [r·E/ep, (r+1)·E/ep) whole, and FSDP later shards each rank's
+layer's stacked expert weights `w1` [E, d, N] and `w2` [E, n, d] (and their biases `b1` [E, N], `b2`
+[E, d] where the family has them, GPT-OSS) into DTensors sharded on dim 0 over the EP group, so EP rank
+r owns experts [r·E/ep, (r+1)·E/ep) whole, biases included, and FSDP later shards each rank's
 block over the ranks that hold the same experts (`moetrain.parallel.shard`). The global [E, ...]
 shape stays, so a checkpoint stores every expert once and DCP reshards it to any other ep or world.
 
@@ -143,9 +144,8 @@ class ExpertParallelCompute:
         self.stats = stats
 
     def __call__(self, x_TD: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str = "swiglu",
-                 impl: str = "memory_efficient") -> Tensor:
-        w1_JDN = w1.to_local() if isinstance(w1, DTensor) else w1
-        w2_JFD = w2.to_local() if isinstance(w2, DTensor) else w2
+                 impl: str = "memory_efficient", b1: Tensor | None = None, b2: Tensor | None = None) -> Tensor:
+        w1_JDN, w2_JFD, b1_JN, b2_JD = (t.to_local() if isinstance(t, DTensor) else t for t in (w1, w2, b1, b2))
         n_local = w1_JDN.shape[0]
         if n_local * self.ep != routing.n_experts:
             raise ValueError(f"expert parallelism over {self.ep} ranks: {n_local} local experts per rank "
@@ -167,7 +167,7 @@ class ExpertParallelCompute:
         order_R = expert_major_order(recv_counts_SJ)
         local = Routing(token_index=order_R, scores=recv_scores_R.index_select(0, order_R),
                         counts=recv_counts_SJ.sum(0))
-        out_RD = routed_experts(recv_RD, local, w1_JDN, w2_JFD, activation, impl)
+        out_RD = routed_experts(recv_RD, local, w1_JDN, w2_JFD, activation, impl, b1=b1_JN, b2=b2_JD)
         # 4. combine: back to the senders, summed per token in float32 (expert order, as without EP).
         with record_function("combine"):
             back_AD = _AllToAll.apply(out_RD, send_splits, recv_splits, self.group, stats)

@@ -85,6 +85,11 @@ class RunDir:
     def profile(self) -> Path:
         return self.root / "profile"
 
+    @property
+    def wandb_run_id(self) -> Path:
+        """The W&B run id of this job, kept so that a restarted job resumes its run instead of opening another."""
+        return self.root / "wandb_run_id"
+
     def load_config(self) -> JobConfig:
         """The JobConfig a training run saved here (one-line ConfigError when missing or bad)."""
         if not self.config.is_file():

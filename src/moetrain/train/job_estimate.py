@@ -30,6 +30,7 @@ from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.runtime.preflight import physical_memory_bytes
 
 PROG = "moetrain estimate"
+EXPERT_PARTS = ("expert_weights", "expert_exchange")  # inside `weights` and `activations`, shown apart
 # Nominal memory of common accelerators (vendor datasheets), for a mesh the user does not have.
 GPU_MEMORY_BYTES = {
     "A100-40GB": 40 * 2**30, "A100-80GB": 80 * 2**30, "H100": 80 * 2**30, "H200": 141 * 10**9,
@@ -114,7 +115,10 @@ class Estimate:
     def as_json(self) -> dict:
         return {"world": self.world, "per_node": self.per_node, "device": self.device,
                 "replicate": self.replicate, "shard": self.shard, "peak_bytes": self.peak.peak,
-                "parts": asdict(self.peak), "step_peak_bytes": self.peak.step_peak,
+                "parts": {k: v for k, v in asdict(self.peak).items() if k not in EXPERT_PARTS},
+                # parts of the weights and the activations above: what expert parallelism leaves on this rank
+                "experts": {"weights_bytes": self.peak.expert_weights, "exchange_bytes": self.peak.expert_exchange},
+                "step_peak_bytes": self.peak.step_peak,
                 "optimizer_peak_bytes": self.peak.optimizer_peak,
                 "other_activation_checkpointing_peak_bytes": self.other.peak,
                 "lower_bound_bytes": self.lower_bound, "available_bytes": self.available, "fits": self.fits,
@@ -146,6 +150,30 @@ def report(cfg: JobConfig, world: int, per_node: int, device: str, device_memory
     return describe(estimate(cfg, world, per_node, device, device_memory, process_bytes, data_bytes))
 
 
+def _microbatch_words(cfg: JobConfig) -> str:
+    """The microbatch the activations were counted for, in the config's own words."""
+    if cfg.data.batching == "token_budget":
+        return (f"one row of {cfg.data.token_budget or cfg.data.seq_len} tokens per microbatch (data.batching = "
+                f"'token_budget', data.token_budget), train.grad_accum {cfg.train.grad_accum}")
+    return (f"train.microbatch_size {cfg.train.microbatch_size} x data.seq_len {cfg.data.seq_len} tokens per "
+            f"microbatch, train.grad_accum {cfg.train.grad_accum}")
+
+
+def _expert_rows(est: Estimate) -> list[str]:
+    """What expert parallelism changes: whose experts a rank holds and gathers, the rows it receives."""
+    cfg, parts = est.cfg, est.peak
+    moe, ep = cfg.model.moe, cfg.parallel.ep
+    if cfg.model.n_layers == cfg.model.n_dense_layers:
+        return []
+    rows = [f"      experts       {format_bytes(parts.expert_weights):>12}  (of the weights: {moe.n_experts // ep} of "
+            f"{moe.n_experts} experts per MoE layer on this rank (ep {ep}), FSDP-sharded over "
+            f"{max(est.shard // ep, 1)} rank(s); their gradients and optimizer state alike)"]
+    if parts.expert_exchange:
+        rows.append(f"      exchanged     {format_bytes(parts.expert_exchange):>12}  (of the activations: the rows "
+                    "the experts receive by all-to-all, kept for backward)")
+    return rows
+
+
 def describe(est: Estimate) -> str:
     cfg, parts, shard = est.cfg, est.peak, est.shard
     params = count_params(cfg.model)
@@ -157,6 +185,7 @@ def describe(est: Estimate) -> str:
         f"{PROG}: {est.world} rank(s) ({est.replicate} replica(s) x {shard} shard(s), ep {cfg.parallel.ep}), "
         f"{est.per_node} per machine, device {est.device}",
         f"  parameters        {params['total'] / 1e6:12.2f} M total, {params['active'] / 1e6:.2f} M active per token",
+        f"  assumed           {_microbatch_words(cfg)}",
         "  per rank:",
     ]
     if host:
@@ -176,11 +205,13 @@ def describe(est: Estimate) -> str:
         weights = f"(float32, 1/{shard} of the model)"
     rows += [
         f"    weights         {format_bytes(parts.weights):>12}  {weights}",
+        *_expert_rows(est)[:1],
         f"    gradients       {format_bytes(parts.gradients):>12}",
         f"    optimizer       {format_bytes(parts.optimizer):>12}  (AdamW: 2 float32 moments; fused step, no "
         "temporaries)",
         f"    activations     {format_bytes(without_ac.activations):>12}  without activation checkpointing",
         f"                    {format_bytes(with_ac.activations):>12}  with activation checkpointing",
+        *_expert_rows(est)[1:],
         f"    backward        {format_bytes(parts.backward_working):>12}  (one block's activation gradients"
         f"{' and its recomputation' if ac else ''})",
         f"    logits          {format_bytes(parts.logits):>12}  (float32 logits, log-softmax and gradient)",

@@ -20,6 +20,7 @@ import tqdm
 
 from moetrain.args import parse_typed_args
 from moetrain.data.chat import load_chat_template
+from moetrain.data.chat_sandbox import TIME_LIMIT_S
 from moetrain.data.prepare.hf import HF_PREFIX
 from moetrain.data.prepare.inputs import document_refs
 from moetrain.data.prepare.output import check_output_dir, remove_partial_files, writes_to
@@ -68,6 +69,9 @@ class PrepareArgs:
     # --format chat: a Jinja chat template file used instead of the tokenizer directory's (train with the same
     # --data.chat-template).
     chat_template: str | None = None
+    # --format chat: seconds one conversation's chat template may render for before the record is refused (a
+    # template that loops without end); templates are also bounded in call depth and in the text they build.
+    template_time_limit: float = TIME_LIMIT_S
     # Read .parquet / .json / .arrow inputs with `datasets.load_dataset(..., streaming=True)` and write each shard
     # as its records stream by: memory bounded by a few shards, not the input (for inputs larger than RAM or
     # disk). The shards are byte-identical to a prepare without it; .jsonl, text, saved and hf: inputs are read
@@ -89,6 +93,8 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
         raise ConfigError(f"--shard-mb {args.shard_mb} is invalid: must be a finite number > 0")
     if not 0 <= args.heldout_fraction < 1:
         raise ConfigError(f"--heldout-fraction {args.heldout_fraction} is invalid: must be in [0, 1)")
+    if not (math.isfinite(args.template_time_limit) and args.template_time_limit > 0):
+        raise ConfigError(f"--template-time-limit {args.template_time_limit} is invalid: must be a finite number > 0")
     if args.format not in ("text", "chat"):
         raise ConfigError(f"--format {args.format!r} is invalid: 'text' or 'chat'")
     check_output_dir(Path(args.out), list(args.input))
@@ -103,7 +109,8 @@ def _prepare(args: PrepareArgs) -> dict[str, Any]:
     identity = tokenizer_identity(args.tokenizer, tokenizer)
     out = Path(args.out)
     chat = _chat_manifest(args, tokenizer)
-    shards = ShardJobs(out, identity, _text_options(args, tokenizer, chat), args.tokenizer)
+    shards = ShardJobs(out, identity, _text_options(args, tokenizer, chat), args.tokenizer,
+                       {"template_time_limit": args.template_time_limit} if chat else None)
     jobs, n_jobs = _streamed_jobs(args, shards) if args.streaming else _planned_jobs(args, shards)
     out.mkdir(parents=True, exist_ok=True)
     remove_partial_files(out)
@@ -125,7 +132,8 @@ def _chat_manifest(args: PrepareArgs, tokenizer: Tokenizer) -> dict[str, Any] | 
         raise ConfigError(f"--format chat needs a Hugging Face tokenizer directory, not --tokenizer "
                           f"{args.tokenizer!r}")
     template = load_chat_template(args.tokenizer, args.chat_template)
-    return {"template_sha256": template.sha256, "messages_field": args.messages_field,
+    # The template's text too: export-hf writes the one the run trained with, whatever the directory holds by then.
+    return {"template_sha256": template.sha256, "template": template.text, "messages_field": args.messages_field,
             "chat_template": args.chat_template, "generation_markers": template.has_generation_markers}
 
 
@@ -197,6 +205,12 @@ def _write_manifest(args: PrepareArgs, tokenizer: Tokenizer, identity: dict[str,
                     chat: dict[str, Any] | None) -> dict[str, Any]:
     """Write manifest.json (last: it makes the directory a dataset), with the conversations' counts for chat."""
     entries = shards.entries.values()
+    if not sum(e["n_documents"] for e in entries):  # a directory of no documents is no dataset: no manifest
+        skipped = sum(e.get("skipped_documents", 0) for e in entries)
+        raise ConfigError(f"--input {' '.join(args.input)} gave no document to write: "
+                          + (f"the prepare skipped every record ({skipped}; the warnings above say why)" if skipped
+                             else "every record was empty or skipped")
+                          + f"; {args.out} holds no dataset")
     if chat:
         chat["skipped_documents"] = sum(e.get("skipped_documents", 0) for e in entries)
         chat["loss_tokens"] = {split: sum(e.get("n_loss_tokens", 0) for e in entries if e["split"] == split)

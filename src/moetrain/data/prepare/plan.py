@@ -141,8 +141,10 @@ class ShardJobs:
     """The shards of one plan against those already finished in --out: a job for each shard still to write,
     the entry of each finished one (a rerun), an error for a finished shard of another plan."""
 
-    def __init__(self, out: Path, identity: dict[str, Any], options: dict[str, Any], tokenizer_spec: str):
+    def __init__(self, out: Path, identity: dict[str, Any], options: dict[str, Any], tokenizer_spec: str,
+                 limits: dict[str, Any] | None = None):
         self.out, self.identity, self.options, self.tokenizer_spec = out, identity, options, tokenizer_spec
+        self.limits = limits or {}  # what bounds a worker (a chat template's time), not what it writes: no key
         self.entries: dict[tuple[str, int], dict[str, Any]] = {}
         self.planned: set[tuple[str, int]] = set()
         self.new_shards: list[tuple[str, int]] = []
@@ -157,7 +159,7 @@ class ShardJobs:
         if entry is None:
             self.new_shards.append((split, index))
             return (str(self.out), split, index, shard_refs,
-                    {**self.options, "tokenizer": self.tokenizer_spec, "plan": key})
+                    {**self.options, **self.limits, "tokenizer": self.tokenizer_spec, "plan": key})
         if entry.get("plan") != key:
             raise ConfigError(f"{entry_path} is a finished shard of other inputs or options; finished shards "
                               "are never rewritten: use another --out or remove that directory")

@@ -51,7 +51,10 @@ def _read_text(ref: DocRef, text_field: str, skip_bad: bool, value: Any = UNREAD
     try:
         if ref.kind == "row":
             value = _row_value(ref, text_field, hf) if value is UNREAD else value
-            return value if isinstance(value, str) else None
+            if value is None or isinstance(value, str):  # a null is an empty document, dropped as those are
+                return value
+            return _bad_record(f"{_where(ref)}: field {text_field!r} is {type(value).__name__}, not a string",
+                               skip_bad)
         with open(ref.path, "rb") as handle:
             handle.seek(ref.start)
             data = handle.read(ref.length) if ref.kind == "line" else handle.read()
@@ -67,7 +70,12 @@ def _read_text(ref: DocRef, text_field: str, skip_bad: bool, value: Any = UNREAD
     except UnicodeDecodeError as err:
         problem = f"{ref.path} is not UTF-8 text (bad byte at offset {ref.start + err.start})"
     except (json.JSONDecodeError, KeyError, TypeError) as err:
-        problem = f"{ref.name} is not a JSON object with a string field {text_field!r} ({type(err).__name__})"
+        problem = f"{_where(ref)} is not a JSON object with a string field {text_field!r} ({type(err).__name__})"
+    return _bad_record(problem, skip_bad)
+
+
+def _bad_record(problem: str, skip_bad: bool) -> None:
+    """Skip a record that cannot be a document (one warning line) under --skip-bad-files, else refuse it."""
     if skip_bad:
         log.warning("skipping %s", problem)
         return None
@@ -102,9 +110,12 @@ def _read_messages(ref: DocRef, field: str, value: Any = UNREAD,
 
 
 def _chat_template(options: dict[str, Any]) -> ChatTemplate:
-    key = ("chat", options["chat_template_sha256"])
+    key = ("chat", options["chat_template_sha256"], options.get("template_time_limit"))
     if key not in WORKER_CACHE:
-        WORKER_CACHE[key] = load_chat_template(options["tokenizer"], options["chat_template"])
+        template = load_chat_template(options["tokenizer"], options["chat_template"])
+        if options.get("template_time_limit") is not None:
+            template.limits.time_limit_s = float(options["template_time_limit"])
+        WORKER_CACHE[key] = template
     return WORKER_CACHE[key]
 
 

@@ -27,6 +27,7 @@ from moetrain.interop.adapter import Family, Refusal, gpt_oss_era_checks
 from moetrain.interop.config_json import (
     decoder_config_json,
     decoder_fields,
+    integer,
     rope_fields,
     rope_parameters,
     unsupported,
@@ -67,8 +68,10 @@ def sigmoid_moe_fields(hf: dict[str, Any], where: str, model: dict[str, Any],
         key = "topk_method" if hf.get("topk_method", "noaux_tc") != "noaux_tc" else "scoring_func"
         raise unsupported(where, key, hf.get(key), "moetrain routes as DeepSeek-V3: sigmoid scores, noaux_tc")
     moe.update(score_func="sigmoid", n_shared_experts=int(hf.get("n_shared_experts") or 0),
-               expert_hidden=int(hf["moe_intermediate_size"]), n_group=int(hf.get("n_group") or 1),
-               topk_group=int(hf.get("topk_group") or 1),
+               expert_hidden=int(hf["moe_intermediate_size"]),
+               # an integer or null (one group), never truncated: n_group = 2.5 is refused, not read as 2
+               n_group=integer({"n_group": hf.get("n_group") or 1}, "n_group", where),
+               topk_group=integer({"topk_group": hf.get("topk_group") or 1}, "topk_group", where),
                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                # The correction bias chooses experts only under aux-free balancing, which also keeps it updated.
                load_balance="aux_free", renormalize=bool(hf.get("norm_topk_prob", True)))
