@@ -15,6 +15,7 @@ save or parse a command line.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from moetrain.model.init import reset_buffers
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.parallelize import parallelize_model
+from moetrain.parallel.pipeline import PipelineModel, pipeline_parts
 
 WEIGHTS = ("init", "none", "hf:DIR")
 
@@ -49,6 +51,11 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
                       compile=compile, activation_checkpointing_every=activation_checkpointing_every,
                       device_type=torch.device(device).type)
     model.to_empty(device=device)
+    _fill_weights(model, weights, seed, init_scheme)
+    return model
+
+
+def _fill_weights(model: Transformer, weights: str, seed: int, init_scheme: str | None) -> None:
     if weights == "none":
         reset_buffers(model)
     else:
@@ -57,7 +64,30 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
         model.init_weights(seed=seed, scheme=init_scheme)
         if weights.startswith("hf:"):
             load_hf_weights(model, weights)
-    return model
+
+
+def build_pipeline(cfg: JobConfig, job: JobMesh, *, weights: str | None = None) -> PipelineModel:
+    """This pipeline rank's stages (`moetrain.parallel.pipeline`), each parallelized as its own model, with
+    `weights` (default `model.init_from` or "init") drawn or read through the rank's whole part, so by the
+    names the whole model has: the same weights as one process builds. In train mode. Collective."""
+    weights = weights or cfg.model.init_from or "init"
+    if weights not in ("init", "none"):
+        raise ConfigError(f"model.init_from = {weights!r} is not supported with parallel.pp > 1 yet: import the "
+                          "weights into a checkpoint on one stage and resume from it under pipeline parallelism")
+    pipeline = pipeline_parts(cfg.model, cfg.parallel, job.pipeline.get_local_rank())
+    # A stage keeps its gathered weights from a microbatch's forward to its backward: resharding would
+    # all-gather every layer twice per microbatch, and torch's split backward (ZBVZeroBubble) collects
+    # a stage's weight gradients by the module's registered parameters, which must be the gathered ones.
+    parallel = dataclasses.replace(cfg.parallel, reshard_after_forward=False)
+    for part in pipeline.parts:
+        parallelize_model(part, job, parallel, activation_checkpointing=cfg.train.activation_checkpointing,
+                          compile=cfg.train.compile,
+                          activation_checkpointing_every=cfg.train.activation_checkpointing_every,
+                          device_type=job.device.type)
+        part.to_empty(device=job.device)
+    _fill_weights(pipeline.model, weights, cfg.train.seed, None)
+    pipeline.model.train()
+    return pipeline
 
 
 def build_for_job(cfg: JobConfig, job: JobMesh) -> Transformer:

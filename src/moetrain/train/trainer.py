@@ -51,10 +51,11 @@ from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.precision import compute_copy
-from moetrain.train.build import build_for_job
+from moetrain.train.build import build_for_job, build_pipeline
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
+from moetrain.train.pipeline_step import PipelineStep
 
 log = get_logger("train")
 
@@ -130,7 +131,9 @@ class Trainer:
         self.eval_tasks = read_choice_tasks(cfg.train.eval_tasks)  # checked before anything is built
         self.policy = resolve_sync_policy(cfg.parallel, job.dims, cfg.train.grad_accum)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_for_job(cfg, job)
+        # Under pipeline parallelism the rank holds its stages; `model` is their union (moetrain.train.pipeline_step).
+        self.pipeline = PipelineStep(cfg, job, build_pipeline(cfg, job)) if job.pipeline is not None else None
+        self.model = self.pipeline.model if self.pipeline is not None else build_for_job(cfg, job)
         self.compute_copy = compute_copy(self.model, cfg.parallel)  # None under FSDP or in float32
         self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)
@@ -190,9 +193,65 @@ class Trainer:
             self.all_to_all.take()  # what evaluation or sampling moved belongs to no step
         with phases.phase("data"):
             microbatches = [batch.to(self.device) for batch in self.loader.next_microbatches()]
-        input_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
+        # Every stage of a pipeline reads the same microbatches: the first stage's ranks count the inputs.
+        counts_inputs = self.pipeline is None or self.pipeline.pipeline.holds_first
+        input_tokens = float(sum(batch.tokens.numel() for batch in microbatches)) if counts_inputs else 0.0
         with phases.phase("collectives"):
-            global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
+            global_tokens = (self.pipeline.count_global_tokens(microbatches) if self.pipeline is not None else
+                             count_global_tokens(sum(batch.n_valid_targets for batch in microbatches)))
+        if self.pipeline is not None:
+            loss_sum, aux_sum, z_sum, expert_load = self._pipeline_microbatches(microbatches, global_tokens, phases)
+        else:
+            loss_sum, aux_sum, z_sum, expert_load = self._accumulate(microbatches, global_tokens, phases)
+        # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
+        a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
+        compute_s = time.perf_counter() - start - a2a_s
+        # The first collective after the local work: how long this rank waits here is
+        # how much earlier it finished than the slowest rank.
+        wait_start = time.perf_counter()
+        with phases.phase("wait"):
+            local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
+            local = StepTotals(loss_sum=float(loss_sum), balance_loss=float(aux_sum), z_loss=float(z_sum),
+                               nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens))
+            totals = StepTotals.summed_over_ranks(local, self.device)
+        wait_s = time.perf_counter() - wait_start
+        denominator = max(global_tokens, 1)
+        loss = totals.loss_sum / denominator
+        aux_loss = totals.balance_loss
+        z_loss = totals.z_loss
+        with phases.phase("optimizer"):
+            pipeline_group = self.pipeline.pipeline_group if self.pipeline is not None else None
+            grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"),
+                                              pipeline=pipeline_group))
+            finite = totals.nonfinite_ranks == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
+            if finite:
+                with record_function("optimizer"):  # a label in profiler traces
+                    self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if finite:
+                loads_sum = self.pipeline.data_all_reduce if self.pipeline is not None else all_reduce_sum
+                self.model.update_expert_bias(loads_sum if self.world > 1 else None)
+            else:
+                self.model.discard_pending_expert_load()  # this step's loads are not applied
+        self.step += 1
+        self.step_input_tokens = int(totals.input_tokens)
+        self.tokens_seen += self.step_input_tokens
+        return StepResult(loss=loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr, global_tokens=global_tokens,
+                          compute_s=compute_s, wait_s=wait_s, step_s=time.perf_counter() - start, skipped=not finite,
+                          expert_load=expert_load, all_to_all_s=a2a_s, all_to_all_rows_sent=a2a_sent,
+                          all_to_all_rows_received=a2a_received, z_loss=z_loss, phases=phases.seconds)
+
+    def _pipeline_microbatches(self, microbatches, global_tokens: int, phases: StepPhases):
+        """The PP branch of `_accumulate`; the step's expert load is not recorded (each stage has its own layers)."""
+        with self._compute_dtype():
+            with phases.phase("forward"):  # the schedule interleaves forwards and backwards: all of it here
+                self.pipeline.route_step(microbatches)
+                totals = self.pipeline.run(microbatches, global_tokens)
+        return tuple(torch.tensor(value, dtype=torch.float64) for value in
+                     (totals.loss_sum, totals.balance_loss, totals.z_loss)) + (None,)
+
+    def _accumulate(self, microbatches, global_tokens: int, phases: StepPhases):
+        """Forward and backward of each microbatch under the sync policy: (loss, balance, z sums; expert load)."""
         aux_is_share = self.cfg.model.moe.aux_loss_scope == "global_batch"
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
@@ -219,40 +278,7 @@ class Trainer:
                 if load is not None:
                     load = load.cpu().double()
                     expert_load = load if expert_load is None else expert_load + load
-        # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
-        a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
-        compute_s = time.perf_counter() - start - a2a_s
-        # The first collective after the local work: how long this rank waits here is
-        # how much earlier it finished than the slowest rank.
-        wait_start = time.perf_counter()
-        with phases.phase("wait"):
-            local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum))
-            local = StepTotals(loss_sum=float(loss_sum), balance_loss=float(aux_sum), z_loss=float(z_sum),
-                               nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens))
-            totals = StepTotals.summed_over_ranks(local, self.device)
-        wait_s = time.perf_counter() - wait_start
-        denominator = max(global_tokens, 1)
-        loss = totals.loss_sum / denominator
-        aux_loss = totals.balance_loss
-        z_loss = totals.z_loss
-        with phases.phase("optimizer"):
-            grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
-            finite = totals.nonfinite_ranks == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
-            if finite:
-                with record_function("optimizer"):  # a label in profiler traces
-                    self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if finite:
-                self.model.update_expert_bias(all_reduce_sum if self.world > 1 else None)
-            else:
-                self.model.discard_pending_expert_load()  # this step's loads are not applied
-        self.step += 1
-        self.step_input_tokens = int(totals.input_tokens)
-        self.tokens_seen += self.step_input_tokens
-        return StepResult(loss=loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr, global_tokens=global_tokens,
-                          compute_s=compute_s, wait_s=wait_s, step_s=time.perf_counter() - start, skipped=not finite,
-                          expert_load=expert_load, all_to_all_s=a2a_s, all_to_all_rows_sent=a2a_sent,
-                          all_to_all_rows_received=a2a_received, z_loss=z_loss, phases=phases.seconds)
+        return loss_sum, aux_sum, z_sum, expert_load
 
     def _compute_dtype(self) -> AbstractContextManager:
         """Where forwards (and their backwards) run on `parallel.param_dtype` weights when FSDP does not cast them."""

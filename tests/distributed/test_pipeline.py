@@ -1,0 +1,180 @@
+"""Pipeline parallelism composed with FSDP, HSDP and expert parallelism equals one process on the global batch.
+
+Each run is the Trainer's own step on gloo ranks, fed the same hand-made global batch that one process
+trains on whole: microbatches with uneven valid-target counts and documents, one without any valid
+target. Compared per step: the loss, balance and z-loss, the gradient norm, every parameter's full
+gradient (read just before the optimizer steps) and, for the aux-loss-free model, the expert bias.
+The one-process reference shares no pipeline code (it is the plain accumulation loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.data.dataset import load_training_data
+from moetrain.data.packing import IGNORE_INDEX, Batch
+from moetrain.parallel.mesh import JobMesh
+from moetrain.testing.multirank import run_on_ranks
+from moetrain.train.trainer import Trainer
+
+SEQ, MICRO, STEPS = 8, 2, 2
+
+TINY_MOE = ModelConfig(vocab_size=259, dim=16, n_layers=4, n_heads=2, ffn_hidden=24, n_dense_layers=1,
+                       max_seq_len=SEQ, moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=8, aux_loss_coef=0.05,
+                                                      z_loss_coef=0.01))
+# DeepSeek-V3's shape: MLA with a query latent, a dense first layer, sigmoid group-limited top-k with
+# a shared expert, aux-loss-free balancing (bias update) plus the global-batch balance loss.
+DEEPSEEK = ModelConfig(vocab_size=259, dim=16, n_layers=8, n_heads=2, ffn_hidden=24, n_dense_layers=1,
+                       max_seq_len=SEQ, kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                       v_head_dim=4, rope_layout="interleaved",
+                       moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=8, n_shared_experts=1, score_func="sigmoid",
+                                     n_group=4, topk_group=2, routed_scaling_factor=2.5, load_balance="aux_free",
+                                     bias_update_rate=0.01))
+MODELS = {"tiny_moe": TINY_MOE, "deepseek_v3": DEEPSEEK}
+
+
+def make_batches(world_data: int, micro: int, seed: int) -> list[list[list[Batch]]]:
+    """[step][data rank][microbatch] batches of fixed shape [MICRO, SEQ]: documents of random lengths,
+    uneven masking; step 0's second microbatch on data rank 0 has no valid target."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = []
+    for step in range(STEPS):
+        ranks = []
+        for rank in range(world_data):
+            batches = []
+            for m in range(micro):
+                tokens = torch.randint(0, 256, (MICRO, SEQ), generator=gen)
+                targets = torch.randint(0, 256, (MICRO, SEQ), generator=gen)
+                targets[torch.rand(MICRO, SEQ, generator=gen) < 0.2 + 0.15 * ((rank + m) % 4)] = IGNORE_INDEX
+                if (step, rank, m) == (0, 0, 1):
+                    targets.fill_(IGNORE_INDEX)
+                documents = torch.cumsum(torch.rand(MICRO, SEQ, generator=gen) < 0.25, dim=1)
+                positions = torch.cat([torch.arange(SEQ)[None] - torch.nonzero(
+                    torch.diff(row, prepend=row[:1] - 1)).flatten().repeat_interleave(
+                    torch.diff(torch.nonzero(torch.diff(row, prepend=row[:1] - 1)).flatten(),
+                               append=torch.tensor([SEQ])))[None] for row in documents])
+                batches.append(Batch(tokens, positions, documents, targets))
+            ranks.append(batches)
+        steps.append(ranks)
+    return steps
+
+
+class FixedLoader:
+    """Stands in for the data loader: the given microbatches of this data rank, step after step."""
+
+    def __init__(self, steps: list[list[Batch]]):
+        self.steps = iter(steps)
+
+    def next_microbatches(self) -> list[Batch]:
+        return next(self.steps)
+
+
+def job_config(model: ModelConfig, micro: int, **parallel) -> JobConfig:
+    cfg = JobConfig(model=model)
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    cfg.data.seq_len, cfg.data.max_documents, cfg.data.heldout_fraction = SEQ, 8, 0.0
+    cfg.train.microbatch_size, cfg.train.grad_accum, cfg.train.steps = MICRO, micro, STEPS
+    cfg.train.warmup_steps, cfg.train.lr, cfg.train.grad_clip = 0, 1e-2, 0.0
+    cfg.logging.progress_bar = False
+    return cfg.validate()
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().double().clone()
+
+
+def train_worker(cfg: JobConfig, batches: list[list[list[Batch]]], count_all_reduces: bool = False) -> dict:
+    """Run the trainer's steps on this rank's data coordinate; per step: sums, norm, full gradients, bias."""
+    world = dist.get_world_size()
+    job = JobMesh.from_config(cfg.parallel, world, "cpu")
+    trainer = Trainer(cfg, load_training_data(cfg), job)
+    rank_data = job.data_rank
+    if job.data_world == 1 and len(batches[0]) > 1:  # one process trains every data rank's microbatches
+        trainer.loader = FixedLoader([[b for rank in step for b in rank] for step in batches])
+    else:
+        trainer.loader = FixedLoader([step[rank_data] for step in batches])
+    grads: list[dict] = []
+    step_optimizer = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        grads.append({name: full(p.grad) for name, p in trainer.model.named_parameters() if p.grad is not None})
+        return step_optimizer(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    all_reduces: Counter = Counter()
+    if count_all_reduces:
+        original = dist.all_reduce
+
+        def counting(tensor, *args, group=None, **kwargs):
+            all_reduces[dist.get_process_group_ranks(group) == [0, 4] if group is not None else False] += 1
+            return original(tensor, *args, group=group, **kwargs)
+
+        dist.all_reduce = counting
+    results = []
+    for _ in range(STEPS):
+        before = sum(all_reduces.values())
+        result = trainer.train_step()
+        results.append({"loss": result.loss, "aux": result.aux_loss, "z": result.z_loss, "norm": result.grad_norm,
+                        "all_reduces": sum(all_reduces.values()) - before})
+    if count_all_reduces:
+        dist.all_reduce = original
+    bias = {f"layers.{moe_id}": moe.expert_bias.clone() for moe_id, moe in
+            ((layer.layer_id, layer.moe) for layer in trainer.model.layers if layer.is_moe)}
+    return {"steps": results, "grads": [{k: v.numpy() for k, v in g.items()} for g in grads],
+            "bias": {k: v.numpy() for k, v in bias.items()}}
+
+
+def merged(per_rank: list[dict]) -> dict:
+    """The ranks' results as one: gradients and biases by name (every stage contributes its own)."""
+    out = {"steps": per_rank[0]["steps"], "grads": [{} for _ in per_rank[0]["grads"]], "bias": {}}
+    for result in per_rank:
+        for step, grads in enumerate(result["grads"]):
+            out["grads"][step].update({k: torch.from_numpy(v) for k, v in grads.items()})
+        out["bias"].update({k: torch.from_numpy(v) for k, v in result["bias"].items()})
+    return out
+
+
+def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / max(float(expected.norm()), 1e-12))
+
+
+# name -> (ranks, model, microbatches per data rank, parallel fields)
+LAYOUTS = {
+    "pp2_fsdp2": (4, "tiny_moe", 2, {"pp": 2}),
+    "pp2_ep2": (4, "tiny_moe", 2, {"pp": 2, "ep": 2}),
+    "pp4_interleaved": (4, "deepseek_v3", 4, {"pp": 4, "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2}),
+    "pp2_zbv_ep2": (4, "deepseek_v3", 4, {"pp": 2, "pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 2,
+                                          "ep": 2}),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_pipeline_step_equals_one_process_on_the_global_batch(name):
+    ranks, model_name, micro, parallel = LAYOUTS[name]
+    model = MODELS[model_name]
+    if model_name == "deepseek_v3":
+        model = dataclasses.replace(model, moe=dataclasses.replace(model.moe))
+    data_world = ranks // parallel["pp"]
+    batches = make_batches(data_world, micro, seed=len(name))
+    got = merged(run_on_ranks(train_worker, ranks, job_config(model, micro, **parallel), batches, timeout=300))
+    want = merged(run_on_ranks(train_worker, 1, job_config(model, micro * data_world), batches, timeout=300))
+    for step, (g, w) in enumerate(zip(got["steps"], want["steps"], strict=True)):
+        for key in ("loss", "aux", "z", "norm"):
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-9), (step, key)
+    for step, (g, w) in enumerate(zip(got["grads"], want["grads"], strict=True)):
+        assert g.keys() == w.keys()
+        worst = max((relative(g[k], w[k]), k) for k in w)
+        assert worst[0] < 1e-5, (step, worst)
+    assert got["bias"].keys() == want["bias"].keys()
+    for key in want["bias"]:
+        torch.testing.assert_close(got["bias"][key], want["bias"][key], rtol=0, atol=1e-7)
