@@ -10,8 +10,6 @@ The one-process reference shares no pipeline code (it is the plain accumulation 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +21,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX, Batch
 from moetrain.parallel.mesh import JobMesh
+from moetrain.parallel.shard import fsdp_modules
 from moetrain.testing.multirank import run_on_ranks
 from moetrain.train.trainer import Trainer
 
@@ -39,7 +38,10 @@ DEEPSEEK = ModelConfig(vocab_size=259, dim=16, n_layers=8, n_heads=2, ffn_hidden
                        moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=8, n_shared_experts=1, score_func="sigmoid",
                                      n_group=4, topk_group=2, routed_scaling_factor=2.5, load_balance="aux_free",
                                      bias_update_rate=0.01))
-MODELS = {"tiny_moe": TINY_MOE, "deepseek_v3": DEEPSEEK}
+# The same shape with the global-batch balance loss (the step's expert counts from a routing pass) and z-loss.
+DEEPSEEK_GLOBAL = dataclasses.replace(DEEPSEEK, moe=dataclasses.replace(
+    DEEPSEEK.moe, load_balance="aux_loss", aux_loss_scope="global_batch", aux_loss_coef=0.05, z_loss_coef=0.01))
+MODELS = {"tiny_moe": TINY_MOE, "deepseek_v3": DEEPSEEK, "deepseek_v3_global": DEEPSEEK_GLOBAL}
 
 
 def make_batches(world_data: int, micro: int, seed: int) -> list[list[list[Batch]]]:
@@ -93,16 +95,16 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().double().clone()
 
 
-def train_worker(cfg: JobConfig, batches: list[list[list[Batch]]], count_all_reduces: bool = False) -> dict:
-    """Run the trainer's steps on this rank's data coordinate; per step: sums, norm, full gradients, bias."""
+def train_worker(cfg: JobConfig, batches: list[list[list[Batch]]]) -> dict:
+    """The trainer's steps on this rank's data coordinate; per step: sums, norm, full gradients, the number of
+    replicate all-reduces the schedule issued and the FSDP parameter groups it holds; the final expert bias."""
     world = dist.get_world_size()
     job = JobMesh.from_config(cfg.parallel, world, "cpu")
     trainer = Trainer(cfg, load_training_data(cfg), job)
-    rank_data = job.data_rank
     if job.data_world == 1 and len(batches[0]) > 1:  # one process trains every data rank's microbatches
         trainer.loader = FixedLoader([[b for rank in step for b in rank] for step in batches])
     else:
-        trainer.loader = FixedLoader([step[rank_data] for step in batches])
+        trainer.loader = FixedLoader([step[job.data_rank] for step in batches])
     grads: list[dict] = []
     step_optimizer = trainer.optimizer.step
 
@@ -111,27 +113,39 @@ def train_worker(cfg: JobConfig, batches: list[list[list[Batch]]], count_all_red
         return step_optimizer(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
-    all_reduces: Counter = Counter()
-    if count_all_reduces:
-        original = dist.all_reduce
+    replicate = job.data.get_group("dp_replicate") if job.dims.dp_replicate > 1 else None
+    counted = []
+    if trainer.pipeline is not None:  # count the schedule's all-reduces over the replicate group
+        schedule_step, all_reduce = trainer.pipeline.schedule.step, dist.all_reduce
 
-        def counting(tensor, *args, group=None, **kwargs):
-            all_reduces[dist.get_process_group_ranks(group) == [0, 4] if group is not None else False] += 1
-            return original(tensor, *args, group=group, **kwargs)
+        def counting_all_reduce(tensor, *args, group=None, **kwargs):
+            counted[-1] += group is not None and group == replicate
+            return all_reduce(tensor, *args, group=group, **kwargs)
 
-        dist.all_reduce = counting
+        def counting_step(*args, **kwargs):
+            counted.append(0)
+            dist.all_reduce = counting_all_reduce
+            try:
+                return schedule_step(*args, **kwargs)
+            finally:
+                dist.all_reduce = all_reduce
+
+        trainer.pipeline.schedule.step = counting_step
     results = []
     for _ in range(STEPS):
-        before = sum(all_reduces.values())
         result = trainer.train_step()
-        results.append({"loss": result.loss, "aux": result.aux_loss, "z": result.z_loss, "norm": result.grad_norm,
-                        "all_reduces": sum(all_reduces.values()) - before})
-    if count_all_reduces:
-        dist.all_reduce = original
-    bias = {f"layers.{moe_id}": moe.expert_bias.clone() for moe_id, moe in
-            ((layer.layer_id, layer.moe) for layer in trainer.model.layers if layer.is_moe)}
+        results.append({"loss": result.loss, "aux": result.aux_loss, "z": result.z_loss, "norm": result.grad_norm})
+    groups = sum(len(unit._get_fsdp_state()._fsdp_param_groups) for unit in fsdp_modules(trainer.model)
+                 if unit._get_fsdp_state()._fsdp_param_groups) + sum(
+        len(part._get_fsdp_state()._fsdp_param_groups) for part in
+        (trainer.pipeline.pipeline.parts if trainer.pipeline is not None else []))
+    bias = {f"layers.{layer.layer_id}": layer.moe.expert_bias.clone() for layer in trainer.model.layers if layer.is_moe}
     return {"steps": results, "grads": [{k: v.numpy() for k, v in g.items()} for g in grads],
-            "bias": {k: v.numpy() for k, v in bias.items()}}
+            "bias": {k: v.numpy() for k, v in bias.items()}, "replicate_all_reduces": counted, "param_groups": groups}
+
+
+def layouts_worker(runs: list[tuple[JobConfig, list]]) -> list[dict]:
+    return [train_worker(cfg, batches) for cfg, batches in runs]
 
 
 def merged(per_rank: list[dict]) -> dict:
@@ -151,23 +165,38 @@ def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
 # name -> (ranks, model, microbatches per data rank, parallel fields)
 LAYOUTS = {
     "pp2_fsdp2": (4, "tiny_moe", 2, {"pp": 2}),
-    "pp2_ep2": (4, "tiny_moe", 2, {"pp": 2, "ep": 2}),
+    "pp2_ep2": (4, "deepseek_v3_global", 2, {"pp": 2, "ep": 2}),
     "pp4_interleaved": (4, "deepseek_v3", 4, {"pp": 4, "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2}),
-    "pp2_zbv_ep2": (4, "deepseek_v3", 4, {"pp": 2, "pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 2,
-                                          "ep": 2}),
+    "pp2_zbv_ep2": (4, "tiny_moe", 4, {"pp": 2, "pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 2, "ep": 2}),
+    "pp2_hsdp2x2": (8, "deepseek_v3", 2, {"pp": 2, "dp_replicate": 2}),
 }
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_pipeline_step_equals_one_process_on_the_global_batch(name):
+def _run(name: str) -> tuple[dict, dict, list[dict]]:
     ranks, model_name, micro, parallel = LAYOUTS[name]
-    model = MODELS[model_name]
-    if model_name == "deepseek_v3":
-        model = dataclasses.replace(model, moe=dataclasses.replace(model.moe))
     data_world = ranks // parallel["pp"]
-    batches = make_batches(data_world, micro, seed=len(name))
-    got = merged(run_on_ranks(train_worker, ranks, job_config(model, micro, **parallel), batches, timeout=300))
-    want = merged(run_on_ranks(train_worker, 1, job_config(model, micro * data_world), batches, timeout=300))
+    return (job_config(MODELS[model_name], micro, **parallel),
+            job_config(MODELS[model_name], micro * data_world), make_batches(data_world, micro, seed=len(name)))
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[list[dict], dict]]:
+    """layout -> (per-rank results, the one-process reference); each rank count forked once for all its layouts."""
+    jobs = {name: _run(name) for name in LAYOUTS}
+    per_rank: dict[str, list[dict]] = {}
+    for ranks in sorted({r for r, *_ in LAYOUTS.values()}):
+        names = [name for name in LAYOUTS if LAYOUTS[name][0] == ranks]
+        results = run_on_ranks(layouts_worker, ranks, [(jobs[n][0], jobs[n][2]) for n in names], timeout=600)
+        for i, name in enumerate(names):
+            per_rank[name] = [rank_results[i] for rank_results in results]
+    references = run_on_ranks(layouts_worker, 1, [(jobs[n][1], jobs[n][2]) for n in LAYOUTS], timeout=600)[0]
+    return {name: (per_rank[name], merged([references[i]])) for i, name in enumerate(LAYOUTS)}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_pipeline_step_equals_one_process_on_the_global_batch(runs, name):
+    per_rank, want = runs[name]
+    got = merged(per_rank)
     for step, (g, w) in enumerate(zip(got["steps"], want["steps"], strict=True)):
         for key in ("loss", "aux", "z", "norm"):
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-9), (step, key)
@@ -178,3 +207,10 @@ def test_pipeline_step_equals_one_process_on_the_global_batch(name):
     assert got["bias"].keys() == want["bias"].keys()
     for key in want["bias"]:
         torch.testing.assert_close(got["bias"][key], want["bias"][key], rtol=0, atol=1e-7)
+
+
+def test_hsdp_under_a_pipeline_all_reduces_each_parameter_group_once_per_step(runs):
+    """2 microbatches per step, yet each FSDP parameter group is all-reduced over the replicate ranks once."""
+    for result in runs["pp2_hsdp2x2"][0]:
+        assert result["param_groups"] > 0
+        assert result["replicate_all_reduces"] == [result["param_groups"]] * STEPS
