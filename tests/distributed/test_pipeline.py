@@ -10,6 +10,10 @@ The one-process reference shares no pipeline code (it is the plain accumulation 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,11 +22,13 @@ from torch.distributed.tensor import DTensor
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX, Batch
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.shard import fsdp_modules
 from moetrain.testing.multirank import run_on_ranks
+from moetrain.train import run
 from moetrain.train.trainer import Trainer
 
 SEQ, MICRO, STEPS = 8, 2, 2
@@ -214,3 +220,58 @@ def test_hsdp_under_a_pipeline_all_reduces_each_parameter_group_once_per_step(ru
     for result in runs["pp2_hsdp2x2"][0]:
         assert result["param_groups"] > 0
         assert result["replicate_all_reduces"] == [result["param_groups"]] * STEPS
+
+
+def _cli_args(run_dir, corpus, steps: int, grad_accum: int, resume: bool = False, **parallel) -> list[str]:
+    fields = {
+        "model.dim": 16, "model.n_layers": 4, "model.n_heads": 2, "model.ffn_hidden": 24, "model.n_dense_layers": 1,
+        "model.max_seq_len": 16, "model.moe.n_experts": 4, "model.moe.top_k": 2, "model.moe.expert_hidden": 8,
+        "model.moe.z_loss_coef": 0.01, "data.source": "dir", "data.path": corpus, "data.glob": "*.py",
+        "data.seq_len": 16, "data.heldout_fraction": 0.2, "train.steps": steps, "train.microbatch_size": 2,
+        "train.grad_accum": grad_accum, "train.warmup_steps": 0, "train.eval_every": 0, "train.eval_batches": 2,
+        "train.sample_tokens": 0, "checkpoint.every": 2, "checkpoint.resume": resume, "logging.run_dir": run_dir,
+        "logging.log_every": 1, "logging.progress_bar": False,
+        **{f"parallel.{key}": value for key, value in parallel.items()},
+    }
+    return [arg for key, value in fields.items() for arg in (f"--{key}", str(value))]
+
+
+def _records(run_dir) -> dict:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"train": {r["step"]: r for r in lines if r["kind"] == "train"}, "final": lines[-1]}
+
+
+def _resume_from(source, target) -> None:
+    (target / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source / "checkpoints" / "step_00000002", target / "checkpoints" / "step_00000002")
+
+
+def resume_worker(tmp, corpus) -> None:
+    """`moetrain train` under PP 2 x FSDP 2 for 3 steps (saving step 2), then step 2's checkpoint resumed
+    under EP 4 and under PP 4 for step 3 (the same global batch: data ranks x grad_accum = 4 microbatches)."""
+    tmp = Path(tmp)
+    assert run.main(_cli_args(tmp / "pp2", corpus, 3, 2, pp=2)) == 0
+    if dist.get_rank() == 0:
+        for name in ("ep4", "pp4", "one"):
+            _resume_from(tmp / "pp2", tmp / name)
+    dist.barrier()
+    assert run.main(_cli_args(tmp / "ep4", corpus, 3, 1, resume=True, ep=4)) == 0
+    assert run.main(_cli_args(tmp / "pp4", corpus, 3, 4, resume=True, pp=4)) == 0
+
+
+def test_a_pipeline_checkpoint_resumes_exactly_under_ep_another_pipeline_and_one_process(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py", "glob.py"):
+        shutil.copyfile(stdlib_root() / name, corpus / name)
+    run_on_ranks(resume_worker, 4, str(tmp_path), str(corpus), timeout=600)
+    run_on_ranks(run.main, 1, _cli_args(tmp_path / "one", corpus, 3, 4, resume=True), timeout=600)
+    expected = _records(tmp_path / "pp2")
+    assert sorted(expected["train"]) == [1, 2, 3]
+    for name in ("ep4", "pp4", "one"):
+        got = _records(tmp_path / name)
+        assert sorted(got["train"]) == [3], name
+        assert got["train"][3]["valid_tokens"] == expected["train"][3]["valid_tokens"], name
+        for key in ("loss", "grad_norm", "aux_loss"):
+            assert got["train"][3][key] == pytest.approx(expected["train"][3][key], rel=1e-5), (name, key)
+        assert got["final"]["heldout_loss"] == pytest.approx(expected["final"]["heldout_loss"], rel=1e-5), name

@@ -69,7 +69,7 @@ class JobConfig:
               "with train.compile = True: each microbatch's row length differs (a recompile per length); "
               "use packed batching or train.compile = False")
         check_pipeline_job(p, n_layers=m.n_layers, grad_accum=t.grad_accum, tie_embeddings=m.tie_embeddings,
-                           batching=d.batching, compile=t.compile)
+                           batching=d.batching, compile=t.compile, eval_tasks=bool(t.eval_tasks))
         if p.ep > 1:
             check(not moe.expert_proj_bias, "model.moe.expert_proj_bias", moe.expert_proj_bias,
                   "expert parallelism does not move expert biases yet; use parallel.ep = 1")

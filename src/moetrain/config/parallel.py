@@ -97,7 +97,7 @@ PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 
 
 def check_pipeline_job(parallel: ParallelConfig, *, n_layers: int, grad_accum: int, tie_embeddings: bool,
-                       batching: str, compile: bool) -> None:
+                       batching: str, compile: bool, eval_tasks: bool) -> None:
     """JobConfig's pipeline rules (they read other sections): enough layers for the stages, the microbatches
     torch's schedule needs per step (1F1B: >= pp; Interleaved1F1B: >= pp and a multiple of pp, its rounds;
     ZBV: >= its 2 pp stages), fixed microbatch shapes (a stage's receive buffers are sized once), an
@@ -109,6 +109,8 @@ def check_pipeline_job(parallel: ParallelConfig, *, n_layers: int, grad_accum: i
           f"x parallel.pp_stages_per_rank = {parallel.pp_stages} stages is more than model.n_layers = {n_layers}")
     check(not tie_embeddings, "model.tie_embeddings", tie_embeddings,
           "with parallel.pp > 1: the embedding and the head live on different stages; untie them")
+    check(not eval_tasks, "train.eval_tasks", "[...]", "is not supported with parallel.pp > 1: scoring choices "
+          "does not run through pipeline stages; evaluate a checkpoint on one stage")
     check(batching == "packed", "data.batching", batching,
           "with parallel.pp > 1: stages exchange fixed-shape microbatches; use packed batching")
     check(not (compile and schedule == "ZBVZeroBubble"), "train.compile", compile,

@@ -25,6 +25,7 @@ This module runs the pipeline; the trainer owns the optimizer, clipping and the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -141,45 +142,56 @@ class PipelineStep:
         return self.totals
 
     @torch.no_grad()
+    def forward_only(self, batch: Batch, after_stage: Callable[[Transformer], None] | None = None) -> Tensor | None:
+        """`batch` through every stage in order without autograd: the logits on the rank holding the last stage,
+        None on the others (collective over the pipeline group). `after_stage(part)` runs after each of this
+        rank's stages. Hidden states move between pipeline ranks by send/recv, so any batch shape works."""
+        pipeline, group, parallel = self.pipeline, self.pipeline_group, self.cfg.parallel
+        by_stage = dict(zip(pipeline.stage_ids, pipeline.parts, strict=True))
+        me = self.job.pipeline.get_local_rank()
+        hidden = None
+        for stage in range(pipeline.n_stages):
+            holder, previous = stage_rank(stage, parallel), stage_rank(stage - 1, parallel) if stage else None
+            if stage not in by_stage:
+                if previous == me:
+                    dist.send(hidden.contiguous(), dst=dist.get_global_rank(group, holder), group=group)
+                continue
+            if previous is not None and previous != me:
+                hidden = torch.empty(*batch.tokens.shape, self.cfg.model.dim, dtype=_hidden_dtype(self.cfg),
+                                     device=self.job.device)
+                dist.recv(hidden, src=dist.get_global_rank(group, previous), group=group)
+            part = by_stage[stage]
+            hidden = part(batch.tokens if stage == 0 else hidden, positions=batch.positions,
+                          document_ids=batch.document_ids)
+            if after_stage is not None:
+                after_stage(part)
+        return hidden if pipeline.holds_last else None
+
+    @torch.no_grad()
     def route_step(self, microbatches: list[Batch]) -> None:
         """Under the global-batch balance loss: the step's expert counts per MoE layer, before the step trains.
 
-        Each microbatch goes through the stages in order without autograd (the parts in eval mode record
-        no aux-free loads), hidden states moving between pipeline ranks by send/recv; each rank sums its
-        layers' counts over its data-parallel ranks and gives them to its layers.
+        Each microbatch goes through the stages (`forward_only`, the parts in eval mode: no aux-free loads
+        recorded); each rank sums its layers' counts over its data-parallel ranks and gives them to its layers.
         """
         if not self.model.needs_global_balance():
             return
-        pipeline, group = self.pipeline, self.pipeline_group
-        by_stage = dict(zip(pipeline.stage_ids, pipeline.parts, strict=True))
         counts: dict[int, Tensor] = {}
+
+        def count(part: Transformer) -> None:
+            for layer in part.moe_layers():
+                counts[id(layer)] = counts.get(id(layer), 0) + layer.tokens_per_expert.to(torch.float64)
+
         self.model.eval()
         try:
             for batch in microbatches:
-                hidden = None
-                for stage in range(pipeline.n_stages):
-                    holder = stage_rank(stage, self.cfg.parallel)
-                    previous = stage_rank(stage - 1, self.cfg.parallel) if stage else holder
-                    if stage not in by_stage:
-                        if previous == self.job.pipeline.get_local_rank() and stage:
-                            dist.send(hidden, dst=dist.get_global_rank(group, holder), group=group)
-                        continue
-                    if stage and previous != holder:
-                        hidden = torch.empty(_hidden_shape(self.cfg), dtype=_hidden_dtype(self.cfg),
-                                             device=self.job.device)
-                        dist.recv(hidden, src=dist.get_global_rank(group, previous), group=group)
-                    part = by_stage[stage]
-                    hidden = part(batch.tokens if stage == 0 else hidden, positions=batch.positions,
-                                  document_ids=batch.document_ids)
-                    for layer in part.moe_layers():
-                        load = layer.tokens_per_expert.to(torch.float64)
-                        counts[id(layer)] = counts.get(id(layer), 0) + load
+                self.forward_only(batch, count)
         finally:
             self.model.train()
         layers = self.model.moe_layers()
         n_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
         flat = torch.cat([counts[id(layer)] for layer in layers] + [torch.tensor([n_tokens], dtype=torch.float64)])
-        flat = self.data_all_reduce(flat.to(collective_device(group))).cpu()
+        flat = self.data_all_reduce(flat.to(collective_device(self.pipeline_group))).cpu()
         self.model.set_global_balance(flat[:-1].view(len(layers), -1), int(flat[-1]))
 
 

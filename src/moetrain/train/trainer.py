@@ -332,14 +332,21 @@ class Trainer:
         heldout = self.data.heldout
         assert heldout is not None
         mb = self.cfg.train.microbatch_size
-        indices = eval_indices(len(heldout), self.cfg.train.eval_batches * mb, self.rank, self.world)
+        # Every stage of a pipeline evaluates the same sequences: they are split over the data-parallel ranks.
+        indices = eval_indices(len(heldout), self.cfg.train.eval_batches * mb, self.job.data_rank,
+                               self.job.data_world)
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid targets, bytes
         self.model.eval()
         try:
             with self._compute_dtype():  # held-out loss in the dtype the model trains in
                 for lo in range(0, len(indices), mb):
                     batch = heldout.batch(indices[lo: lo + mb]).to(self.device)
-                    logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
+                    if self.pipeline is not None:
+                        logits = self.pipeline.forward_only(batch)
+                        if logits is None:  # not the last stage: the last stage's ranks sum the loss
+                            continue
+                    else:
+                        logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
                     loss_sum, n_valid = token_loss_sum(logits, batch.targets)
                     valid = batch.targets != IGNORE_INDEX
                     n_bytes = self.token_bytes[batch.targets[valid]].sum()
