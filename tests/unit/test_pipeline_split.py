@@ -11,7 +11,7 @@ import torch
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.config.parallel import ParallelConfig, check_world_size
+from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.pipeline import layer_costs, pipeline_parts, rank_stages, split_layers, stage_rank
@@ -111,8 +111,3 @@ def test_pipeline_refusals_are_one_line_naming_the_field(fields, message):
         job(**fields).validate()
     assert message in str(error.value) and "\n" not in str(error.value)
 
-
-def test_a_world_the_pipeline_does_not_divide_is_refused():
-    with pytest.raises(ConfigError, match="parallel.pp = 3 is invalid: parallel.pp x parallel.cp x parallel.tp"):
-        check_world_size(ParallelConfig(pp=3), 4)
-    assert check_world_size(ParallelConfig(pp=2, dp_replicate=2), 8) == (2, 2)
