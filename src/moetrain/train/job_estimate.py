@@ -27,6 +27,7 @@ from moetrain.model.flops import count_params
 from moetrain.model.memory_estimate import PeakEstimate, estimate_peak, estimate_training_memory, format_bytes
 from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.runtime.preflight import physical_memory_bytes
+from moetrain.train.pipeline_estimate import describe_layouts, pipeline_peak, propose_layouts
 
 PROG = "moetrain estimate"
 # Nominal memory of common accelerators (vendor datasheets), for a mesh the user does not have.
@@ -133,16 +134,37 @@ def estimate(cfg: JobConfig, world: int, per_node: int, device: str, device_memo
         process_bytes = data_bytes = 0
     device_type = "cpu" if host else "cuda"
     ac = cfg.train.activation_checkpointing not in (False, "none")
-    peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, host_heap=host)
-    other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, host_heap=host)
+    if cfg.parallel.pp > 1:  # the heaviest pipeline rank: its layers, the microbatches its schedule keeps in flight
+        peak = pipeline_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, host)[0]
+        other = pipeline_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, host)[0]
+    else:
+        peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, host_heap=host)
+        other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, host_heap=host)
     return Estimate(cfg, world, per_node, device, replicate, shard, peak, other,
                     estimate_training_memory(cfg, shard).total, available, sharers, where)
+
+
+def proposals(cfg: JobConfig, world: int, per_node: int, device: str, device_memory: str | None = None) -> str:
+    """The pipeline, data and expert layouts of `world` ranks that fit the device, ranked (GPU devices only:
+    on CPU the ranks share one machine's memory and the measured process terms dominate)."""
+    available, sharers, where = _memory_of(device, device_memory, per_node)
+    if device == "cpu" or available is None:
+        raise ConfigError("--propose is invalid with --device cpu: name a GPU or give --device-memory GIB")
+    return describe_layouts(propose_layouts(cfg, world, per_node, available // sharers, "cuda"), where)
 
 
 def report(cfg: JobConfig, world: int, per_node: int, device: str, device_memory: str | None = None,
            process_bytes: int | None = None, data_bytes: int | None = None) -> str:
     """The estimate as lines of text; ConfigError when the mesh does not fit the world or the device is unknown."""
     return describe(estimate(cfg, world, per_node, device, device_memory, process_bytes, data_bytes))
+
+
+def _pipeline(cfg: JobConfig) -> str:
+    parallel = cfg.parallel
+    if parallel.pp == 1:
+        return ""
+    return (f"pp {parallel.pp} {parallel.pp_schedule} x {parallel.pp_stages_per_rank} stage(s) per rank, "
+            "the heaviest pipeline rank shown; ")
 
 
 def describe(est: Estimate) -> str:
@@ -153,7 +175,8 @@ def describe(est: Estimate) -> str:
     verdict = "unknown" if est.fits is None else ("fits" if est.fits else "does NOT fit")
     host = est.device == "cpu"
     rows = [
-        f"{PROG}: {est.world} rank(s) ({est.replicate} replica(s) x {shard} shard(s), ep {cfg.parallel.ep}), "
+        f"{PROG}: {est.world} rank(s) ({_pipeline(cfg)}{est.replicate} replica(s) x {shard} shard(s), "
+        f"ep {cfg.parallel.ep}), "
         f"{est.per_node} per machine, device {est.device}",
         f"  parameters        {params['total'] / 1e6:12.2f} M total, {params['active'] / 1e6:.2f} M active per token",
         "  per rank:",
