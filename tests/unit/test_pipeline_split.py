@@ -13,8 +13,10 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
+from moetrain.model.flops import count_params
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.pipeline import layer_costs, pipeline_parts, rank_stages, split_layers, stage_rank
+from moetrain.train.pipeline_estimate import in_flight, pipeline_peak, propose_layouts, rank_share
 
 DEEPSEEK_LIKE = ModelConfig(vocab_size=259, dim=16, n_layers=8, n_heads=2, ffn_hidden=96, n_dense_layers=2,
                             max_seq_len=16, moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=8,
@@ -111,3 +113,33 @@ def test_pipeline_refusals_are_one_line_naming_the_field(fields, message):
         job(**fields).validate()
     assert message in str(error.value) and "\n" not in str(error.value)
 
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(pp=4), ParallelConfig(pp=2, pp_schedule="ZBVZeroBubble",
+                                                                           pp_stages_per_rank=2)])
+def test_the_pipeline_ranks_hold_every_parameter_of_the_whole_model_once(parallel):
+    cfg = job()
+    cfg.parallel = parallel
+    shares = [rank_share(cfg, rank) for rank in range(parallel.pp)]
+    assert sum(share.params for share in shares) == count_params(cfg.model)["total"]
+    assert sum(share.expert_params for share in shares) == count_params(cfg.model)["routed_experts"]
+    assert sum(share.holds_first for share in shares) == sum(share.holds_last for share in shares) == 1
+
+
+def test_1f1b_keeps_pp_minus_rank_microbatches_in_flight_and_estimates_the_heaviest_rank():
+    parallel = ParallelConfig(pp=4)
+    assert [in_flight(parallel, 8, rank) for rank in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(parallel, 2, rank) for rank in range(4)] == [2, 2, 2, 1]
+    cfg = job(parallel__pp=4, train__grad_accum=8)
+    peak, rank = pipeline_peak(cfg, 1, "cuda", 0, 0, False, False)
+    assert peak.weights == 4 * rank_share(cfg, rank).params
+    assert rank == 0 or peak.logits > 0  # the first rank holds the most microbatches, unless the head outweighs it
+
+
+def test_proposed_layouts_fit_and_come_fewest_bytes_first():
+    cfg = job(train__microbatch_size=1)
+    layouts = propose_layouts(cfg, 16, 8, 2**21, "cuda")
+    assert layouts and all(layout.peak_bytes <= 2**21 for layout in layouts)
+    moved = [layout.all_gather_bytes + layout.all_to_all_bytes for layout in layouts]
+    assert moved == sorted(moved)
+    assert all(layout.pp * layout.dp_replicate * layout.dp_shard == 16 for layout in layouts)

@@ -94,6 +94,13 @@ def pipeline_peak(cfg: JobConfig, shard: int, device_type: str, process_bytes: i
         peak = dataclasses.replace(base, weights=4 * state, gradients=4 * state, optimizer=8 * state,
                                    activations=int(base.activations * flying),
                                    logits=base.logits if share.holds_last else 0)
+        if cfg.parallel.pp > 1 and shard > 1:
+            # A stage keeps its weights gathered through the step and its gradients unsharded until the
+            # schedule's last backward (moetrain.train.pipeline_step): the rank's layers, experts split by EP.
+            gathered = share.params - share.expert_params + share.expert_params // cfg.parallel.ep
+            parallel = cfg.parallel
+            peak = dataclasses.replace(peak, fsdp_buffers=gathered * (DTYPE_BYTES[parallel.param_dtype]
+                                                                      + DTYPE_BYTES[parallel.reduce_dtype]))
         if best is None or peak.peak > best[0].peak:
             best = (peak, pp_rank)
     return best
