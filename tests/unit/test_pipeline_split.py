@@ -15,6 +15,8 @@ from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.model.flops import count_params
 from moetrain.model.transformer import Transformer
+from moetrain.parallel.grad_sync import resolve_sync_policy
+from moetrain.parallel.mesh import MeshDims
 from moetrain.parallel.pipeline import layer_costs, pipeline_parts, rank_stages, split_layers, stage_rank
 from moetrain.train.pipeline_estimate import in_flight, pipeline_peak, propose_layouts, rank_share
 
@@ -143,3 +145,10 @@ def test_proposed_layouts_fit_and_come_fewest_bytes_first():
     moved = [layout.all_gather_bytes + layout.all_to_all_bytes for layout in layouts]
     assert moved == sorted(moved)
     assert all(layout.pp * layout.dp_replicate * layout.dp_shard == 16 for layout in layouts)
+
+
+def test_under_a_pipeline_the_sync_policy_is_the_schedules_one_reduction_per_step():
+    dims = MeshDims(pp=2, dp_replicate=2, dp_shard=2)
+    assert resolve_sync_policy(ParallelConfig(pp=2), dims, 4).name == "final_only"
+    with pytest.raises(ConfigError, match="^parallel.sync_policy = 'delayed_all_reduce' is invalid with parallel.pp"):
+        resolve_sync_policy(ParallelConfig(pp=2, sync_policy="delayed_all_reduce"), dims, 4)

@@ -72,8 +72,15 @@ SYNC_POLICIES: dict[str, SyncPolicy] = {
 
 def resolve_sync_policy(parallel: ParallelConfig, dims: MeshDims, grad_accum: int) -> SyncPolicy:
     """The configured policy; "auto" = delayed_all_reduce when gradients are replicated
-    (dp_replicate > 1: HSDP or pure replication) and accumulated, else every_microbatch."""
+    (dp_replicate > 1: HSDP or pure replication) and accumulated, else every_microbatch; under
+    pipeline parallelism final_only, what torch's schedule does (the others are refused)."""
     name = parallel.sync_policy
+    if dims.pp > 1:
+        # torch's pipeline stages sync once, after the schedule's last backward (PipelineStage.perform_reduce_grad).
+        if name not in ("auto", "final_only"):
+            raise ConfigError(f"parallel.sync_policy = {name!r} is invalid with parallel.pp > 1: the schedule reduces "
+                              "once after its last backward; use auto or final_only")
+        return SYNC_POLICIES["final_only"]
     if name == "auto":
         name = "delayed_all_reduce" if dims.dp_replicate > 1 and grad_accum > 1 else "every_microbatch"
     if name not in SYNC_POLICIES:

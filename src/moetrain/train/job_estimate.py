@@ -141,7 +141,7 @@ def estimate(cfg: JobConfig, world: int, per_node: int, device: str, device_memo
         peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, host_heap=host)
         other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, host_heap=host)
     return Estimate(cfg, world, per_node, device, replicate, shard, peak, other,
-                    estimate_training_memory(cfg, shard).total, available, sharers, where)
+                    estimate_training_memory(cfg, shard * cfg.parallel.pp).total, available, sharers, where)
 
 
 def proposals(cfg: JobConfig, world: int, per_node: int, device: str, device_memory: str | None = None) -> str:
@@ -189,7 +189,8 @@ def describe(est: Estimate) -> str:
             "here; 0 with --skip-data)",
         ]
     rows += [
-        f"    weights         {format_bytes(parts.weights):>12}  (float32, 1/{shard} of the model)",
+        f"    weights         {format_bytes(parts.weights):>12}  (float32, 1/{shard} of the "
+        + ("rank's stages)" if cfg.parallel.pp > 1 else "model)"),
         f"    gradients       {format_bytes(parts.gradients):>12}",
         f"    optimizer       {format_bytes(parts.optimizer):>12}  (AdamW: 2 float32 moments; fused step, no "
         "temporaries)",
@@ -199,8 +200,9 @@ def describe(est: Estimate) -> str:
         f"{' and its recomputation' if ac else ''})",
         f"    logits          {format_bytes(parts.logits):>12}  (float32 logits, log-softmax and gradient)",
         f"    attention mask  {format_bytes(parts.attention_mask):>12}",
-        f"    FSDP buffers    {format_bytes(parts.fsdp_buffers):>12}  (unsharded parameters of 2 blocks, "
-        "gradients of 1)",
+        f"    FSDP buffers    {format_bytes(parts.fsdp_buffers):>12}  "
+        + ("(the stages' gathered parameters and unsharded gradients, held through the step)"
+           if cfg.parallel.pp > 1 else "(unsharded parameters of 2 blocks, gradients of 1)"),
     ]
     if host:
         rows.append(f"    allocator       {format_bytes(parts.allocator):>12}  (the host heap's slack: half the "
