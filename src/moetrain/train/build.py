@@ -9,8 +9,9 @@ still on the meta device (no memory is spent on parameters a rank will not hold)
 Weights: "init" draws them with the model's init scheme (each rank its own shards, the same
 distribution as an unsharded init); "hf:DIR" reads a Hugging Face directory (each rank reads
 its own slices); "none" leaves the parameters for the caller to load from a checkpoint and
-resets only the buffers a checkpoint does not carry. This module builds; it does not train,
-save or parse a command line.
+resets only the buffers a checkpoint does not carry. Under pipeline parallelism `build_pipeline`
+builds a rank's stages the same way, each stage parallelized as a model of its own. This module
+builds; it does not train, save or parse a command line.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ and step the optimizer unless the loss or norm is NaN/inf. Under expert parallel
 the time in the MoE token all-to-alls is reported on its own (`all_to_all_s`, with the
 rows each rank sent and received) and left out of the compute time. Deciding what a
 non-finite step means, when to evaluate, log or save is the run's job, not this one's.
+Under pipeline parallelism (`parallel.pp > 1`) the model is the rank's stages and the microbatches
+run through torch's schedule instead (`moetrain.train.pipeline_step`); the rest of the step is shared.
 """
 
 from __future__ import annotations
