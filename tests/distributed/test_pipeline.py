@@ -19,16 +19,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import hf_tiny
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX, Batch
+from moetrain.interop import hf_job_config
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.shard import fsdp_modules
 from moetrain.testing.multirank import run_on_ranks
 from moetrain.train import run
+from moetrain.train.build import build_model, build_pipeline
 from moetrain.train.trainer import Trainer
 
 SEQ, MICRO, STEPS = 8, 2, 2
@@ -246,10 +249,17 @@ def _resume_from(source, target) -> None:
     shutil.copytree(source / "checkpoints" / "step_00000002", target / "checkpoints" / "step_00000002")
 
 
-def resume_worker(tmp, corpus) -> None:
-    """`moetrain train` under PP 2 x FSDP 2 for 3 steps (saving step 2), then step 2's checkpoint resumed
+def resume_worker(tmp, corpus, hf_dir) -> dict:
+    """A DeepSeek-V3 directory imported under PP 2 x FSDP 2 (this rank's full weights by name); then
+    `moetrain train` under PP 2 x FSDP 2 for 3 steps (saving step 2), and step 2's checkpoint resumed
     under EP 4 and under PP 4 for step 3 (the same global batch: data ranks x grad_accum = 4 microbatches)."""
     tmp = Path(tmp)
+    cfg = hf_job_config(hf_dir)
+    cfg.parallel.pp, cfg.train.grad_accum = 2, 2
+    cfg.validate()
+    pipeline = build_pipeline(cfg, JobMesh.from_config(cfg.parallel, dist.get_world_size(), "cpu"),
+                              weights=f"hf:{hf_dir}")
+    imported = {name: full(p).numpy() for name, p in pipeline.model.named_parameters()}
     assert run.main(_cli_args(tmp / "pp2", corpus, 3, 2, pp=2)) == 0
     if dist.get_rank() == 0:
         for name in ("ep4", "pp4", "one"):
@@ -257,15 +267,34 @@ def resume_worker(tmp, corpus) -> None:
     dist.barrier()
     assert run.main(_cli_args(tmp / "ep4", corpus, 3, 1, resume=True, ep=4)) == 0
     assert run.main(_cli_args(tmp / "pp4", corpus, 3, 4, resume=True, pp=4)) == 0
+    return imported
 
 
-def test_a_pipeline_checkpoint_resumes_exactly_under_ep_another_pipeline_and_one_process(tmp_path):
-    corpus = tmp_path / "corpus"
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """(tmp dir, each rank's imported weights, the HF directory)."""
+    tmp = tmp_path_factory.mktemp("pp_cli")
+    corpus = tmp / "corpus"
     corpus.mkdir()
     for name in ("bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py", "glob.py"):
         shutil.copyfile(stdlib_root() / name, corpus / name)
-    run_on_ranks(resume_worker, 4, str(tmp_path), str(corpus), timeout=600)
-    run_on_ranks(run.main, 1, _cli_args(tmp_path / "one", corpus, 3, 4, resume=True), timeout=600)
+    hf_dir = hf_tiny.save(hf_tiny.build("deepseek_v3"), tmp / "deepseek_v3")
+    imported = run_on_ranks(resume_worker, 4, str(tmp), str(corpus), str(hf_dir), timeout=600)
+    run_on_ranks(run.main, 1, _cli_args(tmp / "one", corpus, 3, 4, resume=True), timeout=600)
+    return tmp, imported, hf_dir
+
+
+def test_hugging_face_import_under_a_pipeline_equals_one_process(cli_runs):
+    _, imported, hf_dir = cli_runs
+    want = build_model(hf_job_config(hf_dir).model, weights=f"hf:{hf_dir}").state_dict()
+    got = {name: value for rank in imported for name, value in rank.items()}
+    assert got.keys() == {name for name, _ in build_model(hf_job_config(hf_dir).model).named_parameters()}
+    for name, value in got.items():
+        torch.testing.assert_close(torch.from_numpy(value), want[name].double(), rtol=0, atol=0)
+
+
+def test_a_pipeline_checkpoint_resumes_exactly_under_ep_another_pipeline_and_one_process(cli_runs):
+    tmp_path = cli_runs[0]
     expected = _records(tmp_path / "pp2")
     assert sorted(expected["train"]) == [1, 2, 3]
     for name in ("ep4", "pp4", "one"):

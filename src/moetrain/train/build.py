@@ -70,11 +70,11 @@ def _fill_weights(model: Transformer, weights: str, seed: int, init_scheme: str 
 def build_pipeline(cfg: JobConfig, job: JobMesh, *, weights: str | None = None) -> PipelineModel:
     """This pipeline rank's stages (`moetrain.parallel.pipeline`), each parallelized as its own model, with
     `weights` (default `model.init_from` or "init") drawn or read through the rank's whole part, so by the
-    names the whole model has: the same weights as one process builds. In train mode. Collective."""
+    names the whole model has: the same weights as one process builds (from "hf:DIR" each rank reads its
+    own layers' tensors only). In train mode. Collective."""
     weights = weights or cfg.model.init_from or "init"
-    if weights not in ("init", "none"):
-        raise ConfigError(f"model.init_from = {weights!r} is not supported with parallel.pp > 1 yet: import the "
-                          "weights into a checkpoint on one stage and resume from it under pipeline parallelism")
+    if weights not in ("init", "none") and not weights.startswith("hf:"):
+        raise ConfigError(f"weights = {weights!r} is invalid: must be one of {', '.join(WEIGHTS)}")
     pipeline = pipeline_parts(cfg.model, cfg.parallel, job.pipeline.get_local_rank())
     # A stage keeps its gathered weights from a microbatch's forward to its backward: resharding would
     # all-gather every layer twice per microbatch, and torch's split backward (ZBVZeroBubble) collects
