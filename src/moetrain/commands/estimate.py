@@ -21,7 +21,7 @@ import os
 from moetrain.args import take_option
 from moetrain.config.job import CommandOption, parse_job_args
 from moetrain.errors import ConfigError
-from moetrain.train.job_estimate import GPU_MEMORY_BYTES, PROG, describe, estimate, job_defaults
+from moetrain.train.job_estimate import GPU_MEMORY_BYTES, PROG, describe, estimate, job_defaults, proposals
 
 OPTIONS = (
     CommandOption("world", int | None, None, "ranks of the job; None = WORLD_SIZE of the environment, else 1"),
@@ -32,6 +32,8 @@ OPTIONS = (
     CommandOption("device_memory", float | None, None, "GiB of one device, for a GPU not in the table "
                   "(overrides its entry)"),
     CommandOption("json", bool, False, "print the estimate as JSON (bytes) instead of the table"),
+    CommandOption("propose", bool, False, "list the pp x dp_replicate x dp_shard x ep layouts of the world that fit "
+                  "the GPU, fewest all-gather + all-to-all bytes per step first"),
     CommandOption("skip_data", bool, False, "on CPU, do not load the training data to measure it (data counts 0)"),
 )
 
@@ -63,12 +65,16 @@ def main(argv: list[str]) -> int:
     gpus_arg, argv = take_option(argv, "gpus-per-node")
     device, argv = take_option(argv, "device")
     device_memory, argv = take_option(argv, "device-memory")
-    as_json, skip_data = "--json" in argv, "--skip-data" in argv
-    argv = [a for a in argv if a not in ("--json", "--skip-data")]
+    as_json, skip_data, propose = "--json" in argv, "--skip-data" in argv, "--propose" in argv
+    argv = [a for a in argv if a not in ("--json", "--skip-data", "--propose")]
     cfg = parse_job_args(argv, prog=PROG, init_from_defaults=job_defaults, options=OPTIONS,
                          description=" ".join(__doc__.split("\n\n")[1].split()))
     world, per_node = mesh_size(_positive(world_arg, "world"), _positive(nodes_arg, "nodes"),
                                 _positive(gpus_arg, "gpus_per_node"))
+    if propose:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(proposals(cfg, world, per_node, device or "cpu", device_memory))
+        return 0
     est = estimate(cfg, world, per_node, device or "cpu", device_memory, data_bytes=0 if skip_data else None)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one report for the job
         print(json.dumps(est.as_json(), indent=1) if as_json else describe(est))

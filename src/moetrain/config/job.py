@@ -28,7 +28,7 @@ from moetrain.config.ft import FtConfig
 from moetrain.config.logging import LoggingConfig
 from moetrain.config.lora import LoraConfig, target_widths
 from moetrain.config.model import ModelConfig
-from moetrain.config.parallel import ParallelConfig
+from moetrain.config.parallel import ParallelConfig, check_pipeline_job
 from moetrain.config.profile import ProfileConfig
 from moetrain.config.train import TrainConfig
 from moetrain.errors import ConfigError
@@ -73,6 +73,8 @@ class JobConfig:
         check(not (t.compile and d.batching == "token_budget"), "data.batching", d.batching,
               "with train.compile = True: each microbatch's row length differs (a recompile per length); "
               "use packed batching or train.compile = False")
+        check_pipeline_job(p, n_layers=m.n_layers, grad_accum=t.grad_accum, tie_embeddings=m.tie_embeddings,
+                           batching=d.batching, compile=t.compile, eval_tasks=bool(t.eval_tasks))
         if p.ep > 1:
             check(m.n_dense_layers < m.n_layers, "parallel.ep", p.ep,
                   f"expert parallelism needs an MoE layer, but all model.n_layers = {m.n_layers} layers are dense; "

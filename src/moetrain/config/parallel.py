@@ -22,6 +22,12 @@ class ParallelConfig:
     """Ranks each replica is sharded over (FSDP2); -1 = whatever is left of the world size after dp_replicate."""
     pp: int = 1
     """Pipeline parallelism: ranks along the pipeline dimension (outermost); 1 = off."""
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = "1F1B"
+    """The pipeline schedule (torch.distributed.pipelining); under pp > 1 the step's train.grad_accum
+    microbatches are the schedule's microbatches. Interleaved1F1B takes pp_stages_per_rank >= 2,
+    ZBVZeroBubble exactly 2 (V-shaped: rank r holds stages r and 2 pp - 1 - r). DualPipeV is refused."""
+    pp_stages_per_rank: int = 1
+    """Pipeline stages each pipeline rank holds (pp x pp_stages_per_rank stages split the layers)."""
     tp: int = 1
     """Tensor (with sequence) parallelism: ranks that split each dense layer (innermost); 1 = off."""
     cp: int = 1
@@ -51,14 +57,72 @@ class ParallelConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (one line) at the first invalid [parallel] field."""
-        check_positive(self, "parallel", ("dp_replicate", "ep", "pp", "tp", "cp"))
-        for name in ("pp", "tp", "cp"):  # the mesh lays these dimensions out; no model code applies them yet
+        check_positive(self, "parallel", ("dp_replicate", "ep", "pp", "tp", "cp", "pp_stages_per_rank"))
+        self._validate_pipeline()
+        for name in ("tp", "cp"):  # the mesh lays these dimensions out; no model code applies them yet
             check(getattr(self, name) == 1, f"parallel.{name}", getattr(self, name), "must be 1: not supported yet")
         check(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
               "must be -1 (auto) or >= 1")
         # At most a year: the process group keeps it as a timedelta in C (days fit an int32, not 1e30 s).
         check(0 < self.collective_timeout_s <= 365 * 86400, "parallel.collective_timeout_s", self.collective_timeout_s,
               "must be a finite number of seconds > 0 (at most a year, 31536000)")
+
+
+    def _validate_pipeline(self) -> None:
+        check(self.pp_schedule in PIPELINE_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
+              f"is invalid: use one of {', '.join(PIPELINE_SCHEDULES)}")
+        # torch's DualPipeV overlaps one microbatch's forward with another's backward in one action and
+        # runs them back to back without an overlap callback: no gain over ZBVZeroBubble, and its
+        # expert-parallel all-to-all overlap (the reason to use it) needs a callback nobody registers here.
+        check(self.pp_schedule != "DualPipeV", "parallel.pp_schedule", self.pp_schedule,
+              "is not supported: torch's DualPipeV brings no overlap without an EP overlap callback; use ZBVZeroBubble")
+        stages = self.pp_stages_per_rank
+        if self.pp_schedule == "1F1B":
+            check(stages == 1, "parallel.pp_stages_per_rank", stages, "must be 1 with parallel.pp_schedule = '1F1B' "
+                  "(use Interleaved1F1B or ZBVZeroBubble for several stages per rank)")
+        elif self.pp_schedule == "Interleaved1F1B":
+            check(stages >= 2, "parallel.pp_stages_per_rank", stages,
+                  "must be >= 2 with parallel.pp_schedule = 'Interleaved1F1B' (use 1F1B for one stage per rank)")
+        else:
+            check(stages == 2, "parallel.pp_stages_per_rank", stages,
+                  f"must be 2 with parallel.pp_schedule = {self.pp_schedule!r} (V-shaped: two stages per rank)")
+
+    @property
+    def pp_stages(self) -> int:
+        """How many stages the layers are split into (1 without pipeline parallelism)."""
+        return self.pp * self.pp_stages_per_rank if self.pp > 1 else 1
+
+
+PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+
+
+def check_pipeline_job(parallel: ParallelConfig, *, n_layers: int, grad_accum: int, tie_embeddings: bool,
+                       batching: str, compile: bool, eval_tasks: bool) -> None:
+    """JobConfig's pipeline rules (they read other sections): enough layers for the stages, the microbatches
+    torch's schedule needs per step (1F1B: >= pp; Interleaved1F1B: >= pp and a multiple of pp, its rounds;
+    ZBV: >= its 2 pp stages), fixed microbatch shapes (a stage's receive buffers are sized once), an
+    untied head (embedding and head live on different stages), no compile with ZBV's split backward."""
+    if parallel.pp == 1:
+        return
+    pp, schedule = parallel.pp, parallel.pp_schedule
+    check(parallel.pp_stages <= n_layers, "parallel.pp", pp,
+          f"x parallel.pp_stages_per_rank = {parallel.pp_stages} stages is more than model.n_layers = {n_layers}")
+    check(not tie_embeddings, "model.tie_embeddings", tie_embeddings,
+          "with parallel.pp > 1: the embedding and the head live on different stages; untie them")
+    check(not eval_tasks, "train.eval_tasks", "[...]", "is not supported with parallel.pp > 1: scoring choices "
+          "does not run through pipeline stages; evaluate a checkpoint on one stage")
+    check(batching == "packed", "data.batching", batching,
+          "with parallel.pp > 1: stages exchange fixed-shape microbatches; use packed batching")
+    check(not (compile and schedule == "ZBVZeroBubble"), "train.compile", compile,
+          "with parallel.pp_schedule = 'ZBVZeroBubble': torch splits its backward outside compiled graphs; "
+          "use 1F1B or Interleaved1F1B")
+    needed = 2 * pp if schedule == "ZBVZeroBubble" else pp
+    check(grad_accum >= needed, "train.grad_accum", grad_accum,
+          f"must be >= {needed} under parallel.pp = {pp} with parallel.pp_schedule = {schedule!r}: "
+          "the step's microbatches are the schedule's")
+    if schedule == "Interleaved1F1B":
+        check(grad_accum % pp == 0, "train.grad_accum", grad_accum,
+              f"must be a multiple of parallel.pp = {pp} with parallel.pp_schedule = 'Interleaved1F1B'")
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:

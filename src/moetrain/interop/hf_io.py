@@ -58,6 +58,7 @@ from moetrain.interop.sharded_tensors import (
 from moetrain.logging import get_logger
 from moetrain.model.init import canonical_name
 from moetrain.model.layers import rope_permutation
+from moetrain.model.transformer import Transformer
 from moetrain.parallel.collectives import all_ranks_true, barrier, distributed, rank_and_world
 
 log = get_logger("interop")
@@ -237,7 +238,11 @@ def load_hf_weights(model: nn.Module, init_from: str | Path) -> None:
     cfg: ModelConfig = model.cfg
     family = families.family(check_architecture(cfg, model_dir)[0])
     tensors = _model_tensors(model)
-    fused = _check_stored(family, cfg, tensors, model_dir)
+    whole = tensors
+    if any(name not in tensors for name in family.tensor_names(cfg)):  # a pipeline stage: check the whole model
+        with torch.device("meta"):
+            whole = _model_tensors(Transformer(cfg))
+    fused = _check_stored(family, cfg, whole, model_dir)
     state, finish = _import_targets(family, cfg, tensors, fused)
     with _quiet_single_process():
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(model_dir)), no_dist=not distributed())
@@ -292,6 +297,8 @@ def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
         return copy
 
     for ours, theirs in family.tensor_names(cfg).items():
+        if ours not in tensors:  # a pipeline stage reads only its own layers
+            continue
         param = tensors[ours].detach()
         if _needs_rope_reorder(cfg, ours):
             state[theirs] = torch.empty_like(param)
@@ -302,6 +309,8 @@ def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
         state[theirs] = torch.empty_like(tensors[ours].detach())
 
     for layer, moe in routed_layers(cfg):
+        if f"{moe}.experts.w1" not in tensors:  # another pipeline stage's layer
+            continue
         w1_param = tensors[f"{moe}.experts.w1"].detach()
         w2_param = tensors[f"{moe}.experts.w2"].detach()
         w1, w2 = by_rows(w1_param), by_rows(w2_param)  # the parameters themselves unless sharded on dim 1

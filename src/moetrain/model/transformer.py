@@ -15,6 +15,13 @@ moetrain.model.mtp), each with a block numbered after the main ones; a forward r
 asked (`mtp=True`, training's MTP loss) and computes the main logits the same way either way.
 `cached_forward` and `mtp_cached_forward` are the KV-cached steps self-speculative decoding uses.
 
+A model can also be one part of the whole (a pipeline stage, or a rank's stages together):
+`Transformer(cfg, layer_ids, embedding=False, head=False)` holds only those blocks (`Blocks`, keyed
+by their index in the whole model, so names and checkpoints are the whole model's), takes hidden
+states instead of tokens without the embedding and returns hidden states without norm and head.
+`Transformer.part_of` makes a part that shares its modules with a larger part. Which layers a part
+holds is decided outside (`moetrain.parallel.pipeline`).
+
 The model builds on any device, including `meta`; `init_weights()` fills every parameter and
 buffer (after `to_empty` when built on meta) through `init.init_model`. The MoE bookkeeping
 (`aux_loss`, `z_loss_sum`, `tokens_per_expert`, `set_global_balance`, `update_expert_bias`,
@@ -25,6 +32,8 @@ global-batch expert counts) happen outside.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -68,37 +77,73 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
-    """Token embedding, blocks, final RMSNorm and LM head (optionally tied to the embedding)."""
+class Blocks(nn.ModuleDict):
+    """The blocks a model (or a part of it) holds, keyed by their layer index in the whole model.
 
-    def __init__(self, cfg: ModelConfig):
+    The keys "0".."n-1" give the names a list would (`layers.3.attention.wq.weight`), also in a part
+    holding layers 3..5 only. Iterating yields the blocks in layer order; `blocks[i]` is layer i.
+    """
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, index: int | str) -> TransformerBlock:
+        return super().__getitem__(str(index))
+
+
+class Transformer(nn.Module):
+    """Token embedding, blocks, final RMSNorm and LM head (optionally tied to the embedding), or a part of them.
+
+    `layer_ids` (default: all) are the blocks this part holds; `embedding` / `head` whether it holds
+    the token embedding / the final norm and LM head.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_ids: Sequence[int] | None = None, *, embedding: bool = True,
+                 head: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim) if embedding else None
+        ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+        self.layers = Blocks({str(i): TransformerBlock(cfg, i) for i in ids})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps) if head else None
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if head else None
         # Multi-token prediction: module k's block is layer n_layers + k - 1 (MoE past n_dense_layers, as
-        # the Hugging Face families number it); run only when a forward asks (`mtp=True`).
+        # the Hugging Face families number it); run only when a forward asks (`mtp=True`). Only a model
+        # with both ends holds them (pipeline parallelism refuses model.mtp_depth > 0).
         self.mtp = nn.ModuleList(MTPModule(cfg, TransformerBlock(cfg, cfg.n_layers + k))
-                                 for k in range(cfg.mtp_depth))
-        if cfg.tie_embeddings:
+                                 for k in range(cfg.mtp_depth if embedding and head else 0))
+        if cfg.tie_embeddings and embedding and head:
             self.output.weight = self.tok_embeddings.weight
         # The document-masked attention method; compiled blocks pin it (moetrain.parallel.parallelize).
         self.attention_method: str = cfg.attention
+
+    @classmethod
+    def part_of(cls, whole: Transformer, layer_ids: Sequence[int], *, embedding: bool, head: bool) -> Transformer:
+        """A part holding `whole`'s own modules (no copy): its blocks `layer_ids`, its embedding / norm and head."""
+        part = cls.__new__(cls)
+        nn.Module.__init__(part)
+        part.cfg = whole.cfg
+        part.tok_embeddings = whole.tok_embeddings if embedding else None
+        part.layers = Blocks({str(i): whole.layers[i] for i in layer_ids})
+        part.norm = whole.norm if head else None
+        part.output = whole.output if head else None
+        part.mtp = nn.ModuleList()  # pipeline parallelism refuses model.mtp_depth > 0
+        part.attention_method = whole.attention_method
+        return part
 
     def _apply(self, fn, recurse=True):
         # `to_empty` / `to` from meta replace each module's parameters one by one, which would
         # give the embedding and the head two separate tensors: tie them again.
         out = super()._apply(fn, recurse)
-        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+        tied = self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None
+        if tied and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
         return out
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
                 document_ids: Tensor | None = None, until_last_moe: bool = False,
                 cache: KVCache | None = None, mtp: bool = False) -> Tensor | tuple[Tensor, list[Tensor]] | None:
-        """tokens [B, S] -> logits [B, S, V].
+        """tokens [B, S] -> logits [B, S, V]; in a part, hidden states [B, S, D] in or out where it lacks the ends.
 
         `document_ids` [B, S] (contiguous runs of equal ids) restricts attention to earlier tokens of
         the same document. `positions` [B, S] are the RoPE positions; when omitted they are the
@@ -112,32 +157,33 @@ class Transformer(nn.Module):
         (logits, [logits of depth k, [B, S, V], position i predicting token i + k + 1, for k = 1..D]);
         the main logits are computed exactly as without it.
         """
+        batch, seq = tokens.shape[:2]
         if cache is not None:
             if document_ids is not None or positions is not None:
                 raise ValueError("a forward with a KV cache takes its positions from the cache: "
                                  "pass neither document_ids nor positions")
             return self.cached_forward(tokens, cache)[0]
-        batch, seq = tokens.shape
-        if document_ids is not None and document_ids.shape != tokens.shape:
-            raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != tokens shape "
-                             f"{tuple(tokens.shape)}")
+        if document_ids is not None and document_ids.shape != (batch, seq):
+            raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != tokens shape {(batch, seq)}")
         plan = plan_attention(document_ids, self.attention_method)  # once per forward, shared by every layer
         if positions is None:
             if document_ids is not None:
                 positions = positions_from_documents(document_ids)
             else:
                 positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
-        elif positions.shape != tokens.shape:
-            raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {tuple(tokens.shape)}")
-        embedded = self.tok_embeddings(tokens)
+        elif positions.shape != (batch, seq):
+            raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {(batch, seq)}")
+        embedded = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         h = embedded
-        last_moe = max((i for i, layer in enumerate(self.layers) if layer.is_moe), default=-1)
-        for i, layer in enumerate(self.layers):
+        last_moe = max((layer.layer_id for layer in self.layers if layer.is_moe), default=-1)
+        for layer in self.layers:
             h = layer(h, positions, plan)
-            if until_last_moe and i == last_moe:
+            if until_last_moe and layer.layer_id == last_moe:
                 return None
         if until_last_moe:
             return None
+        if self.output is None:
+            return h
         if not mtp:
             return self.output(self.norm(h))
         if not self.mtp:
@@ -166,6 +212,9 @@ class Transformer(nn.Module):
         positions = cache.advance(tokens_ahead.shape[1])
         h = module.block(module.combine(hidden, self.tok_embeddings(tokens_ahead)), positions, None, cache)
         return self.output(module.norm(h)), h
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def moe_layers(self) -> list:
         return [layer.moe for layer in self.layers if layer.is_moe]
@@ -198,7 +247,7 @@ class Transformer(nn.Module):
         Under `aux_loss_scope = "global_batch"` each term is the last forward's exact part of the
         step's loss (see `routing.global_balance_share`), which needs `set_global_balance` first.
         """
-        total = torch.zeros((), device=self.norm.weight.device)
+        total = torch.zeros((), device=self._device())
         for moe in self.moe_layers():
             if moe.cfg.load_balance != "aux_loss":
                 continue
@@ -231,7 +280,7 @@ class Transformer(nn.Module):
         `token_mask` [B, S] (bool) keeps the tokens the language-model loss counts, so dividing by
         the same token count makes the z-loss token-weighted exactly like it. 0 when no layer uses it.
         """
-        total = torch.zeros((), device=self.norm.weight.device)
+        total = torch.zeros((), device=self._device())
         for moe in self.moe_layers():
             if moe.router_z is None:
                 continue

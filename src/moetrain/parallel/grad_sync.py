@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
-from moetrain.parallel.collectives import all_reduce_int
+from moetrain.parallel.collectives import all_reduce_int, collective_device
 from moetrain.parallel.mesh import MeshDims
 from moetrain.parallel.shard import fsdp_modules
 
@@ -72,8 +72,15 @@ SYNC_POLICIES: dict[str, SyncPolicy] = {
 
 def resolve_sync_policy(parallel: ParallelConfig, dims: MeshDims, grad_accum: int) -> SyncPolicy:
     """The configured policy; "auto" = delayed_all_reduce when gradients are replicated
-    (dp_replicate > 1: HSDP or pure replication) and accumulated, else every_microbatch."""
+    (dp_replicate > 1: HSDP or pure replication) and accumulated, else every_microbatch; under
+    pipeline parallelism final_only, what torch's schedule does (the others are refused)."""
     name = parallel.sync_policy
+    if dims.pp > 1:
+        # torch's pipeline stages sync once, after the schedule's last backward (PipelineStage.perform_reduce_grad).
+        if name not in ("auto", "final_only"):
+            raise ConfigError(f"parallel.sync_policy = {name!r} is invalid with parallel.pp > 1: the schedule reduces "
+                              "once after its last backward; use auto or final_only")
+        return SYNC_POLICIES["final_only"]
     if name == "auto":
         name = "delayed_all_reduce" if dims.dp_replicate > 1 and grad_accum > 1 else "every_microbatch"
     if name not in SYNC_POLICIES:
@@ -143,33 +150,41 @@ def _params_by_grad_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:
     return by_mesh
 
 
-def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+def grad_norm(model: nn.Module, norm_type: float = 2.0, pipeline: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Norm of the full gradient, identical on every rank (a float32 scalar, local tensor).
 
     DTensor gradients (FSDP: Shard on dp_shard, Replicate on dp_replicate) reduce their
     partial norms over the shard dim only, so replicas are not double counted. Expert-parallel
     gradients live on another mesh than the rest, so each mesh's norm is reduced on its own
-    and the per-mesh norms are combined (a norm of norms).
+    and the per-mesh norms are combined (a norm of norms). Under pipeline parallelism `model`
+    holds this rank's stages only: the stages' norms are combined over the `pipeline` group.
     """
     by_mesh = _params_by_grad_mesh(model)
-    if not by_mesh:
-        return torch.zeros((), dtype=torch.float32)
     norms = []
     for params in by_mesh.values():
         total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, foreach=None)
         norms.append((total.full_tensor() if isinstance(total, DTensor) else total).float())
+    if pipeline is not None:  # a stage may hold no gradient at all: it still joins the sum
+        device = collective_device(pipeline)
+        powered = sum((norm.to(device) ** norm_type for norm in norms), torch.zeros((), device=device))
+        dist.all_reduce(powered, group=pipeline)
+        return powered ** (1.0 / norm_type)
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
     if len(norms) == 1:
         return norms[0]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    pipeline: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm`; return the norm before clipping.
 
     `max_norm <= 0` or infinite only measures. A non-finite norm is returned as is and
     gradients are left untouched, so the caller's NaN policy can decide (skip/stop).
+    `pipeline`: the pipeline group whose other stages hold the rest of the gradient (see grad_norm).
     """
-    total = grad_norm(model, norm_type)
+    total = grad_norm(model, norm_type, pipeline)
     if max_norm <= 0 or math.isinf(max_norm) or not torch.isfinite(total):
         return total
     for params in _params_by_grad_mesh(model).values():

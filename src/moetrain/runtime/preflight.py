@@ -87,7 +87,8 @@ def refuse_if_too_big(cfg: JobConfig) -> MemoryEstimate:
     """Raise ConfigError when the job cannot fit; return the estimate otherwise."""
     world, local = _ranks()
     _, dp_shard = check_world_size(cfg.parallel, world)
-    estimate = estimate_training_memory(cfg, dp_shard)
+    # Under pipeline parallelism a rank holds its stages: on average 1/pp of the parameters (a lower bound).
+    estimate = estimate_training_memory(cfg, dp_shard * cfg.parallel.pp)
     if job_device_type(cfg) == "cuda":
         device = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
         available, sharers, where = torch.cuda.get_device_properties(device).total_memory, 1, "CUDA device"

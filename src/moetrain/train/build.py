@@ -9,8 +9,9 @@ still on the meta device (no memory is spent on parameters a rank will not hold)
 Weights: "init" draws them with the model's init scheme (each rank its own shards, the same
 distribution as an unsharded init); "hf:DIR" reads a Hugging Face directory (each rank reads
 its own slices); "none" leaves the parameters for the caller to load from a checkpoint and
-resets only the buffers a checkpoint does not carry. This module builds; it does not train,
-save or parse a command line.
+resets only the buffers a checkpoint does not carry. Under pipeline parallelism `build_pipeline`
+builds a rank's stages the same way, each stage parallelized as a model of its own. This module
+builds; it does not train, save or parse a command line.
 
 LoRA (`lora.rank > 0`): the adapters are added and the base frozen (in the compute dtype) on the meta
 device, before parallelism, so EP and FSDP shard them with the weights they adapt; once the weights are
@@ -19,6 +20,7 @@ in, the adapters start as PEFT starts them, or from `lora.init_from`'s PEFT adap
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -39,6 +41,7 @@ from moetrain.model.lora import apply_lora, init_adapters
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.parallelize import parallelize_model
+from moetrain.parallel.pipeline import PipelineModel, pipeline_parts
 
 WEIGHTS = ("init", "none", "hf:DIR")
 
@@ -65,6 +68,11 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
                       compile=compile, activation_checkpointing_every=activation_checkpointing_every,
                       device_type=torch.device(device).type, float8=float8)
     model.to_empty(device=device)
+    _fill_weights(model, weights, seed, init_scheme)
+    return model
+
+
+def _fill_weights(model: Transformer, weights: str, seed: int, init_scheme: str | None) -> None:
     if weights == "none":
         reset_buffers(model)
     else:
@@ -74,7 +82,30 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig | None = No
         if weights.startswith("hf:"):
             load_hf_weights(model, weights)
         init_adapters(model, seed=seed)
-    return model
+
+
+def build_pipeline(cfg: JobConfig, job: JobMesh, *, weights: str | None = None) -> PipelineModel:
+    """This pipeline rank's stages (`moetrain.parallel.pipeline`), each parallelized as its own model, with
+    `weights` (default `model.init_from` or "init") drawn or read through the rank's whole part, so by the
+    names the whole model has: the same weights as one process builds (from "hf:DIR" each rank reads its
+    own layers' tensors only). In train mode. Collective."""
+    weights = weights or cfg.model.init_from or "init"
+    if weights not in ("init", "none") and not weights.startswith("hf:"):
+        raise ConfigError(f"weights = {weights!r} is invalid: must be one of {', '.join(WEIGHTS)}")
+    pipeline = pipeline_parts(cfg.model, cfg.parallel, job.pipeline.get_local_rank())
+    # A stage keeps its gathered weights from a microbatch's forward to its backward: resharding would
+    # all-gather every layer twice per microbatch, and torch's split backward (ZBVZeroBubble) collects
+    # a stage's weight gradients by the module's registered parameters, which must be the gathered ones.
+    parallel = dataclasses.replace(cfg.parallel, reshard_after_forward=False)
+    for part in pipeline.parts:
+        parallelize_model(part, job, parallel, activation_checkpointing=cfg.train.activation_checkpointing,
+                          compile=cfg.train.compile,
+                          activation_checkpointing_every=cfg.train.activation_checkpointing_every,
+                          device_type=job.device.type)
+        part.to_empty(device=job.device)
+    _fill_weights(pipeline.model, weights, cfg.train.seed, None)
+    pipeline.model.train()
+    return pipeline
 
 
 def build_for_job(cfg: JobConfig, job: JobMesh) -> Transformer:

@@ -28,6 +28,7 @@ from moetrain.model.flops import count_params
 from moetrain.model.memory_estimate import PeakEstimate, estimate_peak, estimate_training_memory, format_bytes
 from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.runtime.preflight import physical_memory_bytes
+from moetrain.train.pipeline_estimate import describe_layouts, pipeline_peak, propose_layouts
 
 PROG = "moetrain estimate"
 EXPERT_PARTS = ("expert_weights", "expert_exchange")  # inside `weights` and `activations`, shown apart
@@ -138,10 +139,23 @@ def estimate(cfg: JobConfig, world: int, per_node: int, device: str, device_memo
         process_bytes = data_bytes = 0
     device_type = "cpu" if host else "cuda"
     ac = cfg.train.activation_checkpointing not in (False, "none")
-    peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, host_heap=host)
-    other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, host_heap=host)
+    if cfg.parallel.pp > 1:  # the heaviest pipeline rank: its layers, the microbatches its schedule keeps in flight
+        peak = pipeline_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, host)[0]
+        other = pipeline_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, host)[0]
+    else:
+        peak = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, ac, host_heap=host)
+        other = estimate_peak(cfg, shard, device_type, process_bytes, data_bytes, not ac, host_heap=host)
     return Estimate(cfg, world, per_node, device, replicate, shard, peak, other,
-                    estimate_training_memory(cfg, shard).total, available, sharers, where)
+                    estimate_training_memory(cfg, shard * cfg.parallel.pp).total, available, sharers, where)
+
+
+def proposals(cfg: JobConfig, world: int, per_node: int, device: str, device_memory: str | None = None) -> str:
+    """The pipeline, data and expert layouts of `world` ranks that fit the device, ranked (GPU devices only:
+    on CPU the ranks share one machine's memory and the measured process terms dominate)."""
+    available, sharers, where = _memory_of(device, device_memory, per_node)
+    if device == "cpu" or available is None:
+        raise ConfigError("--propose is invalid with --device cpu: name a GPU or give --device-memory GIB")
+    return describe_layouts(propose_layouts(cfg, world, per_node, available // sharers, "cuda"), where)
 
 
 def report(cfg: JobConfig, world: int, per_node: int, device: str, device_memory: str | None = None,
@@ -174,6 +188,14 @@ def _expert_rows(est: Estimate) -> list[str]:
     return rows
 
 
+def _pipeline(cfg: JobConfig) -> str:
+    parallel = cfg.parallel
+    if parallel.pp == 1:
+        return ""
+    return (f"pp {parallel.pp} {parallel.pp_schedule} x {parallel.pp_stages_per_rank} stage(s) per rank, "
+            "the heaviest pipeline rank shown; ")
+
+
 def describe(est: Estimate) -> str:
     cfg, parts, shard = est.cfg, est.peak, est.shard
     params = count_params(cfg.model)
@@ -182,7 +204,8 @@ def describe(est: Estimate) -> str:
     verdict = "unknown" if est.fits is None else ("fits" if est.fits else "does NOT fit")
     host = est.device == "cpu"
     rows = [
-        f"{PROG}: {est.world} rank(s) ({est.replicate} replica(s) x {shard} shard(s), ep {cfg.parallel.ep}), "
+        f"{PROG}: {est.world} rank(s) ({_pipeline(cfg)}{est.replicate} replica(s) x {shard} shard(s), "
+        f"ep {cfg.parallel.ep}), "
         f"{est.per_node} per machine, device {est.device}",
         f"  parameters        {params['total'] / 1e6:12.2f} M total, {params['active'] / 1e6:.2f} M active per token",
         f"  assumed           {_microbatch_words(cfg)}",
@@ -204,7 +227,8 @@ def describe(est: Estimate) -> str:
     else:
         weights = f"(float32, 1/{shard} of the model)"
     rows += [
-        f"    weights         {format_bytes(parts.weights):>12}  {weights}",
+        f"    weights         {format_bytes(parts.weights):>12}  "
+        + (f"(float32, 1/{shard} of the rank's stages)" if cfg.parallel.pp > 1 else weights),
         *_expert_rows(est)[:1],
         f"    gradients       {format_bytes(parts.gradients):>12}",
         f"    optimizer       {format_bytes(parts.optimizer):>12}  (AdamW: 2 float32 moments; fused step, no "
@@ -216,8 +240,9 @@ def describe(est: Estimate) -> str:
         f"{' and its recomputation' if ac else ''})",
         f"    logits          {format_bytes(parts.logits):>12}  (float32 logits, log-softmax and gradient)",
         f"    attention mask  {format_bytes(parts.attention_mask):>12}",
-        f"    FSDP buffers    {format_bytes(parts.fsdp_buffers):>12}  (unsharded parameters of 2 blocks, "
-        "gradients of 1)",
+        f"    FSDP buffers    {format_bytes(parts.fsdp_buffers):>12}  "
+        + ("(the stages' gathered parameters and unsharded gradients, held through the step)"
+           if cfg.parallel.pp > 1 else "(unsharded parameters of 2 blocks, gradients of 1)"),
     ]
     if host:
         rows.append(f"    allocator       {format_bytes(parts.allocator):>12}  (the host heap's slack: half the "

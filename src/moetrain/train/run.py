@@ -393,7 +393,9 @@ def _finish(trainer: Trainer, metrics: MetricsWriter, wall_s: float, steps_this_
         log.info("no held-out documents (data.heldout_fraction = 0): no held-out loss")
     if trainer.eval_tasks:
         final.update(_evaluate_tasks(trainer, metrics))
-    if cfg.train.sample_tokens > 0:
+    if cfg.train.sample_tokens > 0 and trainer.pipeline is not None:
+        log.info("no sample: generation does not run through pipeline stages (parallel.pp > 1)")
+    elif cfg.train.sample_tokens > 0:
         text = generate(trainer.model, data.tokenizer, cfg.train.sample_prompt, cfg.train.sample_tokens,
                         cfg.train.sample_temperature, cfg.train.sample_top_p, seed=cfg.train.seed,
                         device=trainer.device, max_context=cfg.data.seq_len)

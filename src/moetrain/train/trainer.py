@@ -24,6 +24,9 @@ for its quorum (a rejoining group loads a live peer's state there), the token co
 totals are also summed over the participating replica groups, their gradients once after the last
 microbatch, and the step is applied only when torchft's vote commits it; otherwise it is redone
 from the same data position.
+
+Under pipeline parallelism (`parallel.pp > 1`) the model is the rank's stages and the microbatches
+run through torch's schedule instead (`moetrain.train.pipeline_step`); the rest of the step is shared.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_glo
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.parallelize import runs_unsharded
 from moetrain.parallel.precision import compute_copy
-from moetrain.train.build import build_for_job
+from moetrain.train.build import build_for_job, build_pipeline
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import (
     microbatch_loss,
@@ -81,6 +84,7 @@ from moetrain.train.loss import (
     token_loss_sum,
 )
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
+from moetrain.train.pipeline_step import PipelineStep
 from moetrain.train.qk_clip import QKClip
 
 log = get_logger("train")
@@ -158,7 +162,9 @@ class Trainer:
         self.eval_tasks = read_choice_tasks(cfg.train.eval_tasks)  # checked before anything is built
         self.policy = resolve_sync_policy(cfg.parallel, job.dims, cfg.train.grad_accum)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_for_job(cfg, job)
+        # Under pipeline parallelism the rank holds its stages; `model` is their union (moetrain.train.pipeline_step).
+        self.pipeline = PipelineStep(cfg, job, build_pipeline(cfg, job)) if job.pipeline is not None else None
+        self.model = self.pipeline.model if self.pipeline is not None else build_for_job(cfg, job)
         self.compute_copy = compute_copy(self.model, cfg.parallel)  # None under FSDP or in float32
         self.all_to_all = all_to_all_stats(self.model)  # None without expert parallelism
         self.optimizer = build_optimizer(self.model, cfg.train)
@@ -267,9 +273,81 @@ class Trainer:
             self.all_to_all.take()  # what evaluation or sampling moved belongs to no step
         with phases.phase("data"):
             microbatches = [batch.to(self.device) for batch in self.loader.next_microbatches()]
-        input_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
+        # Every stage of a pipeline reads the same microbatches: the first stage's ranks count the inputs.
+        counts_inputs = self.pipeline is None or self.pipeline.pipeline.holds_first
+        input_tokens = float(sum(batch.tokens.numel() for batch in microbatches)) if counts_inputs else 0.0
         with phases.phase("collectives"):
             global_tokens = self._count_tokens(microbatches)
+        if self.pipeline is not None:
+            loss_sum, aux_sum, z_sum, expert_load = self._pipeline_microbatches(microbatches, global_tokens, phases)
+            mtp_sum, mtp_counts = 0.0, None  # refused under pipeline parallelism (config.parallel)
+        else:
+            loss_sum, aux_sum, z_sum, expert_load, mtp_sum, mtp_counts = self._accumulate(microbatches,
+                                                                                          global_tokens, phases)
+        if self.replicas is not None:
+            self.replicas.after_backward(self.model)  # the replicate all-reduce, once per step
+        # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
+        a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
+        compute_s = time.perf_counter() - start - a2a_s
+        # The first collective after the local work: how long this rank waits here is
+        # how much earlier it finished than the slowest rank.
+        wait_start = time.perf_counter()
+        with phases.phase("wait"):
+            local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum)) and math.isfinite(mtp_sum)
+            local = StepTotals(loss_sum=float(loss_sum), balance_loss=float(aux_sum), z_loss=float(z_sum),
+                               nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens),
+                               mtp_loss=mtp_sum)
+            totals = self._sum_totals(local)
+        wait_s = time.perf_counter() - wait_start
+        denominator = max(global_tokens, 1)
+        loss = totals.loss_sum / denominator
+        aux_loss = totals.balance_loss
+        z_loss = totals.z_loss
+        with phases.phase("optimizer"):
+            pipeline_group = self.pipeline.pipeline_group if self.pipeline is not None else None
+            grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"),
+                                              pipeline=pipeline_group))
+            finite = totals.nonfinite_ranks == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
+            if self.replicas is not None and not self.replicas.commit():
+                self._forget_attempt(position)
+                return None
+            if finite:
+                with record_function("optimizer"):  # a label in profiler traces
+                    self.optimizer.step()
+                if self.float8_gathered:  # the next all-gathers' float8 scales, in one collective
+                    precompute_float8_scales(self.model)
+                if self.qk_clip is not None:
+                    self.max_logits = self.qk_clip.clip()
+            elif self.qk_clip is not None:
+                self.qk_clip.disarm()
+            self.optimizer.zero_grad(set_to_none=True)
+            if finite:
+                loads_sum = self.pipeline.data_all_reduce if self.pipeline is not None else all_reduce_sum
+                self.model.update_expert_bias(loads_sum if self.world > 1 else None)
+            else:
+                self.model.discard_pending_expert_load()  # this step's loads are not applied
+        self.step += 1
+        self.step_input_tokens = int(totals.input_tokens)
+        self.tokens_seen += self.step_input_tokens
+        return StepResult(loss=loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr, global_tokens=global_tokens,
+                          compute_s=compute_s, wait_s=wait_s, step_s=time.perf_counter() - start, skipped=not finite,
+                          expert_load=expert_load, all_to_all_s=a2a_s, all_to_all_rows_sent=a2a_sent,
+                          all_to_all_rows_received=a2a_received, z_loss=z_loss, phases=phases.seconds,
+                          mtp_loss=totals.mtp_loss if mtp_counts is not None else None)
+
+    def _pipeline_microbatches(self, microbatches, global_tokens: int, phases: StepPhases):
+        """The PP branch of `_accumulate`; the step's expert load is not recorded (each stage has its own layers)."""
+        with self._compute_dtype():
+            with phases.phase("forward"):  # the schedule interleaves forwards and backwards: all of it here
+                self.pipeline.route_step(microbatches)
+                totals = self.pipeline.run(microbatches, global_tokens)
+        return tuple(torch.tensor(value, dtype=torch.float64) for value in
+                     (totals.loss_sum, totals.balance_loss, totals.z_loss)) + (None,)
+
+    def _accumulate(self, microbatches, global_tokens: int, phases: StepPhases):
+        """Forward and backward of each microbatch under the sync policy: (loss, balance, z sums; expert load;
+        the MTP loss sum and the step's valid targets per MTP depth, None without MTP)."""
+        cfg = self.cfg.train
         aux_is_share = self.cfg.model.moe.aux_loss_scope == "global_batch"
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
@@ -312,53 +390,7 @@ class Trainer:
                 if load is not None:
                     load = load.cpu().double()
                     expert_load = load if expert_load is None else expert_load + load
-        if self.replicas is not None:
-            self.replicas.after_backward(self.model)  # the replicate all-reduce, once per step
-        # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
-        a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
-        compute_s = time.perf_counter() - start - a2a_s
-        # The first collective after the local work: how long this rank waits here is
-        # how much earlier it finished than the slowest rank.
-        wait_start = time.perf_counter()
-        with phases.phase("wait"):
-            local_finite = all(bool(torch.isfinite(t)) for t in (loss_sum, aux_sum, z_sum)) and math.isfinite(mtp_sum)
-            local = StepTotals(loss_sum=float(loss_sum), balance_loss=float(aux_sum), z_loss=float(z_sum),
-                               nonfinite_ranks=0.0 if local_finite else 1.0, input_tokens=float(input_tokens),
-                               mtp_loss=mtp_sum)
-            totals = self._sum_totals(local)
-        wait_s = time.perf_counter() - wait_start
-        denominator = max(global_tokens, 1)
-        loss = totals.loss_sum / denominator
-        aux_loss = totals.balance_loss
-        z_loss = totals.z_loss
-        with phases.phase("optimizer"):
-            grad_norm = float(clip_grad_norm_(self.model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
-            finite = totals.nonfinite_ranks == 0 and math.isfinite(grad_norm) and math.isfinite(loss)
-            if self.replicas is not None and not self.replicas.commit():
-                self._forget_attempt(position)
-                return None
-            if finite:
-                with record_function("optimizer"):  # a label in profiler traces
-                    self.optimizer.step()
-                if self.float8_gathered:  # the next all-gathers' float8 scales, in one collective
-                    precompute_float8_scales(self.model)
-                if self.qk_clip is not None:
-                    self.max_logits = self.qk_clip.clip()
-            elif self.qk_clip is not None:
-                self.qk_clip.disarm()
-            self.optimizer.zero_grad(set_to_none=True)
-            if finite:
-                self.model.update_expert_bias(all_reduce_sum if self.world > 1 else None)
-            else:
-                self.model.discard_pending_expert_load()  # this step's loads are not applied
-        self.step += 1
-        self.step_input_tokens = int(totals.input_tokens)
-        self.tokens_seen += self.step_input_tokens
-        return StepResult(loss=loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr, global_tokens=global_tokens,
-                          compute_s=compute_s, wait_s=wait_s, step_s=time.perf_counter() - start, skipped=not finite,
-                          expert_load=expert_load, all_to_all_s=a2a_s, all_to_all_rows_sent=a2a_sent,
-                          all_to_all_rows_received=a2a_received, z_loss=z_loss, phases=phases.seconds,
-                          mtp_loss=totals.mtp_loss if mtp_counts is not None else None)
+        return loss_sum, aux_sum, z_sum, expert_load, mtp_sum, mtp_counts
 
     def _begin_attempt(self, phases: StepPhases) -> dict[str, Any]:
         """(ft) this step's quorum, where a rejoining group loads a live peer's state; then the data
@@ -370,7 +402,8 @@ class Trainer:
 
     def _count_tokens(self, microbatches: list) -> int:
         """The step's valid target tokens: over this group's ranks, then (ft) over the participating groups."""
-        self.group_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
+        self.group_tokens = (self.pipeline.count_global_tokens(microbatches) if self.pipeline is not None else
+                             count_global_tokens(sum(batch.n_valid_targets for batch in microbatches)))
         if self.replicas is None:
             return self.group_tokens
         return int(self.replicas.exchange([float(self.group_tokens)])[0])  # exact: integers in float64
@@ -454,14 +487,21 @@ class Trainer:
         heldout = self.data.heldout
         assert heldout is not None
         mb = self.cfg.train.microbatch_size
-        indices = eval_indices(len(heldout), self.cfg.train.eval_batches * mb, self.rank, self.world)
+        # Every stage of a pipeline evaluates the same sequences: they are split over the data-parallel ranks.
+        indices = eval_indices(len(heldout), self.cfg.train.eval_batches * mb, self.job.data_rank,
+                               self.job.data_world)
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid targets, bytes
         self.model.eval()
         try:
             with self._compute_dtype():  # held-out loss in the dtype the model trains in
                 for lo in range(0, len(indices), mb):
                     batch = heldout.batch(indices[lo: lo + mb]).to(self.device)
-                    logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
+                    if self.pipeline is not None:
+                        logits = self.pipeline.forward_only(batch)
+                        if logits is None:  # not the last stage: the last stage's ranks sum the loss
+                            continue
+                    else:
+                        logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
                     loss_sum, n_valid = token_loss_sum(logits, batch.targets)
                     valid = batch.targets != IGNORE_INDEX
                     n_bytes = self.token_bytes[batch.targets[valid]].sum()

@@ -1,0 +1,215 @@
+"""The pipeline-parallel part of a training step: the step's microbatches through torch's schedule, exactly.
+
+Every rank of a pipeline reads the same microbatches (the data loader is keyed by the data-parallel
+coordinate only), so each stage knows every microbatch's targets. That is how the token counts reach
+the last stage before its loss is scaled: the trainer counts the step's valid targets over the
+data-parallel ranks before the schedule runs (`count_global_tokens` on the data group), and the last
+stage's loss function divides each microbatch's summed token loss by that count. Gradients are then
+the whole global batch's with plain SUM reductions, as without pipelining (`moetrain.train.loss`).
+
+The MoE router losses are computed where their layers are. Each stage part gets its microbatch's
+targets as a keyword (popped before the part's forward) and, after the forward, its own layers'
+balance and z-loss terms for that microbatch (`router_loss_terms`, the same token weighting as
+without pipelining). `AddLossGradient` ties them to the stage's output: identity forward, and in
+backward it also gives the terms a gradient of 1, so they backpropagate into the router with the
+stage's own backward, whichever schedule orders it. Under the global-batch balance loss the step's
+expert counts are measured first by a routing pass through the stages (`route_step`), summed over
+the data-parallel ranks of each stage; the aux-free bias sums its loads over the same ranks.
+
+Gradient sync: torch's stages run every microbatch's backward without FSDP's reduction and reduce
+once after the schedule's last backward (`PipelineStage.perform_reduce_grad`): one reduce-scatter
+and, under HSDP, one replicate all-reduce per FSDP parameter group per step, whatever the schedule.
+
+This module runs the pipeline; the trainer owns the optimizer, clipping and the step's record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moetrain.config.job import JobConfig
+from moetrain.data.packing import IGNORE_INDEX, Batch
+from moetrain.dtypes import DTYPES
+from moetrain.model.transformer import Transformer
+from moetrain.parallel.collectives import collective_device
+from moetrain.parallel.mesh import JobMesh
+from moetrain.parallel.pipeline import PipelineModel, build_schedule, stage_rank
+from moetrain.train.loss import router_loss_terms, token_loss_sum
+
+
+class AddLossGradient(torch.autograd.Function):
+    """Returns a copy of `output`; its backward also backpropagates `loss` with a gradient of 1.
+
+    A copy, not a view: torch's split backward (ZBVZeroBubble) detaches stage outputs in place.
+    """
+
+    @staticmethod
+    def forward(ctx, output: Tensor, loss: Tensor) -> Tensor:
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, Tensor]:
+        shape, dtype, device = ctx.loss_meta
+        return grad_output, torch.ones(shape, dtype=dtype, device=device)
+
+
+@dataclass
+class PipelineTotals:
+    """This rank's share of the step's sums: token loss (last stage), router terms (its own layers)."""
+
+    loss_sum: float = 0.0
+    balance_loss: float = 0.0
+    z_loss: float = 0.0
+    losses: list[Tensor] = field(default_factory=list)
+
+
+class PipelineStep:
+    """Runs a step's microbatches through this rank's stages; `model` is what the trainer steps and saves."""
+
+    def __init__(self, cfg: JobConfig, job: JobMesh, pipeline: PipelineModel):
+        self.cfg, self.job, self.pipeline = cfg, job, pipeline
+        self.model: Transformer = pipeline.model
+        self.aux_is_share = cfg.model.moe.aux_loss_scope == "global_batch"
+        self.global_tokens = 0
+        self.totals = PipelineTotals()
+        self._targets: Tensor | None = None
+        for part in pipeline.parts:
+            part.register_forward_pre_hook(self._take_targets, with_kwargs=True)
+            part.register_forward_hook(self._add_router_losses)
+        self.schedule = build_schedule(pipeline, job, cfg.parallel, cfg.train.grad_accum, self._loss,
+                                       _stage_shapes(cfg))
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup:
+        return self.job.pipeline.get_group()
+
+    def data_all_reduce(self, tensor: Tensor) -> Tensor:
+        """Sum `tensor` in place over the data-parallel ranks of this pipeline coordinate (each dimension in turn)."""
+        data = self.job.data
+        if data is not None:
+            for name in data.mesh_dim_names:
+                if data.size(data.mesh_dim_names.index(name)) > 1:
+                    dist.all_reduce(tensor, group=data.get_group(name))
+        return tensor
+
+    def count_global_tokens(self, microbatches: list[Batch]) -> int:
+        """The step's valid targets over the data-parallel ranks (every stage sees the same microbatches)."""
+        local = torch.tensor([sum(batch.n_valid_targets for batch in microbatches)], dtype=torch.int64,
+                             device=collective_device(self.pipeline_group))
+        return int(self.data_all_reduce(local).item())
+
+    # ---- the schedule's callbacks
+
+    def _take_targets(self, part, args, kwargs):
+        self._targets = kwargs.pop("targets", None)
+        return args, kwargs
+
+    def _add_router_losses(self, part: Transformer, args, output: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() or self._targets is None:
+            return output
+        mask = self._targets != IGNORE_INDEX
+        aux, z = part.aux_loss(), part.z_loss_sum(mask)
+        balance, z_term = router_loss_terms(int(mask.sum()), self.global_tokens, aux, z, self.aux_is_share)
+        term = torch.as_tensor(balance) + torch.as_tensor(z_term)
+        self.totals.balance_loss += float(torch.as_tensor(balance).detach())
+        self.totals.z_loss += float(torch.as_tensor(z_term).detach())
+        return AddLossGradient.apply(output, term) if term.requires_grad else output
+
+    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        loss_sum, _ = token_loss_sum(logits, targets)
+        self.totals.loss_sum += float(loss_sum.detach())
+        return loss_sum / max(self.global_tokens, 1)
+
+    # ---- one step
+
+    def run(self, microbatches: list[Batch], global_tokens: int) -> PipelineTotals:
+        """Forward and backward of every microbatch through the schedule; this rank's sums."""
+        self.global_tokens = global_tokens
+        self.totals = PipelineTotals()
+        tokens, positions, document_ids, targets = (torch.cat([getattr(b, name) for b in microbatches]) for name in
+                                                    ("tokens", "positions", "document_ids", "targets"))
+        args = (tokens,) if self.pipeline.holds_first else ()
+        losses: list[Tensor] = []
+        self.schedule.step(*args, target=targets, losses=losses, positions=positions, document_ids=document_ids,
+                           targets=targets)
+        self._targets = None
+        return self.totals
+
+    @torch.no_grad()
+    def forward_only(self, batch: Batch, after_stage: Callable[[Transformer], None] | None = None) -> Tensor | None:
+        """`batch` through every stage in order without autograd: the logits on the rank holding the last stage,
+        None on the others (collective over the pipeline group). `after_stage(part)` runs after each of this
+        rank's stages. Hidden states move between pipeline ranks by send/recv, so any batch shape works."""
+        pipeline, group, parallel = self.pipeline, self.pipeline_group, self.cfg.parallel
+        by_stage = dict(zip(pipeline.stage_ids, pipeline.parts, strict=True))
+        me = self.job.pipeline.get_local_rank()
+        hidden = None
+        for stage in range(pipeline.n_stages):
+            holder, previous = stage_rank(stage, parallel), stage_rank(stage - 1, parallel) if stage else None
+            if stage not in by_stage:
+                if previous == me:
+                    dist.send(hidden.contiguous(), dst=dist.get_global_rank(group, holder), group=group)
+                continue
+            if previous is not None and previous != me:
+                hidden = torch.empty(*batch.tokens.shape, self.cfg.model.dim, dtype=_hidden_dtype(self.cfg),
+                                     device=self.job.device)
+                dist.recv(hidden, src=dist.get_global_rank(group, previous), group=group)
+            part = by_stage[stage]
+            hidden = part(batch.tokens if stage == 0 else hidden, positions=batch.positions,
+                          document_ids=batch.document_ids)
+            if after_stage is not None:
+                after_stage(part)
+        return hidden if pipeline.holds_last else None
+
+    @torch.no_grad()
+    def route_step(self, microbatches: list[Batch]) -> None:
+        """Under the global-batch balance loss: the step's expert counts per MoE layer, before the step trains.
+
+        Each microbatch goes through the stages (`forward_only`, the parts in eval mode: no aux-free loads
+        recorded); each rank sums its layers' counts over its data-parallel ranks and gives them to its layers.
+        """
+        if not self.model.needs_global_balance():
+            return
+        counts: dict[int, Tensor] = {}
+
+        def count(part: Transformer) -> None:
+            for layer in part.moe_layers():
+                counts[id(layer)] = counts.get(id(layer), 0) + layer.tokens_per_expert.to(torch.float64)
+
+        self.model.eval()
+        try:
+            for batch in microbatches:
+                self.forward_only(batch, count)
+        finally:
+            self.model.train()
+        layers = self.model.moe_layers()
+        n_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
+        flat = torch.cat([counts[id(layer)] for layer in layers] + [torch.tensor([n_tokens], dtype=torch.float64)])
+        flat = self.data_all_reduce(flat.to(collective_device(self.pipeline_group))).cpu()
+        self.model.set_global_balance(flat[:-1].view(len(layers), -1), int(flat[-1]))
+
+
+def _hidden_shape(cfg: JobConfig) -> tuple[int, int, int]:
+    return cfg.train.microbatch_size, cfg.data.seq_len, cfg.model.dim
+
+
+def _hidden_dtype(cfg: JobConfig) -> torch.dtype:
+    parallel = cfg.parallel
+    return DTYPES[parallel.output_dtype or parallel.param_dtype]
+
+
+def _stage_shapes(cfg: JobConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Meta tensors of a microbatch's tokens, a stage's hidden states and the logits: torch's stages
+    then need no inference pass (a real forward that would count an extra microbatch's expert loads)."""
+    batch, seq, dim = _hidden_shape(cfg)
+    dtype = _hidden_dtype(cfg)
+    # Hidden states and logits carry gradients: a stage's received input must require grad for its backward.
+    return (torch.empty(batch, seq, dtype=torch.int64, device="meta"),
+            torch.empty(batch, seq, dim, dtype=dtype, device="meta", requires_grad=True),
+            torch.empty(batch, seq, cfg.model.vocab_size, dtype=dtype, device="meta", requires_grad=True))
