@@ -26,7 +26,7 @@ from moetrain.config.checks import check, check_field_types, type_name
 from moetrain.config.data import DataConfig
 from moetrain.config.logging import LoggingConfig
 from moetrain.config.model import ModelConfig
-from moetrain.config.parallel import ParallelConfig
+from moetrain.config.parallel import ParallelConfig, check_sequence_split
 from moetrain.config.profile import ProfileConfig
 from moetrain.config.train import TrainConfig
 from moetrain.errors import ConfigError
@@ -68,6 +68,7 @@ class JobConfig:
         check(not (t.compile and d.batching == "token_budget"), "data.batching", d.batching,
               "with train.compile = True: each microbatch's row length differs (a recompile per length); "
               "use packed batching or train.compile = False")
+        check_sequence_split(p, m, d, t)
         if p.ep > 1:
             check(not moe.expert_proj_bias, "model.moe.expert_proj_bias", moe.expert_proj_bias,
                   "expert parallelism does not move expert biases yet; use parallel.ep = 1")

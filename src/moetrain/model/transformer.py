@@ -87,7 +87,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
                 document_ids: Tensor | None = None, until_last_moe: bool = False,
-                cache: KVCache | None = None) -> Tensor | None:
+                cache: KVCache | None = None, attention_plan: AttentionPlan | None = None) -> Tensor | None:
         """tokens [B, S] -> logits [B, S, V].
 
         `document_ids` [B, S] (contiguous runs of equal ids) restricts attention to earlier tokens of
@@ -98,6 +98,9 @@ class Transformer(nn.Module):
         `cache` (generation, `model.kv_cache.KVCache`): the tokens extend the cached rows; their
         positions come from the cache and every layer attends over the cached tokens too; its MoE
         layers record no balance statistics (`tokens_per_expert`, `aux_loss`, `router_z` are None after it).
+        `attention_plan`: a plan the caller built (context parallelism's: these tokens are a slice of longer
+        rows and attend over keys other ranks hold); `document_ids` is then not planned here and `positions`
+        must be given.
         """
         batch, seq = tokens.shape
         if cache is not None:
@@ -112,7 +115,10 @@ class Transformer(nn.Module):
         if document_ids is not None and document_ids.shape != tokens.shape:
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != tokens shape "
                              f"{tuple(tokens.shape)}")
-        plan = plan_attention(document_ids, self.attention_method)  # once per forward, shared by every layer
+        if attention_plan is not None and positions is None:
+            raise ValueError("a forward with an attention_plan needs the tokens' positions")
+        # Once per forward, shared by every layer.
+        plan = attention_plan if attention_plan is not None else plan_attention(document_ids, self.attention_method)
         if positions is None:
             if document_ids is not None:
                 positions = positions_from_documents(document_ids)
