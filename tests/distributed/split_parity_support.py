@@ -170,6 +170,8 @@ def split_worker(cases: list[tuple[str, dict]], states: dict, batches_by_case: d
             dist.all_reduce(loss_total)
             losses.append(float(loss_total) / global_tokens)
             if step == 0:
+                missing = [n for n, p in model.named_parameters() if p.grad is None]
+                assert not missing, missing
                 grads = {n: p.grad.full_tensor().double().numpy() for n, p in model.named_parameters()}
             optimizer.step()
             optimizer.zero_grad()

@@ -37,7 +37,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -88,6 +88,29 @@ def _block_plan(block: nn.Module) -> dict:
     return plan
 
 
+class _LocalSinks:
+    """Forward hooks that give attention its rank's sinks: the [H] parameter is a Shard(0) DTensor over the TP
+    ranks, and for the forward the module holds its local [H / tp] view (its gradient flows back through
+    `to_local`), so the model reads one sink per local head as it reads its local projections."""
+
+    def before(self, module: nn.Module, args) -> None:
+        sinks = module._parameters["sinks"]
+        if isinstance(sinks, DTensor):  # not yet swapped (a recomputation reruns the hooks on the same module)
+            module.__dict__["_tp_sinks"] = sinks  # not setattr: that would register a second parameter
+            module._parameters["sinks"] = sinks.to_local()
+
+    def after(self, module: nn.Module, args, output) -> None:
+        module._parameters["sinks"] = module._tp_sinks
+
+
+def _split_sinks(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Attention sinks split over the TP ranks with the heads (Shard(0)), read locally in the forward."""
+    attention.sinks = nn.Parameter(distribute_tensor(attention.sinks, tp_mesh, [Shard(0)]))
+    hooks = _LocalSinks()
+    attention.register_forward_pre_hook(hooks.before)
+    attention.register_forward_hook(hooks.after)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split `model` (a moetrain Transformer, on any device, meta included) over `tp_mesh` in place."""
     parallelize_module(model, tp_mesh, {
@@ -97,6 +120,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     })
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block))
+        if getattr(block.attention, "sinks", None) is not None:
+            _split_sinks(block.attention, tp_mesh)
 
 
 def vocab_parallel_loss(tensor_parallel: bool) -> AbstractContextManager:
