@@ -42,6 +42,8 @@ MODELS = {
     "tiny_moe": TINY_MOE,
     "gpt_oss_like": replace(TINY_MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
                             attention_sinks=True, attention_bias="all"),
+    "deepseek_like": replace(TINY_MOE, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                             v_head_dim=6, n_kv_heads=None),
     "glm_like": replace(TINY_MOE, partial_rotary_factor=0.5, rope_layout="half", qk_norm="per_head",
                         attention_bias="qkv"),
 }

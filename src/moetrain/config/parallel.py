@@ -129,5 +129,3 @@ def check_sequence_split(parallel: ParallelConfig, model: ModelConfig, data: Dat
           "with parallel.tp > 1: a norm over all heads' channels spans ranks; per_head or none")
     check(not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
           "with parallel.tp > 1: the vocabulary-split embedding and head are not tied yet; use false")
-    check(model.kv_lora_rank is None, "model.kv_lora_rank", model.kv_lora_rank,
-          "with parallel.tp > 1: multi-head latent attention has no tensor-parallel plan yet; use parallel.tp = 1")

@@ -37,7 +37,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -46,6 +46,8 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+
+from moetrain.model.mla import MultiHeadLatentAttention
 
 
 def _ffn_plan(tokens_dim: int, prefix: str = "") -> dict:
@@ -59,6 +61,35 @@ def _ffn_plan(tokens_dim: int, prefix: str = "") -> dict:
     }
 
 
+def _attention_plan(attention: nn.Module) -> dict:
+    """Heads split over the ranks: the projections to heads colwise, the output projection rowwise."""
+    if isinstance(attention, MultiHeadLatentAttention):
+        # The low-rank projections (wq_a, wkv_a) and their norms stay whole on every rank, as torchtitan and
+        # Megatron keep them: computed on the gathered sequence, their gradients are already whole where the
+        # colwise wq_b / wkv_b sum their inputs' gradients over the ranks; the shared RoPE key is the exception.
+        heads = ["wq" if attention.q_lora_rank is None else "wq_b", "wkv_b"]
+    else:
+        heads = ["wq", "wk", "wv"]
+    return {**{f"attention.{name}": ColwiseParallel() for name in heads},
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def _sum_grad_over_ranks(tensor: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over the TP ranks (DTensor: Partial -> Replicate)."""
+    return DTensor.from_local(tensor, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _shared_rope_key_grad(attention: MultiHeadLatentAttention, tp_mesh: DeviceMesh) -> None:
+    """MLA's one RoPE key part serves every head, so a rank's gradient of it covers its own heads only: a forward
+    hook on wkv_a makes those columns' gradient the sum over the ranks (the latent's is summed by wkv_b)."""
+    latent = attention.kv_lora_rank
+
+    def hook(module, args, output):
+        return torch.cat((output[..., :latent], _sum_grad_over_ranks(output[..., latent:], tp_mesh)), dim=-1)
+
+    attention.wkv_a.register_forward_hook(hook)
+
+
 def _block_plan(block: nn.Module) -> dict:
     plan: dict = {
         "attention_norm": SequenceParallel(use_local_output=False),
@@ -66,10 +97,7 @@ def _block_plan(block: nn.Module) -> dict:
         # (x, positions, plan): x is gathered over the sequence, the rest passes as it is.
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                         desired_input_layouts=(Replicate(), None, None), use_local_output=True),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        **_attention_plan(block.attention),
     }
     if getattr(block.attention, "q_norm", None) is not None:  # per-head QK-norm: its weight serves local heads
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -122,6 +150,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, _block_plan(block))
         if getattr(block.attention, "sinks", None) is not None:
             _split_sinks(block.attention, tp_mesh)
+        if isinstance(block.attention, MultiHeadLatentAttention):
+            _shared_rope_key_grad(block.attention, tp_mesh)
 
 
 def vocab_parallel_loss(tensor_parallel: bool) -> AbstractContextManager:
