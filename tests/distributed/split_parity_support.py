@@ -24,14 +24,15 @@ from moetrain.train.loss import microbatch_loss, token_loss_sum
 
 SEQ = 16  # 2 x cp x tp chunks of 2 tokens at most, so documents of 3-7 tokens cross every boundary
 N_MICRO = 2
-N_STEPS = 3
+N_STEPS = 2
 LR = 0.5
 BOUND = 1e-5
 
-# Grouped-query attention, a shared expert, 2 dense + 2 MoE blocks; the global-batch balance loss (the
-# scope that stays exact when a microbatch's tokens are routed on several ranks) and the z-loss.
+# Grouped-query attention, a shared expert, a dense and an MoE block, a vocabulary TP splits unevenly; the
+# global-batch balance loss (the scope that stays exact when a microbatch's tokens are routed on several
+# ranks) and the z-loss.
 TINY_MOE = ModelConfig(
-    vocab_size=48, dim=32, n_layers=4, n_dense_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=SEQ,
+    vocab_size=47, dim=32, n_layers=2, n_dense_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=SEQ,
     attention="dense",
     moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, impl="memory_efficient", aux_loss_coef=0.01,
                   aux_loss_scope="global_batch", z_loss_coef=0.01, n_shared_experts=1),
@@ -40,7 +41,7 @@ TINY_MOE = ModelConfig(
 # attention sinks and biases (GPT-OSS); partial RoPE and per-head QK-norm (GLM-4.5).
 MODELS = {
     "tiny_moe": TINY_MOE,
-    "gpt_oss_like": replace(TINY_MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
+    "gpt_oss_like": replace(TINY_MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
                             attention_sinks=True, attention_bias="all"),
     "deepseek_like": replace(TINY_MOE, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
                              v_head_dim=6, n_kv_heads=None),

@@ -122,7 +122,7 @@ def check_sequence_split(parallel: ParallelConfig, model: ModelConfig, data: Dat
     check(model.n_heads % tp == 0, "parallel.tp", tp, f"must divide model.n_heads = {model.n_heads}")
     check(model.kv_lora_rank is not None or kv_heads % tp == 0, "parallel.tp", tp,
           f"must divide the KV heads (model.n_kv_heads = {kv_heads})")
-    for field, value in (("model.vocab_size", model.vocab_size), ("model.ffn_hidden", model.ffn_hidden),
+    for field, value in (("model.ffn_hidden", model.ffn_hidden),
                          ("model.moe.shared_width", moe.shared_width())):
         check(value % tp == 0, "parallel.tp", tp, f"must divide {field} = {value} (the split widths)")
     check(model.qk_norm != "full", "model.qk_norm", model.qk_norm,

@@ -47,6 +47,7 @@ from moetrain.observe.peak_flops import peak_flops
 from moetrain.observe.peak_memory import PeakMemory
 from moetrain.observe.step_phases import StepPhases
 from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum
+from moetrain.parallel.context_parallel import SequenceSplit
 from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.grad_sync import accumulation, clip_grad_norm_, count_global_tokens, resolve_sync_policy
 from moetrain.parallel.mesh import JobMesh
@@ -129,6 +130,8 @@ class Trainer:
         self.rank, self.world = job.rank, job.world
         self.eval_tasks = read_choice_tasks(cfg.train.eval_tasks)  # checked before anything is built
         self.policy = resolve_sync_policy(cfg.parallel, job.dims, cfg.train.grad_accum)
+        # Context/tensor parallelism: each rank's slice of the microbatches its CP x TP group shares.
+        self.split = SequenceSplit.of(job)
         torch.manual_seed(cfg.train.seed)
         self.model = build_for_job(cfg, job)
         self.compute_copy = compute_copy(self.model, cfg.parallel)  # None under FSDP or in float32
@@ -190,9 +193,10 @@ class Trainer:
             self.all_to_all.take()  # what evaluation or sampling moved belongs to no step
         with phases.phase("data"):
             microbatches = [batch.to(self.device) for batch in self.loader.next_microbatches()]
-        input_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
+        input_tokens = float(sum(batch.tokens.numel() for batch in microbatches)) / self.split.replicas
         with phases.phase("collectives"):
-            global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches))
+            global_tokens = count_global_tokens(sum(batch.n_valid_targets for batch in microbatches),
+                                                replicas=self.split.replicas)
         aux_is_share = self.cfg.model.moe.aux_loss_scope == "global_batch"
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
@@ -200,17 +204,18 @@ class Trainer:
         expert_load = None
         with self._compute_dtype():
             with phases.phase("forward"):
-                prepare_global_balance(self.model, microbatches)
+                prepare_global_balance(self.model, microbatches, self.split.model_inputs, self.split.tp)
             for batch, _is_last in accumulation(self.model, microbatches, self.policy):
-                with phases.phase("forward"):
-                    logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
-                    mb_loss_sum, n_valid = token_loss_sum(logits, batch.targets)
+                with phases.phase("forward"), self.split.loss_context():
+                    logits = self.model(**self.split.model_inputs(batch))
+                    mb_loss_sum, n_valid = token_loss_sum(logits, self.split.shard(batch.targets))
+                    mb_loss_sum = self.split.local_loss(mb_loss_sum)
                     aux = self.model.aux_loss()
-                    z = self.model.z_loss_sum(batch.targets != IGNORE_INDEX)
+                    z = self.model.z_loss_sum(self.split.routed_mask(batch.targets != IGNORE_INDEX))
                     objective = microbatch_loss(mb_loss_sum, n_valid, global_tokens, aux, z, aux_is_share)
-                with phases.phase("backward"):
+                with phases.phase("backward"), self.split.loss_context():
                     objective.backward()
-                loss_sum += mb_loss_sum.detach().double().cpu()
+                loss_sum += mb_loss_sum.detach().double().cpu() / self.split.tp  # each TP rank: the whole loss
                 balance_term, z_term = router_loss_terms(n_valid, global_tokens, aux.detach(), z.detach(),
                                                          aux_is_share)
                 aux_sum += torch.as_tensor(balance_term).double().cpu()
@@ -306,18 +311,24 @@ class Trainer:
         heldout = self.data.heldout
         assert heldout is not None
         mb = self.cfg.train.microbatch_size
-        indices = eval_indices(len(heldout), self.cfg.train.eval_batches * mb, self.rank, self.world)
+        # The ranks of one CP x TP group read the same sequences, like their training microbatches.
+        indices = eval_indices(len(heldout), self.cfg.train.eval_batches * mb, self.job.data_rank,
+                               self.job.data_world)
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid targets, bytes
         self.model.eval()
         try:
             with self._compute_dtype():  # held-out loss in the dtype the model trains in
                 for lo in range(0, len(indices), mb):
                     batch = heldout.batch(indices[lo: lo + mb]).to(self.device)
-                    logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
-                    loss_sum, n_valid = token_loss_sum(logits, batch.targets)
+                    logits = self.model(**self.split.model_inputs(batch))
+                    with self.split.loss_context():
+                        loss_sum, _ = token_loss_sum(logits, self.split.shard(batch.targets))
                     valid = batch.targets != IGNORE_INDEX
                     n_bytes = self.token_bytes[batch.targets[valid]].sum()
-                    totals += torch.tensor([float(loss_sum), float(n_valid), float(n_bytes)], dtype=torch.float64)
+                    # Summed over all ranks: a CP x TP group holds each sequence's tokens once and its loss tp times.
+                    totals += torch.tensor([float(self.split.local_loss(loss_sum)) / self.split.tp,
+                                            int(valid.sum()) / self.split.replicas,
+                                            float(n_bytes) / self.split.replicas], dtype=torch.float64)
         finally:
             self.model.train()
         all_reduce_sum(totals)
