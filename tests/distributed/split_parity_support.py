@@ -108,7 +108,7 @@ def reference_run(cfg: ModelConfig, state, batches) -> dict:
             loss_sum, n_valid = token_loss_sum(logits, mb.targets)
             z = model.z_loss_sum(mb.targets != IGNORE_INDEX)
             microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss(), z, aux_is_share=True).backward()
-            loss_total += float(loss_sum)
+            loss_total += float(loss_sum.detach())
         out["losses"].append(loss_total / global_tokens)
         if step == 0:
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -144,6 +144,9 @@ def split_worker(cases: list[tuple[str, dict]], states: dict, batches_by_case: d
     from moetrain.parallel.process_group import init_distributed
 
     rank, world, device = init_distributed(ParallelConfig())
+    states = {model: {n: torch.from_numpy(t) for n, t in state.items()} for model, state in states.items()}
+    batches_by_case = {key: [[[Batch(*(torch.from_numpy(t) for t in mb)) for mb in rank] for rank in step]
+                             for step in steps] for key, steps in batches_by_case.items()}
     results = []
     for model_name, fields in cases:
         cfg = MODELS[model_name]
@@ -183,6 +186,34 @@ def split_worker(cases: list[tuple[str, dict]], states: dict, batches_by_case: d
             results.append({"losses": losses, "grads": grads, "params": params})
         dist.barrier()
     return results if rank == 0 else None
+
+
+def run_cases(cases: dict[str, tuple[str, dict]], world: int = 4) -> dict[str, tuple[dict, dict]]:
+    """{case: (result on the ranks, float64 reference)} for {case: (model name, parallel fields)}."""
+    from moetrain.testing import run_on_ranks
+
+    states = {model: initial_state(MODELS[model]) for model, _ in cases.values()}
+    batches, references = {}, {}
+    for model, fields in cases.values():
+        key = (model, tuple(sorted(fields.items())))
+        batches[key] = make_batches(MODELS[model], world // (fields.get("tp", 1) * fields.get("cp", 1)))
+        references[key] = reference_run(MODELS[model], states[model], batches[key])
+    # numpy, not tensors, to the ranks: the fork server passes each tensor as a file descriptor.
+    states_np = {model: {n: t.numpy() for n, t in state.items()} for model, state in states.items()}
+    batches_np = {key: [[[tuple(t.numpy() for t in (mb.tokens, mb.positions, mb.document_ids, mb.targets))
+                          for mb in rank] for rank in step] for step in steps] for key, steps in batches.items()}
+    results = run_on_ranks(split_worker, world, list(cases.values()), states_np, batches_np, timeout=600)[0]
+    return {name: (result, references[(model, tuple(sorted(fields.items())))])
+            for (name, (model, fields)), result in zip(cases.items(), results, strict=True)}
+
+
+def check_case(result: dict, reference: dict) -> None:
+    """Losses of every step, step-0 gradients and the final parameters within BOUND of the reference."""
+    losses = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"], strict=True))
+    assert losses < BOUND, losses
+    for what in ("grads", "params"):
+        error, name = relative_error(result[what], reference[what])
+        assert error < BOUND, (what, name, error)
 
 
 def relative_error(actual: dict, expected: dict[str, torch.Tensor]) -> tuple[float, str]:

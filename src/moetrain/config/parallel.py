@@ -105,27 +105,25 @@ def check_sequence_split(parallel: ParallelConfig, model: ModelConfig, data: Dat
     if tp == 1 and cp == 1:
         return
     moe = model.moe
+    if tp > 1:
+        kv_heads = model.n_kv_heads or model.n_heads
+        check(model.n_heads % tp == 0, "parallel.tp", tp, f"must divide model.n_heads = {model.n_heads}")
+        check(model.kv_lora_rank is not None or kv_heads % tp == 0, "parallel.tp", tp,
+              f"must divide the KV heads (model.n_kv_heads = {kv_heads})")
+        for field, value in (("model.ffn_hidden", model.ffn_hidden), ("model.moe.shared_width", moe.shared_width())):
+            check(value % tp == 0, "parallel.tp", tp, f"must divide {field} = {value} (the split widths)")
+        check(model.qk_norm != "full", "model.qk_norm", model.qk_norm,
+              "with parallel.tp > 1: a norm over all heads' channels spans ranks; per_head or none")
+        check(not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
+              "with parallel.tp > 1: the vocabulary-split embedding and head are not tied yet; use false")
     name = "parallel.tp" if tp > 1 else "parallel.cp"
     check(data.batching == "packed", "data.batching", data.batching,
           f"with {name} > 1: a sequence is split over ranks, so every row must be data.seq_len long; use packed")
+    check(data.seq_len % (2 * cp * tp) == 0, "data.seq_len", data.seq_len,
+          f"must be divisible by 2 x parallel.cp x parallel.tp = {2 * cp * tp} (head-tail chunks, "
+          "then the sequence-parallel split)")
     check(not (moe.load_balance == "aux_loss" and moe.aux_loss_coef > 0 and moe.aux_loss_scope == "microbatch"),
           "model.moe.aux_loss_scope", moe.aux_loss_scope,
           f"with {name} > 1: a microbatch's tokens are routed on several ranks; use global_batch (exact)")
     check(not train.compile, "train.compile", train.compile, f"with {name} > 1: not supported yet; use false")
     check(not train.eval_tasks, "train.eval_tasks", train.eval_tasks, f"with {name} > 1: not supported yet")
-    check(data.seq_len % (2 * cp * tp) == 0, "data.seq_len", data.seq_len,
-          f"must be divisible by 2 x parallel.cp x parallel.tp = {2 * cp * tp} (head-tail chunks, "
-          "then the sequence-parallel split)")
-    if tp == 1:
-        return
-    kv_heads = model.n_kv_heads or model.n_heads
-    check(model.n_heads % tp == 0, "parallel.tp", tp, f"must divide model.n_heads = {model.n_heads}")
-    check(model.kv_lora_rank is not None or kv_heads % tp == 0, "parallel.tp", tp,
-          f"must divide the KV heads (model.n_kv_heads = {kv_heads})")
-    for field, value in (("model.ffn_hidden", model.ffn_hidden),
-                         ("model.moe.shared_width", moe.shared_width())):
-        check(value % tp == 0, "parallel.tp", tp, f"must divide {field} = {value} (the split widths)")
-    check(model.qk_norm != "full", "model.qk_norm", model.qk_norm,
-          "with parallel.tp > 1: a norm over all heads' channels spans ranks; per_head or none")
-    check(not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
-          "with parallel.tp > 1: the vocabulary-split embedding and head are not tied yet; use false")
