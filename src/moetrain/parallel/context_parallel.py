@@ -4,7 +4,7 @@ Under context parallelism (`parallel.cp`) every rank of a CP group holds the sam
 computes a part of every sequence: the rows are cut into 2 x cp chunks and rank r takes chunks r and
 2 x cp - 1 - r (head-tail load balancing: under a causal mask late chunks cost more, so every rank
 gets one early and one late chunk and the same causal work). Each layer's attention then all-gathers
-the keys and values of the whole sequence over the CP group (`all_gather_tensor_autograd`: its
+the keys and values of the whole sequence over the CP group (`all_gather_single_autograd`: its
 backward reduce-scatters their gradients) and attends from the rank's queries to them under a mask
 built from the whole rows' document ids and token indices, so packed documents never see each
 other, across the split too; sliding windows and attention sinks go in the same mask (the masked SDPA
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.data.packing import Batch
@@ -71,7 +71,9 @@ class ContextAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, window: int | None) -> Tensor:
         group = self.group.get_group()
-        k_all, v_all = (all_gather_tensor_autograd(t.contiguous(), gather_dim=1, group=group) for t in (k, v))
+        # Gathered along dim 0 (what the functional collective supports): the sequence goes first and back.
+        k_all, v_all = (all_gather_single_autograd(t.transpose(0, 1).contiguous(), 0, group).transpose(0, 1)
+                        for t in (k, v))
         return masked_sdpa(q, k_all, v_all, self.mask(window), sinks)
 
 
