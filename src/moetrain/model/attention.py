@@ -304,11 +304,14 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor | None) -> Tensor:
     """SDPA on [N, L, H, D] / [N, Lk, H_kv, D] under a boolean mask broadcastable to [N, 1, L, Lk], with
     optional sinks [H]: one zero key and value appended, its logit set to the head's sink by a float mask.
-    The keys may come in any order (the mask alone says which a query sees), which context parallelism needs."""
+    The keys may come in any order (the mask alone says which a query sees), which context parallelism needs.
+    `allowed` may also be that mask as an additive float mask (0 / -inf) in q's dtype: SDPA's CPU flash kernel
+    then uses it as it is, where it would make a float copy of a boolean mask in every call."""
     if sinks is None:
         return _sdpa(q, k, v, attn_mask=allowed)
     n, length, heads, _ = q.shape
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    bias = (allowed if allowed.is_floating_point() else
+            torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf")))
     bias = bias.expand(n, heads, length, allowed.shape[-1])
     sink_column = sinks.to(q.dtype).view(1, heads, 1, 1).expand(n, heads, length, 1)
     k, v = (F.pad(t, (0, 0, 0, 0, 0, 1)) for t in (k, v))  # the sink's key and value: zeros

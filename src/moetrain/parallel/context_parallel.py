@@ -55,26 +55,31 @@ class ContextAttention:
     key_index: Tensor  # [S]: the token index of each gathered key (ranks in order, each its own indices)
 
     def __post_init__(self) -> None:
-        self.masks: dict[int | None, Tensor] = {}
+        self.masks: dict[tuple, Tensor] = {}
 
-    def mask(self, window: int | None) -> Tensor:
-        """[B, 1, S / cp, S] bool: same document, causal, inside the window when one is given."""
-        if window not in self.masks:
-            q_doc = self.document_ids[:, self.query_index].unsqueeze(-1)
-            k_doc = self.document_ids[:, self.key_index].unsqueeze(-2)
-            offset = self.query_index.unsqueeze(-1) - self.key_index  # query index - key index
-            allowed = (q_doc == k_doc) & (offset >= 0)
+    def mask(self, window: int | None, dtype: torch.dtype) -> Tensor:
+        """[B, 1, S / cp, S] additive (0 / -inf) in `dtype`: same document, causal, inside the window when one is
+        given. Built once per forward and shared by every layer: a float mask is what SDPA's flash kernel
+        takes without a copy per call (a boolean one it converts in every layer, and the copies stay alive)."""
+        key = (window, dtype)
+        if key not in self.masks:
+            queries, keys = self.query_index.unsqueeze(-1), self.key_index.unsqueeze(0)
+            # Boolean comparisons only: an [S / cp, S] index difference would be int64, 8 bytes a score.
+            allowed = (self.document_ids[:, self.query_index].unsqueeze(-1)
+                       == self.document_ids[:, self.key_index].unsqueeze(-2))
+            allowed &= keys <= queries
             if window is not None:
-                allowed = allowed & (offset < window)
-            self.masks[window] = allowed.unsqueeze(1)
-        return self.masks[window]
+                allowed &= keys > queries - window
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self.masks[key] = additive.masked_fill_(allowed.logical_not_(), float("-inf")).unsqueeze(1)
+        return self.masks[key]
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, window: int | None) -> Tensor:
         group = self.group.get_group()
         # Gathered along dim 0 (what the functional collective supports): the sequence goes first and back.
         k_all, v_all = (all_gather_single_autograd(t.transpose(0, 1).contiguous(), 0, group).transpose(0, 1)
                         for t in (k, v))
-        return masked_sdpa(q, k_all, v_all, self.mask(window), sinks)
+        return masked_sdpa(q, k_all, v_all, self.mask(window, q.dtype), sinks)
 
 
 @dataclass(frozen=True)
