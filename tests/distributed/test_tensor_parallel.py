@@ -41,7 +41,7 @@ def test_tensor_parallel_trains_like_one_process(results, case):
 
 
 def _job(parallel: dict, model: dict | None = None, moe: dict | None = None, **sections) -> JobConfig:
-    base = JobConfig()
+    base = dataclasses.replace(JobConfig(), train=dataclasses.replace(JobConfig().train, sample_tokens=0))
     model_cfg = dataclasses.replace(base.model, n_heads=4, n_kv_heads=2, max_seq_len=64, **(model or {}))
     model_cfg = dataclasses.replace(model_cfg, moe=dataclasses.replace(
         model_cfg.moe, **({"aux_loss_scope": "global_batch"} | (moe or {}))))
@@ -62,6 +62,7 @@ REFUSALS = [
     ({"cp": 2}, {}, {"aux_loss_scope": "microbatch"}, {}, "model.moe.aux_loss_scope = 'microbatch' is invalid"),
     ({"cp": 2}, {}, {}, {"data": {"batching": "token_budget"}}, "data.batching = 'token_budget' is invalid"),
     ({"tp": 2}, {}, {}, {"train": {"compile": True}}, "train.compile = True is invalid: with parallel.tp > 1"),
+    ({"tp": 2}, {}, {}, {"train": {"sample_tokens": 8}}, "train.sample_tokens = 8 is invalid: with parallel.tp > 1"),
 ]
 
 

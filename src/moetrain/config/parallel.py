@@ -116,6 +116,9 @@ def check_sequence_split(parallel: ParallelConfig, model: ModelConfig, data: Dat
               "with parallel.tp > 1: a norm over all heads' channels spans ranks; per_head or none")
         check(not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
               "with parallel.tp > 1: the vocabulary-split embedding and head are not tied yet; use false")
+        check(train.sample_tokens == 0, "train.sample_tokens", train.sample_tokens,
+              "with parallel.tp > 1: generation's one-token steps cannot be split over the sequence; use 0 "
+              "(moetrain sample reads the run's checkpoint in one process)")
     name = "parallel.tp" if tp > 1 else "parallel.cp"
     check(data.batching == "packed", "data.batching", data.batching,
           f"with {name} > 1: a sequence is split over ranks, so every row must be data.seq_len long; use packed")
