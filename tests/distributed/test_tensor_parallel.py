@@ -15,11 +15,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from split_parity_support import check_case, run_cases
 
+import hf_tiny
 from moetrain.cli import main as cli_main
 from moetrain.config.job import JobConfig
 from moetrain.errors import ConfigError
+from moetrain.testing import run_on_ranks
+from moetrain.train.build import load_hf_model
 
 CASES = {
     "tiny_moe-tp2-fsdp2": ("tiny_moe", {"tp": 2}),
@@ -114,12 +118,6 @@ def _hf_worker(model_dirs: dict[str, str], out_root: str) -> dict | None:
 
 
 def test_hugging_face_import_and_export_are_exact_under_tp_and_cp(tmp_path):
-    import hf_tiny
-    import torch
-
-    from moetrain.testing import run_on_ranks
-    from moetrain.train.build import load_hf_model
-
     model_dirs = {variant: str(hf_tiny.save(hf_tiny.build_variant(variant), tmp_path / variant))
                   for variant in HF_VARIANTS}
     loaded = run_on_ranks(_hf_worker, 4, model_dirs, str(tmp_path / "out"), timeout=600)[0]
