@@ -28,6 +28,7 @@ LAYOUTS = {
     "pp2_fsdp2": MeshDims(pp=2, dp_shard=2),
     "fsdp2_cp2": MeshDims(dp_shard=2, cp=2),
     "fsdp2_tp2": MeshDims(dp_shard=2, tp=2),
+    "cp2_tp2": MeshDims(cp=2, tp=2),
 }
 
 R, S = ("dp_replicate",), ("dp_shard",)
@@ -49,16 +50,24 @@ EXPECTED = {
     "pp2_fsdp2": {"data": (RS, [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]),
                   "fsdp": (S, [[0, 1], [0, 1], [2, 3], [2, 3]]),
                   "pipeline": (("pp",), [[0, 2], [1, 3], [0, 2], [1, 3]])},
+    # CP ranks join FSDP's shard dimension; the routed experts, which TP does not split, shard over TP's too.
     "fsdp2_cp2": {"data": (RS, [[[0, 2]], [[1, 3]], [[0, 2]], [[1, 3]]]),
-                  "fsdp": (S, [[0, 2], [1, 3], [0, 2], [1, 3]]),
+                  "fsdp": (("dp_shard_cp",), [[0, 1, 2, 3]] * 4),
                   "context": (("cp",), [[0, 1], [0, 1], [2, 3], [2, 3]])},
     "fsdp2_tp2": {"data": (RS, [[[0, 2]], [[1, 3]], [[0, 2]], [[1, 3]]]),
                   "fsdp": (S, [[0, 2], [1, 3], [0, 2], [1, 3]]),
+                  "expert_fsdp": (("dp_shard_tp",), [[0, 1, 2, 3]] * 4),
                   "tensor": (("tp",), [[0, 1], [0, 1], [2, 3], [2, 3]])},
+    "cp2_tp2": {"data": (RS, [[[0]], [[1]], [[2]], [[3]]]),
+                "fsdp": (("dp_shard_cp",), [[0, 2], [1, 3], [0, 2], [1, 3]]),
+                "expert_fsdp": (("dp_shard_cp_tp",), [[0, 1, 2, 3]] * 4),
+                "context": (("cp",), [[0, 2], [1, 3], [0, 2], [1, 3]]),
+                "tensor": (("tp",), [[0, 1], [0, 1], [2, 3], [2, 3]])},
 }
 # layout -> (data_rank of ranks 0..3, data_world)
 DATA_RANKS = {name: ([0, 1, 2, 3], 4) for name in EXPECTED} | {
-    "pp2_fsdp2": ([0, 1, 0, 1], 2), "fsdp2_cp2": ([0, 0, 1, 1], 2), "fsdp2_tp2": ([0, 0, 1, 1], 2)}
+    "pp2_fsdp2": ([0, 1, 0, 1], 2), "fsdp2_cp2": ([0, 0, 1, 1], 2), "fsdp2_tp2": ([0, 0, 1, 1], 2),
+    "cp2_tp2": ([0, 0, 0, 0], 1)}
 
 
 def _sub_meshes(job: JobMesh) -> dict:

@@ -1,7 +1,9 @@
 """The [parallel] section: pipeline, data, context, tensor and expert parallel sizes, precision, devices; checks.
 
 Sizes that depend on the world size are checked by `check_world_size` once the world is known;
-a rule that also reads the model (parallel.ep against the experts) is JobConfig's. No torch here.
+a rule that also reads the model (parallel.ep against the experts) is JobConfig's, which calls
+`check_sequence_split` for what tensor and context parallelism need of the model, data and
+training sections. No torch here.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moetrain.config.checks import check, check_positive
+from moetrain.config.data import DataConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.train import TrainConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -59,8 +64,6 @@ class ParallelConfig:
         """Raise ConfigError (one line) at the first invalid [parallel] field."""
         check_positive(self, "parallel", ("dp_replicate", "ep", "pp", "tp", "cp", "pp_stages_per_rank"))
         self._validate_pipeline()
-        for name in ("tp", "cp"):  # the mesh lays these dimensions out; no model code applies them yet
-            check(getattr(self, name) == 1, f"parallel.{name}", getattr(self, name), "must be 1: not supported yet")
         check(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
               "must be -1 (auto) or >= 1")
         # At most a year: the process group keeps it as a timedelta in C (days fit an int32, not 1e30 s).
@@ -151,3 +154,41 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> tuple[int, in
           f"must divide the data-parallel shard size {shard} (world size {world_size} / parallel.dp_replicate "
           f"{replicate}): the expert-parallel ranks are carved out of it")
     return replicate, shard
+
+
+def check_sequence_split(parallel: ParallelConfig, model: ModelConfig, data: DataConfig, train: TrainConfig) -> None:
+    """What tensor (`parallel.tp`) and context (`parallel.cp`) parallelism need of the job; ConfigError (one line).
+
+    TP splits heads, hidden widths and the vocabulary over its ranks and, between the dense layers, each
+    sequence (sequence parallelism); CP splits each sequence into 2 x cp chunks, head-tail balanced. The
+    options refused here have no exact TP/CP plan yet (docs/design/parallel.md says why).
+    """
+    tp, cp = parallel.tp, parallel.cp
+    if tp == 1 and cp == 1:
+        return
+    moe = model.moe
+    if tp > 1:
+        kv_heads = model.n_kv_heads or model.n_heads
+        check(model.n_heads % tp == 0, "parallel.tp", tp, f"must divide model.n_heads = {model.n_heads}")
+        check(model.kv_lora_rank is not None or kv_heads % tp == 0, "parallel.tp", tp,
+              f"must divide the KV heads (model.n_kv_heads = {kv_heads})")
+        for field, value in (("model.ffn_hidden", model.ffn_hidden), ("model.moe.shared_width", moe.shared_width())):
+            check(value % tp == 0, "parallel.tp", tp, f"must divide {field} = {value} (the split widths)")
+        check(model.qk_norm != "full", "model.qk_norm", model.qk_norm,
+              "with parallel.tp > 1: a norm over all heads' channels spans ranks; per_head or none")
+        check(not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
+              "with parallel.tp > 1: the vocabulary-split embedding and head are not tied yet; use false")
+        check(train.sample_tokens == 0, "train.sample_tokens", train.sample_tokens,
+              "with parallel.tp > 1: generation's one-token steps cannot be split over the sequence; use 0 "
+              "(moetrain sample reads the run's checkpoint in one process)")
+    name = "parallel.tp" if tp > 1 else "parallel.cp"
+    check(data.batching == "packed", "data.batching", data.batching,
+          f"with {name} > 1: a sequence is split over ranks, so every row must be data.seq_len long; use packed")
+    check(data.seq_len % (2 * cp * tp) == 0, "data.seq_len", data.seq_len,
+          f"must be divisible by 2 x parallel.cp x parallel.tp = {2 * cp * tp} (head-tail chunks, "
+          "then the sequence-parallel split)")
+    check(not (moe.load_balance == "aux_loss" and moe.aux_loss_coef > 0 and moe.aux_loss_scope == "microbatch"),
+          "model.moe.aux_loss_scope", moe.aux_loss_scope,
+          f"with {name} > 1: a microbatch's tokens are routed on several ranks; use global_batch (exact)")
+    check(not train.compile, "train.compile", train.compile, f"with {name} > 1: not supported yet; use false")
+    check(not train.eval_tasks, "train.eval_tasks", train.eval_tasks, f"with {name} > 1: not supported yet")

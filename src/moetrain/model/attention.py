@@ -64,6 +64,7 @@ and no projections (layers.Attention does); from moetrain.model it imports the G
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -143,6 +144,9 @@ class AttentionPlan:
     blocks: BlockLayout | None = None
     block_mask: BlockMask | None = None
     document_ids: Tensor | None = None  # [B, S]; None for "causal" (every row one document)
+    # An attention function the caller supplies, (q, k, v, sinks, window) -> out, used instead of the method:
+    # context parallelism's, whose keys and values live on other ranks too (moetrain.parallel.context_parallel).
+    external: Callable[..., Tensor] | None = None
     # Masks built for a sliding window (or a "causal" plan with sinks), once per forward: key (kind, window).
     cache: dict = field(default_factory=dict, repr=False)
 
@@ -295,15 +299,23 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
 
 
 def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor | None) -> Tensor:
-    """SDPA on [N, L, H, D] / [N, Lk, H_kv, D] under a boolean mask broadcastable to [N, 1, L, Lk], with
-    optional sinks [H]: one zero key and value appended, its logit set to the head's sink by a float mask.
-    Below the size bound on CPU, the GEMM attention instead (mask and sinks applied inside)."""
+    """`masked_sdpa`, or below the size bound on CPU the GEMM attention (mask and sinks applied inside)."""
     if use_gemm_attention(q, k.shape[1]):
         return GemmAttention.apply(q, k, v, allowed, sinks)
+    return masked_sdpa(q, k, v, allowed, sinks)
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor | None) -> Tensor:
+    """SDPA on [N, L, H, D] / [N, Lk, H_kv, D] under a boolean mask broadcastable to [N, 1, L, Lk], with
+    optional sinks [H]: one zero key and value appended, its logit set to the head's sink by a float mask.
+    The keys may come in any order (the mask alone says which a query sees), which context parallelism needs.
+    `allowed` may also be that mask as an additive float mask (0 / -inf) in q's dtype: SDPA's CPU flash kernel
+    then uses it as it is, where it would make a float copy of a boolean mask in every call."""
     if sinks is None:
         return _sdpa(q, k, v, attn_mask=allowed)
     n, length, heads, _ = q.shape
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    bias = (allowed if allowed.is_floating_point() else
+            torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf")))
     bias = bias.expand(n, heads, length, allowed.shape[-1])
     sink_column = sinks.to(q.dtype).view(1, heads, 1, 1).expand(n, heads, length, 1)
     k, v = (F.pad(t, (0, 0, 0, 0, 0, 1)) for t in (k, v))  # the sink's key and value: zeros
@@ -460,6 +472,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan | None, sinks: T
     plain = sinks is None and window is None
     if plan is None:
         plan = AttentionPlan("causal")
+    if plan.external is not None:
+        return plan.external(q, k, v, sinks, window)
     batch, seq = q.shape[:2]
     if plan.method == "causal":
         if plain:

@@ -185,7 +185,9 @@ def positions_from_documents(document_ids: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Multi-head attention: grouped-query heads (n_kv_heads divides n_heads), optional QK-norm, RoPE.
 
-    The document-masked attention runs by the forward's plan (attention.plan_attention).
+    The document-masked attention runs by the forward's plan (attention.plan_attention). The training
+    forward takes its head counts from the projections' output widths, so it also runs on a slice of
+    the heads (tensor parallelism gives each rank its own columns of wq, wk, wv and rows of wo).
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
@@ -221,9 +223,11 @@ class Attention(nn.Module):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(batch, seq, self.n_heads, self.head_dim)
-        k = k.view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
+        # Heads from the projections' widths, not the config: under tensor parallelism a rank's
+        # projections hold its own heads only (moetrain.parallel.tensor_parallel).
+        q = q.view(batch, seq, -1, self.head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
+        v = v.view(batch, seq, -1, self.head_dim)
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:

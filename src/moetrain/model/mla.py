@@ -73,18 +73,19 @@ class MultiHeadLatentAttention(nn.Module):
         """`cache` (generation): store this forward's per-head k/v, attend over every cached token instead of `plan`."""
         batch, seq, _ = x.shape
         q = self.wq(x) if self.q_lora_rank is None else self.wq_b(self.q_a_norm(self.wq_a(x)))
-        q_nope, q_rope = q.view(batch, seq, self.n_heads, self.qk_head_dim).split([self.nope_dim, self.rope_dim], -1)
+        q_nope, q_rope = q.view(batch, seq, -1, self.qk_head_dim).split([self.nope_dim, self.rope_dim], -1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.wkv_b(self.kv_a_norm(latent)).view(batch, seq, self.n_heads, self.nope_dim + self.v_dim)
+        # Heads from the widths (-1): under tensor parallelism wq(_b), wkv_b and wo hold this rank's heads only.
+        kv = self.wkv_b(self.kv_a_norm(latent)).view(batch, seq, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta, self.rope_cfg)
         q_rope = apply_rope(q_rope, cos, sin, self.rope_layout)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_layout)  # [B, S, 1, rope]: one for all heads
         q = torch.cat((q_nope, q_rope), dim=-1)
-        k = torch.cat((k_nope, k_rope.expand(-1, -1, self.n_heads, -1)), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         if cache is not None:  # SDPA's scale there is 1/sqrt(q width) = qk_head_dim^-0.5, v keeps its width
             out = cache.attend(q * self.q_scale if self.q_scale != 1.0 else q, k, v)
-            return self.wo(out.reshape(batch, seq, self.n_heads * self.v_dim))
+            return self.wo(out.reshape(batch, seq, -1))
         # attend() wants one head width; zero channels add nothing to q·k or to the output (cut after).
         width = max(self.qk_head_dim, self.v_dim)
         scale = self.q_scale
@@ -98,4 +99,4 @@ class MultiHeadLatentAttention(nn.Module):
         if self.max_logits is not None:
             self.max_logits = torch.maximum(self.max_logits, max_logit_per_head(q, k, plan))
         out = attend(q, k, v, plan)[..., :self.v_dim]
-        return self.wo(out.reshape(batch, seq, self.n_heads * self.v_dim))
+        return self.wo(out.reshape(batch, seq, -1))

@@ -142,7 +142,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
                 document_ids: Tensor | None = None, until_last_moe: bool = False,
-                cache: KVCache | None = None, mtp: bool = False) -> Tensor | tuple[Tensor, list[Tensor]] | None:
+                cache: KVCache | None = None, mtp: bool = False,
+                attention_plan: AttentionPlan | None = None) -> Tensor | tuple[Tensor, list[Tensor]] | None:
         """tokens [B, S] -> logits [B, S, V]; in a part, hidden states [B, S, D] in or out where it lacks the ends.
 
         `document_ids` [B, S] (contiguous runs of equal ids) restricts attention to earlier tokens of
@@ -156,6 +157,9 @@ class Transformer(nn.Module):
         `mtp` (model.mtp_depth > 0): also run the multi-token-prediction modules and return
         (logits, [logits of depth k, [B, S, V], position i predicting token i + k + 1, for k = 1..D]);
         the main logits are computed exactly as without it.
+        `attention_plan`: a plan the caller built (context parallelism's: these tokens are a slice of longer
+        rows and attend over keys other ranks hold); `document_ids` is then not planned here and `positions`
+        must be given.
         """
         batch, seq = tokens.shape[:2]
         if cache is not None:
@@ -165,7 +169,10 @@ class Transformer(nn.Module):
             return self.cached_forward(tokens, cache)[0]
         if document_ids is not None and document_ids.shape != (batch, seq):
             raise ValueError(f"document_ids shape {tuple(document_ids.shape)} != tokens shape {(batch, seq)}")
-        plan = plan_attention(document_ids, self.attention_method)  # once per forward, shared by every layer
+        if attention_plan is not None and positions is None:
+            raise ValueError("a forward with an attention_plan needs the tokens' positions")
+        # Once per forward, shared by every layer.
+        plan = attention_plan if attention_plan is not None else plan_attention(document_ids, self.attention_method)
         if positions is None:
             if document_ids is not None:
                 positions = positions_from_documents(document_ids)

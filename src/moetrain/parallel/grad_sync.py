@@ -128,13 +128,19 @@ def accumulation(
         set_sync_flags(model, _FULL_SYNC)
 
 
-def count_global_tokens(local_count: int, group: dist.ProcessGroup | None = None) -> int:
+def count_global_tokens(local_count: int, group: dist.ProcessGroup | None = None, replicas: int = 1) -> int:
     """The step's valid target tokens over all ranks of `group`, from this rank's count.
 
     Exactly one all-reduce (None = the default group; no process group = the local
     count). Every rank must call it, also a rank whose microbatches hold no valid target.
+    `replicas`: how many ranks count the same microbatches (context x tensor parallel ranks,
+    `JobMesh.sequence_split`); the sum counts each microbatch that often and is divided back.
     """
-    return all_reduce_int(local_count, group)
+    total = all_reduce_int(local_count, group)
+    if total % replicas:
+        raise RuntimeError(f"{total} valid tokens summed over ranks is not a multiple of {replicas} replicas: "
+                           "ranks of one context/tensor-parallel group counted different microbatches")
+    return total // replicas
 
 
 def _params_by_grad_mesh(model: nn.Module) -> dict[object, list[nn.Parameter]]:

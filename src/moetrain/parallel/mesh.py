@@ -13,11 +13,18 @@ consumer then takes its sub-mesh from the JobMesh instead of slicing the root it
   loader's rank and world, the sync policy (replicated or not), token counts.
 - `fsdp`: what non-expert parameters are `fully_shard`ed on: the 1-D "dp_shard" mesh when
   nothing is replicated (a 2-D mesh would add an all-reduce over one-rank groups to every
-  gradient reduction), else the 2-D data mesh (HSDP).
-- `experts` (`ExpertMeshes`, None without expert parallelism): EP borrows its ranks from
+  gradient reduction), else the 2-D data mesh (HSDP). Under context parallelism the "cp" ranks
+  join the shard dimension ("dp_shard_cp", as torchtitan folds them): each CP rank computes
+  gradients from its own part of every sequence, so FSDP's reduce-scatter must sum over them too,
+  and sharding over them divides the parameters' memory further.
+- `experts` (`ExpertMeshes`, None without expert or tensor parallelism): EP borrows its ranks from
   dp_shard, innermost: the root then has ("efsdp", "ep") where a plain job has "dp_shard", an
   EP group is `ep` consecutive ranks, and the data mesh is "dp_replicate" with efsdp x ep
   flattened back into "dp_shard", so the data-parallel layout is the same with and without EP.
+  EP never borrows from "tp" (torchtitan's choice when it has no expert tensor parallelism):
+  here each TP rank routes its own slice of the sequence through its own EP group, and the
+  routed experts, which TP does not split, are FSDP-sharded over efsdp x cp x tp
+  (`ExpertMeshes.fsdp`), the ranks whose tokens differ while their experts are the same.
 - `pipeline`, `context`, `tensor` ("pp", "cp", "tp"): the 1-D sub-meshes of those dimensions,
   None while their degree is 1 (the root then has no such dimension, so the meshes and groups
   of a job without them are unchanged).
@@ -85,19 +92,20 @@ class MeshDims:
 
 @dataclass(frozen=True)
 class ExpertMeshes:
-    """The meshes expert parallelism runs on, cut from the job's root mesh.
+    """The meshes the routed experts run on, cut from the job's root mesh.
 
-    ep: the ranks that split one layer's experts between them (all-to-all group).
+    ep: the ranks that split one layer's experts between them (all-to-all group); None without EP.
     fsdp: the mesh expert weights are FSDP-sharded on: ("efsdp",) or, under HSDP,
-    ("dp_replicate", "efsdp"), the replicate dimension replicating experts too.
+    ("dp_replicate", "efsdp"), the replicate dimension replicating experts too; "cp" and "tp"
+    flattened into the shard dimension when used (their ranks route different tokens).
     """
 
-    ep: DeviceMesh
+    ep: DeviceMesh | None
     fsdp: DeviceMesh
 
     @property
     def degree(self) -> int:
-        return self.ep.size()
+        return 1 if self.ep is None else self.ep.size()
 
 
 @dataclass(frozen=True)
@@ -139,18 +147,27 @@ class JobMesh:
         root = init_device_mesh(device.type, tuple(size for _, size in layout),
                                 mesh_dim_names=tuple(name for name, _ in layout))
         names = {name for name, _ in layout}
-        experts = None
+        efsdp, ep = EXPERT_DIM_NAMES
         if dims.ep == 1:
             data = root[DATA_DIM_NAMES]
+            shard_dims, expert_shard_dims = ["dp_shard"], ["dp_shard"]
         else:
             # The same ranks and order as without EP (s = efsdp * ep + e), so non-expert parameters,
             # the data loader and the sync policies see no difference.
             data = DeviceMesh._concatenate([root["dp_replicate"], root[EXPERT_DIM_NAMES]._flatten("dp_shard")])
-            efsdp, ep = EXPERT_DIM_NAMES
-            replicated = dims.dp_replicate > 1  # expert weights are replicated like the rest
-            experts = ExpertMeshes(ep=root[ep], fsdp=root["dp_replicate", efsdp] if replicated else root[efsdp])
-        return cls(dims, dist.get_rank(), device, root, data=data,
-                   fsdp=data if dims.dp_replicate > 1 else data["dp_shard"], experts=experts,
+            shard_dims, expert_shard_dims = [efsdp, ep], [efsdp]
+        cp = ["cp"] if "cp" in names else []
+        tp = ["tp"] if "tp" in names else []
+        if cp:
+            fsdp = _with_replicate(root, _flat(root, shard_dims + cp, "dp_shard_cp"), dims)
+        else:
+            fsdp = data if dims.dp_replicate > 1 else data["dp_shard"]
+        experts = None
+        if dims.ep > 1 or tp:
+            expert_fsdp = _flat(root, expert_shard_dims + cp + tp, "_".join(expert_shard_dims + cp + tp))
+            experts = ExpertMeshes(ep=root[ep] if dims.ep > 1 else None,
+                                   fsdp=_with_replicate(root, expert_fsdp, dims))  # replicas hold experts too
+        return cls(dims, dist.get_rank(), device, root, data=data, fsdp=fsdp, experts=experts,
                    pipeline=root["pp"] if "pp" in names else None, context=root["cp"] if "cp" in names else None,
                    tensor=root["tp"] if "tp" in names else None)
 
@@ -168,6 +185,21 @@ class JobMesh:
         """How many ranks read different batches."""
         return self.dims.dp_replicate * self.dims.dp_shard
 
+    @property
+    def sequence_split(self) -> int:
+        """Ranks that hold the same microbatches and split each sequence between them (cp x tp)."""
+        return self.dims.cp * self.dims.tp
+
     def describe(self) -> str:
         """The data mesh's shape for a log line, "none" without a root."""
         return "none" if self.data is None else str(tuple(self.data.shape))
+
+
+def _flat(root: DeviceMesh, names: list[str], flat_name: str) -> DeviceMesh:
+    """The 1-D mesh over the root's dimensions `names` (one of them as it is, several flattened)."""
+    return root[names[0]] if len(names) == 1 else root[tuple(names)]._flatten(flat_name)
+
+
+def _with_replicate(root: DeviceMesh, shard: DeviceMesh, dims: MeshDims) -> DeviceMesh:
+    """`shard` as FSDP's mesh: 1-D without replicas (no all-reduce over one-rank groups), else HSDP's 2-D."""
+    return shard if dims.dp_replicate == 1 else DeviceMesh._concatenate([root["dp_replicate"], shard])

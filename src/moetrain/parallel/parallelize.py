@@ -21,9 +21,13 @@ so no step recompiles. Forwards without autograd (evaluation, the global-balance
 sampling, whose sequence grows every token) run the same blocks eagerly: they never trigger a
 compile, so evaluation cannot recompile a training graph either.
 
-Before all of these, when the job's mesh has an expert-parallel dimension, `apply_ep` splits
-every MoE layer's experts over the EP group and routes their tokens by all-to-all
-(`moetrain.parallel.expert_parallel`); FSDP then shards what EP has split.
+Before all of these, when the job's mesh has a tensor-parallel dimension, `apply_tensor_parallel`
+splits the attention, dense FFNs, shared experts, embedding and LM head over it with sequence
+parallelism between them (`moetrain.parallel.tensor_parallel`); when it has an expert-parallel
+dimension, `apply_ep` splits every MoE layer's experts over the EP group and routes their tokens by
+all-to-all (`moetrain.parallel.expert_parallel`); FSDP then shards what TP and EP have split.
+Context parallelism changes no module: each forward gets its slice of the rows and an attention plan
+over the whole rows (`moetrain.parallel.context_parallel`); FSDP's mesh folds its ranks in.
 
 A one-rank mesh without expert parallelism is not wrapped: FSDP over one rank shards
 nothing yet gathered, copied and hooked every unit on every forward and backward (1.6-2x
@@ -47,6 +51,7 @@ from moetrain.parallel.expert_parallel import apply_expert_parallel
 from moetrain.parallel.float8 import convert_to_float8
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.shard import apply_fsdp
+from moetrain.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def apply_ep(model: nn.Module, job: JobMesh | None, ep: int) -> None:
@@ -55,7 +60,7 @@ def apply_ep(model: nn.Module, job: JobMesh | None, ep: int) -> None:
     if (1 if experts is None else experts.degree) != ep:
         raise ConfigError(f"parallel.ep = {ep} does not match the mesh ({'no' if experts is None else experts.degree}"
                           " EP dimension): build it with moetrain.parallel.mesh.JobMesh from the same config")
-    if experts is not None:
+    if experts is not None and experts.ep is not None:
         apply_expert_parallel(model, experts.ep)
 
 
@@ -167,13 +172,15 @@ def parallelize_model(model: nn.Module, job: JobMesh | None, parallel: ParallelC
                       activation_checkpointing: bool | str = False, compile: bool = False,
                       activation_checkpointing_every: int = 1, device_type: str = "cpu",
                       float8: str = "none") -> nn.Module:
-    """Apply float8, EP, activation checkpointing, compile and FSDP (not on one rank) to `model` in place; return it.
+    """Apply float8, TP, EP, activation checkpointing, compile and FSDP (not on one rank) to `model` in place.
 
     `device_type` is where the model will run (it may still be on the meta device here). `float8`
     (train.float8) swaps linears for torchao's float8 ones first (moetrain.parallel.float8).
     """
     if float8 != "none":
         convert_to_float8(model, float8, float8_all_gather=not runs_unsharded(job), device_type=device_type)
+    if job is not None and job.tensor is not None:
+        apply_tensor_parallel(model, job.tensor)
     apply_ep(model, job, parallel.ep)
     mode = checkpointing_mode(activation_checkpointing)
     if compile and mode == "selective":

@@ -70,10 +70,11 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 def _is_unsharded(param: torch.Tensor) -> bool:
     """Whether a registered parameter is FSDP's unsharded (gathered) form.
 
-    Unsharded parameters are plain tensors, except expert-parallel weights: those stay DTensors
-    on the EP mesh alone. FSDP's sharded parameters are DTensors whose mesh has a data-parallel dim.
+    Unsharded parameters are plain tensors, except expert- and tensor-parallel weights: those stay
+    DTensors on the EP or TP mesh alone. FSDP's sharded parameters are DTensors whose mesh has a
+    data-parallel dim.
     """
-    return not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names == EXPERT_DIM_NAMES[-1:]
+    return not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names in (EXPERT_DIM_NAMES[-1:], ("tp",))
 
 
 @dataclass

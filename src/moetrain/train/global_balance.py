@@ -18,7 +18,7 @@ This module only orchestrates: the loss itself is the model's (routing.py), and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -28,11 +28,14 @@ from moetrain.parallel.collectives import all_reduce_sum, collective_device, ran
 
 
 @torch.no_grad()
-def prepare_global_balance(model: nn.Module, microbatches: Sequence[Batch]) -> None:
+def prepare_global_balance(model: nn.Module, microbatches: Sequence[Batch],
+                           inputs: Callable[[Batch], dict] | None = None, token_split: int = 1) -> None:
     """Count the step's expert assignments over all microbatches and ranks and give them to the model.
 
     A no-op unless the model uses the global-batch balance loss. Collective when it does: every
-    rank must call it with its own microbatches.
+    rank must call it with its own microbatches. `inputs` gives the forward's keyword arguments of a
+    microbatch (context parallelism's slice of it; default: the whole microbatch); `token_split` ranks
+    route disjoint parts of those inputs' tokens (tensor parallelism's sequence split).
     """
     if not model.needs_global_balance():
         return
@@ -45,10 +48,12 @@ def prepare_global_balance(model: nn.Module, microbatches: Sequence[Batch]) -> N
     n_tokens = 0
     try:
         for batch in microbatches:
-            model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids, until_last_moe=True)
+            kwargs = inputs(batch) if inputs is not None else {
+                "tokens": batch.tokens, "positions": batch.positions, "document_ids": batch.document_ids}
+            model(**kwargs, until_last_moe=True)
             load = model.tokens_per_expert().to(torch.float64)
             counts = load if counts is None else counts + load
-            n_tokens += batch.tokens.numel()
+            n_tokens += kwargs["tokens"].numel() // token_split
     finally:
         model.train(was_training)
     totals = torch.cat([counts.flatten(), torch.tensor([float(n_tokens)], dtype=torch.float64, device=counts.device)])

@@ -61,6 +61,7 @@ from moetrain.observe.peak_flops import rank_peak_flops
 from moetrain.observe.peak_memory import PeakMemory
 from moetrain.observe.step_phases import StepPhases
 from moetrain.parallel.collectives import all_gather_floats, all_reduce_sum
+from moetrain.parallel.context_parallel import SequenceSplit
 from moetrain.parallel.expert_parallel import all_to_all_stats
 from moetrain.parallel.fault_tolerance import (
     ReplicaGroup,
@@ -161,6 +162,8 @@ class Trainer:
         self.rank, self.world = job.rank, job.world
         self.eval_tasks = read_choice_tasks(cfg.train.eval_tasks)  # checked before anything is built
         self.policy = resolve_sync_policy(cfg.parallel, job.dims, cfg.train.grad_accum)
+        # Context/tensor parallelism: each rank's slice of the microbatches its CP x TP group shares.
+        self.split = SequenceSplit.of(job)
         torch.manual_seed(cfg.train.seed)
         # Under pipeline parallelism the rank holds its stages; `model` is their union (moetrain.train.pipeline_step).
         self.pipeline = PipelineStep(cfg, job, build_pipeline(cfg, job)) if job.pipeline is not None else None
@@ -275,7 +278,8 @@ class Trainer:
             microbatches = [batch.to(self.device) for batch in self.loader.next_microbatches()]
         # Every stage of a pipeline reads the same microbatches: the first stage's ranks count the inputs.
         counts_inputs = self.pipeline is None or self.pipeline.pipeline.holds_first
-        input_tokens = float(sum(batch.tokens.numel() for batch in microbatches)) if counts_inputs else 0.0
+        input_tokens = (float(sum(batch.tokens.numel() for batch in microbatches)) / self.split.replicas
+                        if counts_inputs else 0.0)
         with phases.phase("collectives"):
             global_tokens = self._count_tokens(microbatches)
         if self.pipeline is not None:
@@ -362,26 +366,26 @@ class Trainer:
                 mtp_counts = all_reduce_sum(local_counts.to(self.device)).tolist()
         with self._compute_dtype():
             with phases.phase("forward"):
-                prepare_global_balance(self.model, microbatches)
+                prepare_global_balance(self.model, microbatches, self.split.model_inputs, self.split.tp)
             if self.qk_clip is not None:
                 self.qk_clip.arm()
             for batch, _is_last in accumulation(self.model, microbatches, self.policy):
-                with phases.phase("forward"):
-                    outputs = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids,
-                                         mtp=mtp_counts is not None)
+                with phases.phase("forward"), self.split.loss_context():
+                    outputs = self.model(**self.split.model_inputs(batch), mtp=mtp_counts is not None)
                     logits = outputs[0] if mtp_counts is not None else outputs
-                    mb_loss_sum, n_valid = token_loss_sum(logits, batch.targets)
+                    mb_loss_sum, n_valid = token_loss_sum(logits, self.split.shard(batch.targets))
+                    mb_loss_sum = self.split.local_loss(mb_loss_sum)
                     aux = self.model.aux_loss()
-                    z = self.model.z_loss_sum(batch.targets != IGNORE_INDEX)
+                    z = self.model.z_loss_sum(self.split.routed_mask(batch.targets != IGNORE_INDEX))
                     objective = microbatch_loss(mb_loss_sum, n_valid, global_tokens, aux, z, aux_is_share)
                     if mtp_counts is not None:  # + λ/D Σ_k CE_k (moetrain.train.loss)
                         mtp_objective, mtp_part = mtp_loss_term(outputs[1], batch.targets, batch.document_ids,
                                                                 mtp_counts, mtp_weight)
                         objective = objective + mtp_objective
                         mtp_sum += mtp_part
-                with phases.phase("backward"):
+                with phases.phase("backward"), self.split.loss_context():
                     objective.backward()
-                loss_sum += mb_loss_sum.detach().double().cpu()
+                loss_sum += mb_loss_sum.detach().double().cpu() / self.split.tp  # each TP rank: the whole loss
                 balance_term, z_term = router_loss_terms(n_valid, global_tokens, aux.detach(), z.detach(),
                                                          aux_is_share)
                 aux_sum += torch.as_tensor(balance_term).double().cpu()
@@ -403,7 +407,8 @@ class Trainer:
     def _count_tokens(self, microbatches: list) -> int:
         """The step's valid target tokens: over this group's ranks, then (ft) over the participating groups."""
         self.group_tokens = (self.pipeline.count_global_tokens(microbatches) if self.pipeline is not None else
-                             count_global_tokens(sum(batch.n_valid_targets for batch in microbatches)))
+                             count_global_tokens(sum(batch.n_valid_targets for batch in microbatches),
+                                                 replicas=self.split.replicas))
         if self.replicas is None:
             return self.group_tokens
         return int(self.replicas.exchange([float(self.group_tokens)])[0])  # exact: integers in float64
@@ -487,7 +492,8 @@ class Trainer:
         heldout = self.data.heldout
         assert heldout is not None
         mb = self.cfg.train.microbatch_size
-        # Every stage of a pipeline evaluates the same sequences: they are split over the data-parallel ranks.
+        # Every stage of a pipeline, and the ranks of one CP x TP group, evaluate the same sequences: they are
+        # split over the data-parallel ranks.
         indices = eval_indices(len(heldout), self.cfg.train.eval_batches * mb, self.job.data_rank,
                                self.job.data_world)
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, valid targets, bytes
@@ -501,11 +507,15 @@ class Trainer:
                         if logits is None:  # not the last stage: the last stage's ranks sum the loss
                             continue
                     else:
-                        logits = self.model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
-                    loss_sum, n_valid = token_loss_sum(logits, batch.targets)
+                        logits = self.model(**self.split.model_inputs(batch))
+                    with self.split.loss_context():
+                        loss_sum, _ = token_loss_sum(logits, self.split.shard(batch.targets))
                     valid = batch.targets != IGNORE_INDEX
                     n_bytes = self.token_bytes[batch.targets[valid]].sum()
-                    totals += torch.tensor([float(loss_sum), float(n_valid), float(n_bytes)], dtype=torch.float64)
+                    # Summed over all ranks: a CP x TP group holds each sequence's tokens once and its loss tp times.
+                    totals += torch.tensor([float(self.split.local_loss(loss_sum)) / self.split.tp,
+                                            int(valid.sum()) / self.split.replicas,
+                                            float(n_bytes) / self.split.replicas], dtype=torch.float64)
         finally:
             self.model.train()
         all_reduce_sum(totals)

@@ -1,0 +1,142 @@
+"""Context parallelism and the sequence split: which tokens of a microbatch each rank computes.
+
+Under context parallelism (`parallel.cp`) every rank of a CP group holds the same microbatches and
+computes a part of every sequence: the rows are cut into 2 x cp chunks and rank r takes chunks r and
+2 x cp - 1 - r (head-tail load balancing: under a causal mask late chunks cost more, so every rank
+gets one early and one late chunk and the same causal work). Each layer's attention then all-gathers
+the keys and values of the whole sequence over the CP group (`all_gather_single_autograd`: its
+backward reduce-scatters their gradients) and attends from the rank's queries to them under a mask
+built from the whole rows' document ids and token indices, so packed documents never see each
+other, across the split too; sliding windows and attention sinks go in the same mask (the masked SDPA
+of moetrain.model.attention). Every `model.attention` method runs this way under CP: the keys of a
+rank's queries live on other ranks, so the method-specific layouts do not apply. torch's
+`context_parallel` API was not used: its ring attention on CPU/gloo serves plain causal SDPA only,
+without document masks, windows or sinks.
+
+`SequenceSplit` is what a training loop needs of both CP and tensor parallelism: the rank's model
+inputs (the CP slice and the attention plan over the whole rows), its targets, the mask of the tokens
+its MoE layers route (TP's sequence parallelism cuts the CP slice once more), and how many ranks hold
+the same microbatches (their token counts and losses must not be summed twice). This module neither
+changes a model's layers (moetrain.parallel.tensor_parallel) nor computes losses.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+from moetrain.data.packing import Batch
+from moetrain.model.attention import AttentionPlan, masked_sdpa
+from moetrain.parallel.mesh import JobMesh
+from moetrain.parallel.tensor_parallel import local_loss, vocab_parallel_loss
+
+
+def head_tail_indices(seq: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
+    """Token indices [seq / cp] of CP rank `rank`: chunks `rank` and 2 cp - 1 - rank of 2 cp equal chunks."""
+    if seq % (2 * cp):
+        raise ValueError(f"sequence length {seq} is not divisible by 2 x cp = {2 * cp}")
+    chunk = seq // (2 * cp)
+    starts = (rank * chunk, (2 * cp - 1 - rank) * chunk)
+    return torch.cat([torch.arange(start, start + chunk, device=device) for start in starts])
+
+
+@dataclass
+class ContextAttention:
+    """Attention from this rank's queries to the keys of the whole rows, gathered over the CP group."""
+
+    group: DeviceMesh
+    document_ids: Tensor  # [B, S]: the whole rows
+    query_index: Tensor  # [S / cp]: this rank's tokens
+    key_index: Tensor  # [S]: the token index of each gathered key (ranks in order, each its own indices)
+
+    def __post_init__(self) -> None:
+        self.masks: dict[tuple, Tensor] = {}
+
+    def mask(self, window: int | None, dtype: torch.dtype) -> Tensor:
+        """[B, 1, S / cp, S] additive (0 / -inf) in `dtype`: same document, causal, inside the window when one is
+        given. Built once per forward and shared by every layer: a float mask is what SDPA's flash kernel
+        takes without a copy per call (a boolean one it converts in every layer, and the copies stay alive)."""
+        key = (window, dtype)
+        if key not in self.masks:
+            queries, keys = self.query_index.unsqueeze(-1), self.key_index.unsqueeze(0)
+            # Boolean comparisons only: an [S / cp, S] index difference would be int64, 8 bytes a score.
+            allowed = (self.document_ids[:, self.query_index].unsqueeze(-1)
+                       == self.document_ids[:, self.key_index].unsqueeze(-2))
+            allowed &= keys <= queries
+            if window is not None:
+                allowed &= keys > queries - window
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self.masks[key] = additive.masked_fill_(allowed.logical_not_(), float("-inf")).unsqueeze(1)
+        return self.masks[key]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, window: int | None) -> Tensor:
+        group = self.group.get_group()
+        # Gathered along dim 0 (what the functional collective supports): the sequence goes first and back.
+        k_all, v_all = (all_gather_single_autograd(t.transpose(0, 1).contiguous(), 0, group).transpose(0, 1)
+                        for t in (k, v))
+        return masked_sdpa(q, k_all, v_all, self.mask(window, q.dtype), sinks)
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """This rank's share of every microbatch under context (`context`) and tensor (`tensor`) parallelism."""
+
+    context: DeviceMesh | None = None
+    tensor: DeviceMesh | None = None
+
+    @classmethod
+    def of(cls, job: JobMesh) -> SequenceSplit:
+        return cls(job.context, job.tensor)
+
+    @property
+    def cp(self) -> int:
+        return 1 if self.context is None else self.context.size()
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.tensor is None else self.tensor.size()
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same microbatches (cp x tp): counts every one of them makes are summed this often."""
+        return self.cp * self.tp
+
+    def _query_index(self, seq: int, device: torch.device) -> Tensor:
+        return head_tail_indices(seq, self.cp, self.context.get_local_rank(), device)
+
+    def shard(self, tensor: Tensor) -> Tensor:
+        """This CP rank's tokens of a [B, S, ...] tensor (the whole tensor without CP)."""
+        if self.context is None:
+            return tensor
+        return tensor.index_select(1, self._query_index(tensor.shape[1], tensor.device))
+
+    def model_inputs(self, batch: Batch) -> dict:
+        """Keyword arguments of the model's forward for this rank's share of `batch`."""
+        if self.context is None:
+            return {"tokens": batch.tokens, "positions": batch.positions, "document_ids": batch.document_ids}
+        seq, device = batch.tokens.shape[1], batch.tokens.device
+        key_index = torch.cat([head_tail_indices(seq, self.cp, r, device) for r in range(self.cp)])
+        attention = ContextAttention(self.context, batch.document_ids, self._query_index(seq, device), key_index)
+        return {"tokens": self.shard(batch.tokens), "positions": self.shard(batch.positions),
+                "attention_plan": AttentionPlan("context", external=attention)}
+
+    def routed_mask(self, mask: Tensor) -> Tensor:
+        """The entries of a [B, S] token mask for the tokens this rank's MoE layers route: the CP slice,
+        then under TP the rank's contiguous part of it (sequence parallelism's Shard(1))."""
+        mask = self.shard(mask)
+        if self.tensor is None:
+            return mask
+        return mask.chunk(self.tp, dim=1)[self.tensor.get_local_rank()]
+
+    def loss_context(self) -> AbstractContextManager:
+        """Where the language-model loss and its backward run (TP's vocabulary-parallel cross-entropy)."""
+        return vocab_parallel_loss(self.tensor is not None)
+
+    @staticmethod
+    def local_loss(loss: Tensor) -> Tensor:
+        return local_loss(loss)
