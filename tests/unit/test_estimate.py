@@ -47,7 +47,7 @@ def test_estimate_for_a_mesh_this_machine_does_not_have(capsys):
     (["--nodes", "2"], "--nodes and --gpus-per-node go together"),
     (["--device", "tpu"], "--device = 'tpu' is invalid"),
     (["--world", "0"], "--world = '0' is invalid"),
-    (["--world", "3", "--parallel.dp_replicate", "2"], "must divide the world size 3"),
+    (["--world", "3", "--parallel.dp_replicate", "2"], "must divide the data-parallel world size 3"),
 ])
 def test_bad_estimate_options_are_one_line(extra, needle, capsys):
     assert cli.main(["estimate", *SMALL, *extra]) == 2
