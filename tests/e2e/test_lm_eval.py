@@ -170,7 +170,7 @@ def test_in_loop_tasks_equal_moetrain_eval_on_the_same_checkpoint(job_args, tmp_
     assert final["task/tiny_choice/acc"] == in_loop[4]["task/tiny_choice/acc"]
     out = tmp_path / "curve.png"
     assert cli.main(["plot", str(run_dir), "--out", str(out)]) == 0
-    assert Image.open(out).size[0] == 30 * 110  # the sixth (task) panel widens the figure (25 in. without it)
+    assert Image.open(out).size == (15 * 110, round(8.4 * 110))  # the task panel in rows of three panels
     bad = tmp_path / "text_only.jsonl"
     bad.write_text('{"text": "hello"}\n')
     assert cli.main(["train", *job_args(tmp_path / "run2", train__eval_tasks=str(bad))]) == 2

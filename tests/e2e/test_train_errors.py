@@ -34,7 +34,7 @@ def test_bad_config_and_bad_data_leave_the_run_untouched(job_args, tmp_path, cap
         "'latin1.py' is not UTF-8 text": job_args(run_dir, data__path=bad_utf8, **resume),
         "has no files matching": job_args(run_dir, data__path=empty, **resume),
         "already has checkpoints": job_args(run_dir),
-        "must divide the world size 1": job_args(run_dir, parallel__dp_replicate=2, **resume),
+        "must divide the data-parallel world size 1": job_args(run_dir, parallel__dp_replicate=2, **resume),
         "does not exist": ["--config", str(tmp_path / "missing.toml")],
         "model.vocab_size = 100 is invalid": job_args(run_dir, model__vocab_size=100, **resume),
     }

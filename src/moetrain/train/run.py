@@ -126,7 +126,8 @@ SCHEDULE_FIELDS = ("steps", "warmup_steps", "schedule", "decay_fraction", "min_l
 def _refuse_schedule_change(ref: CheckpointRef, cfg: JobConfig) -> None:
     # A larger train.steps silently stretches a cosine or WSD schedule mid-run: say so unless asked for.
     saved = stored_config(ref)
-    if ref.step >= cfg.train.steps and saved is not None and saved.train.steps != cfg.train.steps:
+    finished = saved is not None and ref.step >= saved.train.steps  # the saved run had trained all its steps
+    if finished and ref.step >= cfg.train.steps and saved.train.steps != cfg.train.steps:
         # (`make train ARGS="--train.steps 50"` after a finished run would otherwise report the old run again)
         raise ConfigError(f"train.steps = {cfg.train.steps} trains nothing: the run in {ref.path.parent.parent} "
                           f"already reached step {ref.step} (of train.steps = {saved.train.steps}); start another run "

@@ -402,7 +402,8 @@ class Trainer:
         if self.replicas is not None:
             with phases.phase("collectives"):  # the quorum (and a recovery) is part of the step's time
                 self.replicas.begin_step(self.step)
-        return self.loader.state_dict()
+            return self.loader.state_dict()
+        return {}
 
     def _count_tokens(self, microbatches: list) -> int:
         """The step's valid target tokens: over this group's ranks, then (ft) over the participating groups."""
