@@ -195,3 +195,23 @@ def architecture_args(directory) -> list[str]:
         if value is not None:
             args += [f"--model.{name}", str(value)]
     return args
+
+
+def train_steps(model, steps: int = 3, lr: float = 1e-2, update_expert_bias: bool = True) -> None:
+    """A few AdamW steps on the LM and balance losses (with the aux-free bias update after each, as the
+    trainer), on fixed token batches; leaves the model in eval mode."""
+    from moetrain.config.train import TrainConfig
+    from moetrain.train.loss import microbatch_loss, token_loss_sum
+    from moetrain.train.optim import build_optimizer
+
+    optimizer = build_optimizer(model, TrainConfig(lr=lr, weight_decay=0.0))
+    model.train()
+    for step in range(steps):
+        x = tokens(seed=20 + step, shape=(2, 17))
+        loss_sum, n_valid = token_loss_sum(model(x[:, :-1]), x[:, 1:])
+        microbatch_loss(loss_sum, n_valid, n_valid, model.aux_loss()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if update_expert_bias:
+            model.update_expert_bias()
+    model.eval()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", nargs="+", default=["rowwise", "tensorwise"], choices=["tensorwise", "rowwise"])
     parser.add_argument("--out", default="float8_bpb", help="folder under benchmarks/results")
     args = parser.parse_args(argv)
-    out = ROOT / "benchmarks" / "results" / args.out
+    out = Path(os.path.relpath(ROOT / "benchmarks" / "results" / args.out))  # recorded in configs: no machine paths
     out.mkdir(parents=True, exist_ok=True)
     chosen = rows(args.recipes)
 

@@ -29,11 +29,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import hf_tiny
-from hf_tiny import VARIANTS, build_variant, edit_config, family_of, relative_error, tokens
+from hf_tiny import VARIANTS, build_variant, edit_config, family_of, relative_error, tokens, train_steps
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.config.train import TrainConfig
 from moetrain.data.tokenizer import build_tokenizer
 from moetrain.errors import ConfigError
 from moetrain.interop import (
@@ -50,8 +49,6 @@ from moetrain.interop import (
 from moetrain.interop.families import family
 from moetrain.model.transformer import Transformer
 from moetrain.train.build import load_hf_model
-from moetrain.train.loss import microbatch_loss, token_loss_sum
-from moetrain.train.optim import build_optimizer
 
 TOL = 1e-5
 
@@ -76,20 +73,6 @@ def with_layout(cfg: JobConfig, directory, layout: str) -> Transformer:
     model = Transformer(dataclasses.replace(cfg.model, rope_layout=layout))
     load_hf_weights(model, directory)
     return model
-
-
-def train_steps(model: Transformer, steps: int = 3) -> None:
-    """A few AdamW steps on the LM and balance losses, with the aux-free bias update after each (as the trainer)."""
-    optimizer = build_optimizer(model, TrainConfig(lr=1e-2, weight_decay=0.0))
-    model.train()
-    for step in range(steps):
-        x = tokens(seed=20 + step, shape=(2, 17))
-        loss_sum, n_valid = token_loss_sum(model(x[:, :-1]), x[:, 1:])
-        microbatch_loss(loss_sum, n_valid, n_valid, model.aux_loss()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        model.update_expert_bias()
-    model.eval()
 
 
 def stored_names(directory) -> set[str]:

@@ -22,15 +22,12 @@ import pytest
 import torch
 
 import hf_tiny
-from hf_tiny import build_variant, relative_error, tokens
+from hf_tiny import build_variant, relative_error, tokens, train_steps
 from moetrain.config.lora import LoraConfig, target_widths
-from moetrain.config.train import TrainConfig
 from moetrain.interop import hf_job_config, save_hf
 from moetrain.interop.peft_adapter import load_peft_adapter, save_peft_adapter
 from moetrain.model.lora import adapter_parameters, merge_adapters
 from moetrain.train.build import build_model
-from moetrain.train.loss import microbatch_loss, token_loss_sum
-from moetrain.train.optim import build_optimizer
 
 TOL = 1e-5
 
@@ -49,15 +46,8 @@ def lora_job(directory, expert_mode="per_expert", rank=2):
 
 def trained(cfg, directory, steps=3):
     model = build_model(cfg.model, weights=f"hf:{directory}", lora=cfg.lora)
-    optimizer = build_optimizer(model, TrainConfig(lr=2e-2, weight_decay=0.0))
-    model.train()
-    for step in range(steps):
-        x = tokens(seed=20 + step, shape=(2, 17))
-        loss_sum, n_valid = token_loss_sum(model(x[:, :-1]), x[:, 1:])
-        microbatch_loss(loss_sum, n_valid, n_valid, model.aux_loss()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.eval()
+    train_steps(model, steps, lr=2e-2, update_expert_bias=False)
+    return model
 
 
 @pytest.mark.parametrize("variant, expert_mode", [("qwen3_moe", "per_expert"), ("deepseek_v3", "per_expert"),

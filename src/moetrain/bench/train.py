@@ -152,6 +152,6 @@ def main(argv: list[str]) -> int:
     name = f"bench_train_{cfg.parallel.param_dtype}_w{result['world_size']}.json"
     path = Path(json_arg) if json_arg else Path(cfg.logging.run_dir) / name  # under the run, not the cwd
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**result, "time": time.time(), "argv": sys.argv}, indent=2) + "\n")
+    path.write_text(json.dumps({**result, "time": time.time(), "argv": ["moetrain", *sys.argv[1:]]}, indent=2) + "\n")
     print(f"json: {path}")
     return 0

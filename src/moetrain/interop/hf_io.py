@@ -264,16 +264,34 @@ def _check_shared_copies(family: Family, cfg: ModelConfig, tensors: dict[str, Te
                               "embedding or head is not supported")
 
 
-def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor],
-                    fused: set[int]) -> tuple[dict[str, Tensor], list[Callable[[], None]]]:
-    """HF name -> tensor DCP fills in place, and the copies that then move buffered values into parameters."""
-    head_dim, n = cfg.attention_head_dim(), cfg.moe.expert_hidden
+def _named_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor], state: dict[str, Tensor],
+                   finish: list[Callable[[], None]]) -> None:
+    """The tensors with one HF name each (all but routed experts) into `state`, RoPE reorders into `finish`."""
+    head_dim = cfg.attention_head_dim()
     order = rope_permutation(head_dim)  # half -> interleaved
-    state: dict[str, Tensor] = {}
-    finish: list[Callable[[], None]] = []
 
     def reorder_into(param: Tensor, buffer: Tensor) -> Callable[[], None]:
         return lambda: copy_full_into(param, rope_reorder(full(buffer), head_dim, order))
+
+    for ours, theirs in family.tensor_names(cfg).items():
+        if ours not in tensors:  # a pipeline stage reads only its own layers
+            continue
+        param = tensors[ours].detach()
+        if _needs_rope_reorder(cfg, ours):
+            state[theirs] = torch.empty_like(param)
+            finish.append(reorder_into(param, state[theirs]))
+        else:
+            state[theirs] = param  # read straight into the (local shard of the) parameter
+    for theirs, ours in _shared_copies(family, cfg).items():  # read aside, compared by _check_shared_copies
+        state[theirs] = torch.empty_like(tensors[ours].detach())
+
+
+def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor],
+                    fused: set[int]) -> tuple[dict[str, Tensor], list[Callable[[], None]]]:
+    """HF name -> tensor DCP fills in place, and the copies that then move buffered values into parameters."""
+    n = cfg.moe.expert_hidden
+    state: dict[str, Tensor] = {}
+    finish: list[Callable[[], None]] = []
 
     def fused_into(local_w1: Tensor, local_w2: Tensor, gate_up: Tensor, down: Tensor) -> Callable[[], None]:
         def copy() -> None:
@@ -296,18 +314,7 @@ def _import_targets(family: Family, cfg: ModelConfig, tensors: dict[str, Tensor]
             local_w2[row].copy_(down.T)
         return copy
 
-    for ours, theirs in family.tensor_names(cfg).items():
-        if ours not in tensors:  # a pipeline stage reads only its own layers
-            continue
-        param = tensors[ours].detach()
-        if _needs_rope_reorder(cfg, ours):
-            state[theirs] = torch.empty_like(param)
-            finish.append(reorder_into(param, state[theirs]))
-        else:
-            state[theirs] = param  # read straight into the (local shard of the) parameter
-    for theirs, ours in _shared_copies(family, cfg).items():  # read aside, compared by _check_shared_copies
-        state[theirs] = torch.empty_like(tensors[ours].detach())
-
+    _named_targets(family, cfg, tensors, state, finish)
     for layer, moe in routed_layers(cfg):
         if f"{moe}.experts.w1" not in tensors:  # another pipeline stage's layer
             continue

@@ -240,13 +240,8 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
                     log.info(console_line(record, cfg.train.steps))
                 if evaluation.due(trainer.step):
                     _evaluate_between_steps(trainer, metrics, phase)
-                phase.where = f"the checkpoint of step {trainer.step}"
-                with no_space_left(run_dir.checkpoints, "checkpoint"):
-                    writes = trainer.replicas is None or trainer.replicas.writes_checkpoints()
-                    saved = checkpointer.maybe_save(trainer.step, trainer) if writes else None
+                saved = _save_if_due(trainer, run_dir, checkpointer, phase)
                 if saved is not None:
-                    log.info("checkpoint %s: %s", "being written in the background" if cfg.checkpoint.async_save
-                             else "saved", saved.path)
                     last_save_at = time.monotonic()
                 if trainer.step < last_step:
                     phase.where = f"the stop check after step {trainer.step}"
@@ -273,6 +268,19 @@ def _run(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
         metrics.close()
         if trainer.replicas is not None:
             trainer.replicas.shutdown()
+
+
+def _save_if_due(trainer: Trainer, run_dir: RunDir, checkpointer: Checkpointer,
+                 phase: _Phase) -> CheckpointRef | None:
+    """The checkpoint of the step just taken when one is due (under ft, only by the group that writes)."""
+    phase.where = f"the checkpoint of step {trainer.step}"
+    with no_space_left(run_dir.checkpoints, "checkpoint"):
+        writes = trainer.replicas is None or trainer.replicas.writes_checkpoints()
+        saved = checkpointer.maybe_save(trainer.step, trainer) if writes else None
+    if saved is not None:
+        log.info("checkpoint %s: %s", "being written in the background" if trainer.cfg.checkpoint.async_save
+                 else "saved", saved.path)
+    return saved
 
 
 FT_SHARED = ("model", "data", "train", "parallel")  # what every replica group of a run must agree on
