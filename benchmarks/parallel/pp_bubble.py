@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from benchmarks.parallel.pp_layouts import layouts
 from benchmarks.parallel.pp_layouts import run as run_layout
+
 from moetrain.bench import results_dir
 from moetrain.bench.simulate_pipeline import schedule_order, simulate_pipeline
 
@@ -175,6 +175,8 @@ def run_bubble(schedule: str, opts: argparse.Namespace) -> dict:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
         subprocess.run(command, check=True, cwd=REPO, env=env, capture_output=True)
         raw = json.loads(out.read_text())
+    if opts.keep_raw:  # every rank's action timings, for a closer look
+        opts.out.with_name(f"{opts.out.stem}_raw_{schedule}.json").write_text(json.dumps(raw))
     ranks = raw["ranks"]
     steps = [analyse_step(ranks, k, schedule, stages, opts.microbatches) for k in range(opts.steps)]
     return {"schedule": schedule, "stages_per_rank": stages, "steps": steps,
@@ -247,6 +249,7 @@ def main() -> None:
     parser.add_argument("--extra", default="--data.seq_len 256 --train.microbatch_size 2")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--skip-layouts", action="store_true")
+    parser.add_argument("--keep-raw", action="store_true", help="also write each bubble run's raw action timings")
     parser.add_argument("--out", type=Path, default=results_dir() / "pp_bubble.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     opts, job_argv = parser.parse_known_args()

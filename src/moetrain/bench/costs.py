@@ -12,13 +12,16 @@ the (dp_replicate, dp_shard) mesh, so rank r belongs to replica group r // dp_sh
 A 1-D FSDP run over the same ranks uses the same mapping (rank r gets the cost of
 group r // dp_shard), so every rank does the same work in every mode.
 
-This module only draws numbers; it must not time, sleep or touch torch.
+`load_trace` reads measured compute seconds of the same [steps, accum, groups] layout (a `bench sync`
+JSON's "costs_s"). This module only draws and reads numbers; it must not time, sleep or touch torch.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -129,3 +132,17 @@ def expected_max_of_sum_bimodal(spec: CostSpec, accum: int, groups: int) -> floa
     cdf = np.cumsum(pmf)
     expected_max_k = sum(1 - cdf[k - 1] ** groups for k in range(1, accum + 1))
     return spec.short * accum + (spec.long - spec.short) * expected_max_k
+
+
+def load_trace(path: str, replicate: int) -> np.ndarray:
+    """Measured compute seconds [steps, accum, replicate] from a JSON file with a "costs_s" array."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"trace {path!r} does not exist or is not a regular file")
+    try:
+        costs = np.asarray(json.loads(file.read_text())["costs_s"], dtype=np.float64)
+    except (KeyError, ValueError, TypeError, IndexError, RecursionError) as err:
+        raise ConfigError(f"trace {path!r} has no numeric \"costs_s\" [steps][accum][groups] array ({err})") from None
+    if costs.ndim != 3 or costs.shape[2] != replicate:
+        raise ConfigError(f"trace {path!r} has costs_s of shape {costs.shape}: expected [steps, accum, {replicate}]")
+    return costs

@@ -26,6 +26,9 @@ routed token rows with the other ranks of its EP group by all-to-all (alpha-beta
 exchange, on the critical path: the experts wait for their tokens, the next layer for the
 results).
 
+Pipeline parallelism (`--pp`): each replica group is one pipeline running torch's schedule, timed by
+`moetrain.bench.simulate_pipeline` with this module's collectives per stage; the table adds its bubble.
+
 Event times are computed in dependency order, vectorised over Monte Carlo samples and
 replica groups. Ranks of one replica group share a cost (moetrain.bench.costs), so one
 lane per group is exact. This module predicts; it must not run or time anything real.
@@ -40,15 +43,19 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 
 from moetrain.args import parse_typed_args
-from moetrain.bench.costs import CostSpec, draw_costs, expected_max_of_sum_bimodal, expected_sum_of_max_bimodal
+from moetrain.bench.costs import (
+    CostSpec,
+    draw_costs,
+    expected_max_of_sum_bimodal,
+    expected_sum_of_max_bimodal,
+    load_trace,
+)
+from moetrain.bench.simulate_figure import draw_figure
+from moetrain.bench.simulate_pipeline import Action, pipeline_step_times, schedule_order
 from moetrain.errors import ConfigError
-
-matplotlib.use("Agg")  # figures go to files only; never needs a display
 
 Mode = Literal["fsdp", "hsdp", "hsdp-delayed", "hsdp-final-only"]
 Overlap = Literal["blocking", "backward", "next_microbatch"]
@@ -385,13 +392,25 @@ class ModePrediction:
     ratio_to_reference: float  # mean step time of this mode / mean of hsdp-delayed (same ep)
     ep: int = 1
     ratio_to_ep1: float = 1.0  # mean step time / mean of the same mode without expert parallelism
+    bubble_fraction: float = math.nan  # pipeline: mean share of the ranks' time idle before compute ends
 
 
 def predict(compute_s: np.ndarray, replicate: int, shard: int, workload: Workload, comm: CommModel,
             modes: Sequence[str] = tuple(MODES), experts: Experts | None = None,
-            eps: Sequence[int] = (1,)) -> list[ModePrediction]:
-    step_times = {(mode, ep): simulate_step_times(compute_s, replicate, shard, mode, workload, comm, experts, ep)
-                  for ep in eps for mode in modes}
+            eps: Sequence[int] = (1,), pipeline: dict[int, list[Action]] | None = None) -> list[ModePrediction]:
+    """Each mode's step times; `pipeline`: a schedule's action order (`simulate_pipeline`): each replica group a
+    pipeline of those ranks, every rank of it `shard` wide."""
+    bubbles: dict[str, float] = {}
+
+    def step(mode: str, ep: int) -> np.ndarray:
+        if pipeline is None:
+            return simulate_step_times(compute_s, replicate, shard, mode, workload, comm, experts, ep)
+        times = pipeline_step_times(compute_s, pipeline, collective_times(mode, replicate, shard, workload, comm),
+                                    MODES[mode].flags, workload.layers, workload.forward_fraction)
+        bubbles[mode] = float(times.bubble_fraction.mean())
+        return times.step_s
+
+    step_times = {(mode, ep): step(mode, ep) for ep in eps for mode in modes}
     predictions = []
     for (mode, ep), t in step_times.items():
         reference = step_times.get((REFERENCE_MODE, ep))
@@ -399,7 +418,8 @@ def predict(compute_s: np.ndarray, replicate: int, shard: int, workload: Workloa
         predictions.append(ModePrediction(
             mode, float(t.mean()), float(np.median(t)), float(np.percentile(t, 90)),
             float(t.mean()) / float(reference.mean()) if reference is not None else float("nan"), ep,
-            float(t.mean()) / float(without_ep.mean()) if without_ep is not None else float("nan")))
+            float(t.mean()) / float(without_ep.mean()) if without_ep is not None else float("nan"),
+            bubbles.get(mode, math.nan)))
     return predictions
 
 
@@ -426,24 +446,13 @@ class SimulateOptions:
     figure: str | None = None  # PNG: speedup of hsdp-delayed over hsdp vs replica groups and vs cost CV
     cvs: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5)  # lognormal CVs of the figure's CV panel
     group_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # replica-group counts of the figure
-
-
-def load_trace(path: str, replicate: int) -> np.ndarray:
-    """Measured compute seconds [steps, accum, replicate] from a JSON file with a "costs_s" array."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"trace {path!r} does not exist or is not a regular file")
-    try:
-        costs = np.asarray(json.loads(file.read_text())["costs_s"], dtype=np.float64)
-    except (KeyError, ValueError, TypeError, IndexError, RecursionError) as err:
-        raise ConfigError(f"trace {path!r} has no numeric \"costs_s\" [steps][accum][groups] array ({err})") from None
-    if costs.ndim != 3 or costs.shape[2] != replicate:
-        raise ConfigError(f"trace {path!r} has costs_s of shape {costs.shape}: expected [steps, accum, {replicate}]")
-    return costs
+    pp: int = 1  # > 1: each replica group is a pipeline of pp ranks running pp_schedule over the accum microbatches
+    pp_schedule: str = "1F1B"  # 1F1B, Interleaved1F1B or ZBVZeroBubble (torch's action order)
+    pp_stages_per_rank: int = 1
 
 
 def _validate(opts: SimulateOptions) -> None:
-    for name in ("replicate", "shard", "accum", "samples"):
+    for name in ("replicate", "shard", "accum", "samples", "pp", "pp_stages_per_rank"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
     draws = opts.samples * opts.accum * opts.replicate
@@ -457,6 +466,8 @@ def _validate(opts: SimulateOptions) -> None:
     opts.workload.validate()
     opts.comm.validate()
     opts.experts.validate(opts.workload)
+    if opts.pp > 1 and opts.ep != (1,):
+        raise ConfigError(f"ep = {list(opts.ep)} is invalid with pp = {opts.pp}: the pipeline model has no experts")
     for ep in opts.ep:
         if ep < 1 or opts.shard % ep:
             raise ConfigError(f"ep = {ep} is invalid: must be a positive divisor of shard = {opts.shard}")
@@ -464,55 +475,18 @@ def _validate(opts: SimulateOptions) -> None:
             raise ConfigError(f"ep = {ep} needs MoE units: set --experts.moe-units and the expert bytes")
 
 
-def speedup_delayed_over_hsdp(spec: CostSpec, replicate: int, shard: int, accum: int, samples: int, seed: int,
-                              workload: Workload, comm: CommModel) -> float:
-    compute = draw_costs(spec, seed, samples, accum, replicate)
-    hsdp = simulate_step_times(compute, replicate, shard, "hsdp", workload, comm).mean()
-    delayed = simulate_step_times(compute, replicate, shard, "hsdp-delayed", workload, comm).mean()
-    return float(hsdp / delayed)
-
-
-def draw_figure(opts: SimulateOptions, path: str) -> dict[str, list[float]]:
-    samples = min(opts.samples, 500)
-    by_groups = [speedup_delayed_over_hsdp(opts.cost, r, opts.shard, opts.accum, samples, opts.seed, opts.workload,
-                                           opts.comm) for r in opts.group_counts]
-    lognormal = [CostSpec("lognormal", opts.cost.mean(), cv=cv) for cv in opts.cvs]
-    by_cv = [speedup_delayed_over_hsdp(spec, opts.replicate, opts.shard, opts.accum, samples, opts.seed,
-                                       opts.workload, opts.comm) for spec in lognormal]
-    fig, (ax_groups, ax_cv) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_groups.plot(opts.group_counts, by_groups, marker="o")
-    ax_groups.set_xscale("log", base=2)
-    ax_groups.set_xlabel(f"replica groups (x {opts.shard} shards)")
-    ax_groups.set_ylabel("predicted step-time ratio hsdp / hsdp-delayed")
-    ax_groups.set_title(f"{opts.cost.distribution} costs (CV {opts.cost.std() / opts.cost.mean():.2f}), "
-                        f"accum {opts.accum}")
-    ax_cv.plot(opts.cvs, by_cv, marker="o")
-    ax_cv.set_xlabel("cost coefficient of variation (lognormal)")
-    ax_cv.set_title(f"{opts.replicate} x {opts.shard} ranks, accum {opts.accum}")
-    for ax in (ax_groups, ax_cv):
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"moetrain simulate: overlap={opts.workload.overlap}, {opts.comm.algorithm}, "
-                 f"{opts.workload.grad_bytes / 1e9:g} GB grads / {opts.workload.layers} units")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return {"group_counts": list(opts.group_counts), "speedup_by_groups": by_groups, "cvs": list(opts.cvs),
-            "speedup_by_cv": by_cv}
-
-
 def format_table(predictions: Sequence[ModePrediction]) -> str:
     with_ep = any(p.ep != 1 for p in predictions)
+    with_pp = any(math.isfinite(p.bubble_fraction) for p in predictions)
     lines = [f"{'mode':<16} {'ep':>3} {'mean s':>9} {'median s':>9} {'p90 s':>9} {'/ hsdp-delayed':>15}"
-             + (f" {'/ ep=1':>8}" if with_ep else "")]
+             + (f" {'/ ep=1':>8}" if with_ep else "") + (f" {'bubble':>7}" if with_pp else "")]
 
     def ratio(value: float, width: int) -> str:
         return f"{value:>{width}.3f}" if math.isfinite(value) else f"{'-':>{width}}"  # reference not simulated
 
     lines += [f"{p.mode:<16} {p.ep:>3} {p.mean_step_s:>9.4f} {p.median_step_s:>9.4f} {p.p90_step_s:>9.4f} "
               f"{ratio(p.ratio_to_reference, 15)}" + (f" {ratio(p.ratio_to_ep1, 8)}" if with_ep else "")
-              for p in predictions]
+              + (f" {p.bubble_fraction:>7.3f}" if with_pp else "") for p in predictions]
     return "\n".join(lines)
 
 
@@ -527,21 +501,23 @@ def main(argv: list[str]) -> int:
     else:
         compute = draw_costs(opts.cost, opts.seed, opts.samples, opts.accum, opts.replicate)
         source = f"{opts.cost} seed {opts.seed}, {opts.samples} draws"
+    order = schedule_order(opts.pp_schedule, opts.pp, opts.pp_stages_per_rank, opts.accum) if opts.pp > 1 else None
     predictions = predict(compute, opts.replicate, opts.shard, opts.workload, opts.comm, opts.modes, opts.experts,
-                          opts.ep)
-    print(f"moetrain simulate: {opts.replicate} replica groups x {opts.shard} shards, accum {opts.accum}, "
+                          opts.ep, order)
+    pipeline = f", pipelines of pp {opts.pp} ({opts.pp_schedule})" if order else ""
+    print(f"moetrain simulate: {opts.replicate} replica groups x {opts.shard} shards{pipeline}, accum {opts.accum}, "
           f"overlap={opts.workload.overlap}, {opts.comm.algorithm}; costs: {source}")
     print(format_table(predictions))
     result: dict = {"options": asdict(opts), "modes": [asdict(p) for p in predictions]}
-    if not opts.trace and opts.cost.distribution == "bimodal":
+    if not opts.trace and opts.cost.distribution == "bimodal" and order is None:
         bounds = {"sum_of_max_s": expected_sum_of_max_bimodal(opts.cost, opts.accum, opts.replicate),
                   "max_of_sum_s": expected_max_of_sum_bimodal(opts.cost, opts.accum, opts.replicate)}
         print(f"zero-comm limits (exact): E[sum max] = {bounds['sum_of_max_s']:.4f} s (hsdp), "
               f"E[max sum] = {bounds['max_of_sum_s']:.4f} s (hsdp-delayed), "
               f"ratio {bounds['sum_of_max_s'] / bounds['max_of_sum_s']:.3f}")
         result["zero_comm_limits"] = bounds
-    if opts.figure:
-        result["figure"] = {"path": opts.figure, **draw_figure(opts, opts.figure)}
+    if opts.figure and order is None:  # the figure's sweeps are of the pipeline-free model
+        result["figure"] = {"path": opts.figure, **draw_figure(opts, opts.figure, simulate_step_times)}
         print(f"figure: {opts.figure}")
     if opts.json:
         Path(opts.json).parent.mkdir(parents=True, exist_ok=True)

@@ -216,3 +216,19 @@ def stage_costs_from_microbatches(compute_s: np.ndarray, n_stages: int, forward_
 def one_f_one_b_bubble(pp: int, n_microbatches: int) -> float:
     """The closed form for 1F1B with equal stage costs and free communication: (p - 1) / (m + p - 1)."""
     return (pp - 1) / (n_microbatches + pp - 1)
+
+
+def pipeline_step_times(compute_s: np.ndarray, order: dict[int, list[Action]], times, flags: Callable[[bool], tuple],
+                        layers: int, forward_fraction: float = 1 / 3, p2p_s: float = 0.0) -> PipelineTimes:
+    """A pipeline step per sample for whole-model microbatch seconds [samples, accum, replica groups].
+
+    `times`: one FSDP unit's collective seconds (`simulate.collective_times`), `flags`: the mode's
+    (`simulate.ModeRule.flags`); each stage holds layers / stages units.
+    """
+    n_stages = len({a.stage for actions in order.values() for a in actions})
+    if layers % n_stages:
+        raise ConfigError(f"workload.layers = {layers} is invalid: must split evenly over {n_stages} pipeline stages")
+    units = layers // n_stages
+    sync = StageSync(flags, (units * times.all_gather,) * n_stages, (units * times.reduce_scatter,) * n_stages,
+                     (units * times.all_reduce,) * n_stages, times.shard_group_spans_groups)
+    return simulate_pipeline(order, stage_costs_from_microbatches(compute_s, n_stages, forward_fraction), p2p_s, sync)

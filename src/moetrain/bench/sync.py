@@ -32,9 +32,11 @@ The bench measures; it must not change how training syncs.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -46,6 +48,7 @@ from moetrain.bench.costs import draw_costs, replica_group_of
 from moetrain.bench.sync_calibration import calibrate_comm, calibrate_compute
 from moetrain.bench.sync_model import ComputeClock, build_model, microbatch_inputs
 from moetrain.bench.sync_options import MODE_SETUP, SyncBenchOptions, validate_options
+from moetrain.bench.sync_pipeline import build_pipeline, run_pipeline_step
 from moetrain.bench.sync_report import RESULTS_DIR, report, summarize_runs
 from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
@@ -84,42 +87,66 @@ def _gather_floats(values: list[float], world_size: int, device: torch.device) -
     return out.view(world_size, len(values)).cpu().numpy()
 
 
-def run_ranks(opts: SyncBenchOptions) -> dict | None:
-    """The per-rank benchmark; rank 0 returns the raw measurements, other ranks None."""
-    rank, world_size, device = init_distributed(ParallelConfig())
-    if world_size != opts.replicate * opts.shard:
-        raise ConfigError(f"replicate x shard = {opts.replicate} x {opts.shard} must equal the world size "
-                          f"{world_size}")
-    clock = ComputeClock(layers=opts.layers)
-    meshes, models = {}, {}
+def _build_modes(opts: SyncBenchOptions, clock: ComputeClock, world_size: int, device: torch.device,
+                 generator: torch.Generator) -> tuple[dict[str, JobMesh], Callable]:
+    """Each mesh the modes need, and `run(mode, costs)`: one step of that mode (through the schedule under PP)."""
+    meshes, runners = {}, {}
     # A list, not a set: every rank must create the meshes (collective calls) in the same order,
     # and string hashing differs between processes.
     for replicate in dict.fromkeys(MODE_SETUP[m][0] for m in opts.modes):
+        setup = next(MODE_SETUP[m] for m in opts.modes if MODE_SETUP[m][0] == replicate)
+        if opts.pp > 1:
+            meshes[replicate], schedule, stages = build_pipeline(opts, clock, setup, world_size, device)
+            runners[replicate] = functools.partial(_run_pipeline_mode, schedule, stages)
+            continue
         size = opts.replicate if replicate == "R" else 1
         parallel = ParallelConfig(dp_replicate=size, dp_shard=world_size // size)
         meshes[replicate] = JobMesh.from_config(parallel, world_size, device)
-        model = build_model(opts, clock, opts.seed).to(device)
-        models[replicate] = apply_fsdp(model, meshes[replicate], parallel)
-    param_bytes = sum(p.numel() for p in build_model(opts, clock, opts.seed).parameters()) * 4
+        model = apply_fsdp(build_model(opts, clock, opts.seed).to(device), meshes[replicate], parallel)
+        runners[replicate] = functools.partial(_run_step, model)
 
-    groups = {"world": (dist.group.WORLD, world_size)}
+    def run(mode: str, costs: np.ndarray) -> tuple[float, float, list[float]]:
+        replicate, policy = MODE_SETUP[mode]
+        return runners[replicate](SYNC_POLICIES[policy], opts, clock, costs, device, generator)
+
+    return meshes, run
+
+
+def _run_pipeline_mode(schedule, stages, policy: SyncPolicy, *args) -> tuple[float, float, list[float]]:
+    for stage in stages:
+        stage.policy = policy
+    return run_pipeline_step(schedule, stages, *args)
+
+
+def run_ranks(opts: SyncBenchOptions) -> dict | None:
+    """The per-rank benchmark; rank 0 returns the raw measurements, other ranks None."""
+    rank, world_size, device = init_distributed(ParallelConfig())
+    if world_size != opts.pp * opts.replicate * opts.shard:
+        raise ConfigError(f"pp x replicate x shard = {opts.pp} x {opts.replicate} x {opts.shard} must equal the "
+                          f"world size {world_size}")
+    clock = ComputeClock(layers=opts.layers)
+    generator = torch.Generator().manual_seed(opts.seed * 1000 + rank)
+    meshes, run = _build_modes(opts, clock, world_size, device, generator)
+    whole_model = build_model(opts, clock, opts.seed).to(device)
+    param_bytes = sum(p.numel() for p in whole_model.parameters()) * 4
+
+    # The 1-D FSDP group: the whole world, or under PP the data-parallel ranks of this pipeline rank.
+    groups = {"world": (dist.group.WORLD, world_size)} if opts.pp == 1 else {}
+    if opts.pp > 1 and "1" in meshes:
+        groups["data"] = (meshes["1"].fsdp.get_group(), opts.replicate * opts.shard)
     if "R" in meshes:
         mesh = meshes["R"].data
         groups["dp_shard"] = (mesh.get_group("dp_shard"), opts.shard)
         groups["dp_replicate"] = (mesh.get_group("dp_replicate"), opts.replicate)
     comm = calibrate_comm(groups, param_bytes / opts.layers)
-    generator = torch.Generator().manual_seed(opts.seed * 1000 + rank)
 
-    group = replica_group_of(rank, opts.shard)
+    # Under PP the replica group is the data-parallel coordinate (ranks are pp-major).
+    group = replica_group_of(rank % (opts.replicate * opts.shard), opts.shard)
     zero_variance = np.full(opts.accum, opts.cost.short)
-
-    def run(mode: str, costs: np.ndarray) -> tuple[float, float, list[float]]:
-        model, policy = models[MODE_SETUP[mode][0]], SYNC_POLICIES[MODE_SETUP[mode][1]]
-        return _run_step(model, policy, opts, clock, costs, device, generator)
-
     for mode in opts.modes:  # absorbs FSDP's lazy initialisation
         run(mode, zero_variance)
-    compute = calibrate_compute(models[next(iter(models))], opts, clock, device, generator)
+    # The whole model's compute per microbatch (unsharded: no collectives); a stage does its share of it.
+    compute = calibrate_compute(whole_model, opts, clock, device, generator)
     all_costs = draw_costs(opts.cost, opts.seed, opts.warmup_steps + opts.steps, opts.accum, opts.replicate)
     n_modes = len(opts.modes)
     # Zero-variance steps (every group the short cost: nobody waits for anybody) fit the
@@ -164,6 +191,6 @@ def main(argv: list[str]) -> int:
         if raw is not None:
             report(opts, raw)
         return 0
-    results = run_on_ranks(run_ranks, opts.replicate * opts.shard, opts, timeout=opts.timeout_s)
+    results = run_on_ranks(run_ranks, opts.pp * opts.replicate * opts.shard, opts, timeout=opts.timeout_s)
     report(opts, results[0])
     return 0

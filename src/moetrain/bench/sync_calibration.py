@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.bench.simulate import MODES, CommModel, Workload, simulate_step_times
+from moetrain.bench.simulate import MODES, CommModel, Workload, collective_times, simulate_step_times
+from moetrain.bench.simulate_pipeline import pipeline_step_times, schedule_order
 from moetrain.bench.sync_model import ComputeClock, microbatch_inputs, work_units
 from moetrain.bench.sync_options import SyncBenchOptions
 from moetrain.parallel.grad_sync import SYNC_POLICIES, accumulation
@@ -106,6 +108,22 @@ def costs_in_seconds(opts: SyncBenchOptions, costs: np.ndarray, compute: dict) -
     return compute["intercept_s"] + compute["slope_s_per_unit"] * work_units(opts, costs)
 
 
+def step_model(opts: SyncBenchOptions) -> Callable[..., np.ndarray]:
+    """The simulator of the bench's step, (compute, replicate, shard, mode, workload, comm) -> step seconds:
+    `simulate_step_times`, or under PP each replica group a pipeline running the bench's schedule."""
+    if opts.pp == 1:
+        return simulate_step_times
+    order = schedule_order(opts.pp_schedule, opts.pp, opts.pp_stages_per_rank, opts.accum)
+
+    def pipeline(compute: np.ndarray, replicate: int, shard: int, mode: str, workload: Workload,
+                 comm: CommModel) -> np.ndarray:
+        times = collective_times(mode, replicate, shard, workload, comm)
+        return pipeline_step_times(compute, order, times, MODES[mode].flags, workload.layers,
+                                   workload.forward_fraction).step_s
+
+    return pipeline
+
+
 def fit_per_call_overhead(opts: SyncBenchOptions, calibration: list, workload: Workload,
                           comm: CommModel) -> dict[str, float]:
     """Seconds of FSDP bookkeeping per collective call, per mesh, from the zero-variance calibration steps.
@@ -117,6 +135,7 @@ def fit_per_call_overhead(opts: SyncBenchOptions, calibration: list, workload: W
     collective over every process of an oversubscribed host costs more than one over a
     pair, beyond what the alpha-beta terms say.
     """
+    simulate = step_model(opts)
     by_mode: dict[str, list[tuple[float, float]]] = {}
     for mode, step_s, compute_per_microbatch in calibration:
         by_mode.setdefault(mode, []).append((step_s, compute_per_microbatch))
@@ -125,9 +144,9 @@ def fit_per_call_overhead(opts: SyncBenchOptions, calibration: list, workload: W
     for mode, repeats in by_mode.items():
         step_s, compute_per_microbatch = (float(v) for v in np.median(np.asarray(repeats), axis=0))
         compute = np.full((1, opts.accum, opts.replicate), compute_per_microbatch)
-        base = simulate_step_times(compute, opts.replicate, opts.shard, mode, workload, comm)[0]
-        with_one = simulate_step_times(compute, opts.replicate, opts.shard, mode,
-                                       replace(workload, per_call_overhead_s=1.0), comm)[0]
+        base = simulate(compute, opts.replicate, opts.shard, mode, workload, comm)[0]
+        with_one = simulate(compute, opts.replicate, opts.shard, mode, replace(workload, per_call_overhead_s=1.0),
+                            comm)[0]
         mesh = MODES[mode].mesh
         calls.setdefault(mesh, []).append(with_one - base)
         excess.setdefault(mesh, []).append(step_s - base)

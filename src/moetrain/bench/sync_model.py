@@ -89,13 +89,14 @@ class SleepShare(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, clock):
-        ctx.clock = clock
+        # The backward's share is taken now: under a pipeline schedule other microbatches run in between.
+        ctx.backward_s = clock.sleep_share(backward=True)
         time.sleep(clock.sleep_share(backward=False))
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.clock.sleep_share(backward=True))
+        time.sleep(ctx.backward_s)
         return grad, None
 
 

@@ -21,6 +21,7 @@ MODE_SETUP: dict[str, tuple[str, str]] = {
     "hsdp-final-only": ("R", "final_only"),
 }
 REFERENCE = "hsdp-delayed"
+PP_SCHEDULES = ("1F1B", "Interleaved1F1B")  # ZBV splits the backward, where the bench cannot set FSDP's flags
 
 
 @dataclass
@@ -44,6 +45,12 @@ class SyncBenchOptions:
     microbatch_size: int = 2  # samples per microbatch in the sleep model
     packed_tokens: int = 2048  # packed: tokens per microbatch (documents x document length, about this many)
     heads: int = 2  # packed: attention heads of the moetrain Transformer
+    # The PP variant: pipeline ranks (world = pp x replicate x shard); each replica group is one pipeline of
+    # `pp` ranks running torch's schedule over the accum microbatches, the MLP's layers split evenly over
+    # its pp x pp_stages_per_rank stages. hsdp-final-only is torch's own stage (what moetrain trains with).
+    pp: int = 1
+    pp_schedule: str = "1F1B"  # 1F1B or Interleaved1F1B (2+ stages per rank)
+    pp_stages_per_rank: int = 1
     seed: int = 0
     bootstrap: int = 2000  # paired bootstrap resamples for confidence intervals
     json: str | None = None
@@ -57,7 +64,7 @@ class SyncBenchOptions:
 def validate_options(opts: SyncBenchOptions) -> None:
     """Raise a one-line ConfigError for the first invalid option (before any rank is spawned)."""
     for name in ("replicate", "shard", "accum", "steps", "layers", "dim", "hidden", "seq_len", "microbatch_size",
-                 "packed_tokens", "heads", "bootstrap"):
+                 "packed_tokens", "heads", "bootstrap", "pp", "pp_stages_per_rank"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
     if opts.warmup_steps < 0:
@@ -72,3 +79,13 @@ def validate_options(opts: SyncBenchOptions) -> None:
     if REFERENCE not in opts.modes:
         raise ConfigError(f"modes {list(opts.modes)} must include {REFERENCE!r} (ratios are relative to it)")
     opts.cost.validate()
+    if opts.pp > 1:
+        if opts.cost_model != "sleep":
+            raise ConfigError(f"cost_model = {opts.cost_model!r} is invalid with pp = {opts.pp}: pipeline stages "
+                              "exchange fixed-shape activations, so only the sleep model varies a microbatch's cost")
+        if opts.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"pp_schedule = {opts.pp_schedule!r} is invalid: the bench sets the sync flags around "
+                              f"full backwards, valid are {PP_SCHEDULES}")
+        if opts.layers % (opts.pp * opts.pp_stages_per_rank):
+            raise ConfigError(f"layers = {opts.layers} is invalid: must split evenly over pp x pp_stages_per_rank = "
+                              f"{opts.pp * opts.pp_stages_per_rank} stages")

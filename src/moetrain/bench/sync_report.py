@@ -19,8 +19,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from moetrain.bench import results_dir
-from moetrain.bench.simulate import MODES, CommModel, Link, Workload, simulate_step_times
-from moetrain.bench.sync_calibration import costs_in_seconds, fit_per_call_overhead
+from moetrain.bench.simulate import MODES, CommModel, Link, Workload
+from moetrain.bench.sync_calibration import costs_in_seconds, fit_per_call_overhead, step_model
 from moetrain.bench.sync_model import items_per_microbatch
 from moetrain.bench.sync_options import REFERENCE, SyncBenchOptions
 from moetrain.errors import ConfigError
@@ -59,8 +59,9 @@ def summarise(opts: SyncBenchOptions, raw: dict) -> dict:
         step_s[mode][k] = gathered[:, 0].max()  # the step ends when its last rank does
         wait_s[mode][k] = float(np.mean(gathered[:, 0] - gathered[:, 1]))
         if mode == REFERENCE:
-            per_rank = gathered[:, 2:]  # [world, accum]
-            measured_compute[k] = per_rank.reshape(opts.replicate, opts.shard, opts.accum).mean(axis=1).T
+            per_rank = gathered[:, 2:]  # [world, accum]; under PP a replica group's compute is its stages' sum
+            by_rank = per_rank.reshape(opts.pp, opts.replicate, opts.shard, opts.accum).sum(axis=0)
+            measured_compute[k] = by_rank.mean(axis=1).T
     costs = raw["costs"]
     samples = items_per_microbatch(opts, costs).sum(axis=(1, 2)) * opts.shard
     comm = CommModel(intra=Link(raw["comm"]["alpha_s"], raw["comm"]["bandwidth"]),
@@ -71,10 +72,9 @@ def summarise(opts: SyncBenchOptions, raw: dict) -> dict:
     overhead = fit_per_call_overhead(opts, raw["overhead_calibration"], workload, comm)
     workloads = {m: replace(workload, per_call_overhead_s=overhead[MODES[m].mesh]) for m in modes}
     drawn_seconds = costs_in_seconds(opts, costs, raw["compute"])
-    predicted = {m: simulate_step_times(drawn_seconds, opts.replicate, opts.shard, m, workloads[m], comm)
-                 for m in modes}
-    from_trace = {m: simulate_step_times(measured_compute, opts.replicate, opts.shard, m, workloads[m], comm)
-                  for m in modes}
+    simulate = step_model(opts)
+    predicted = {m: simulate(drawn_seconds, opts.replicate, opts.shard, m, workloads[m], comm) for m in modes}
+    from_trace = {m: simulate(measured_compute, opts.replicate, opts.shard, m, workloads[m], comm) for m in modes}
     mean_ci = bootstrap_ratio_ci(step_s, REFERENCE, opts.bootstrap, opts.seed)
     median_ci = bootstrap_ratio_ci(step_s, REFERENCE, opts.bootstrap, opts.seed, stat=np.median)
     rows = []
