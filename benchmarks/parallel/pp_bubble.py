@@ -39,7 +39,7 @@ from benchmarks.parallel.pp_layouts import layouts
 from benchmarks.parallel.pp_layouts import run as run_layout
 
 from moetrain.bench import results_dir
-from moetrain.bench.simulate_pipeline import schedule_order, simulate_pipeline
+from moetrain.bench.simulate_pipeline import Action, StageSync, action_dependencies, schedule_order, simulate_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}  # schedule -> stages per rank
@@ -133,18 +133,27 @@ def worker(argv: list[str], steps: int, warmup: int, out: str) -> None:
 
 
 def analyse_step(ranks: list[dict], step: int, schedule: str, stages_per_rank: int, n_microbatches: int) -> dict:
-    """Measured and predicted bubble of one step from every rank's action timings."""
+    """Measured and predicted bubble of one step from every rank's action timings.
+
+    The lanes (the data-parallel ranks of a stage, one pipeline each) are coupled where their FSDP
+    collectives are: each stage's gradient reduction after its last backward (`R`, torch's
+    REDUCE_GRAD), which under the looped schedules falls inside the compute window. The simulator gets
+    it as a reduce-scatter over every lane, lasting the shortest of the lanes' measured `R` (the last
+    lane to arrive waits for no one).
+    """
     lanes = sorted({r["lane"] for r in ranks})
     n_stages = PP * stages_per_rank
     order = schedule_order(schedule, PP, stages_per_rank, n_microbatches)
     kinds = {a.kind for actions in order.values() for a in actions}
     costs = {k: np.zeros((1, len(lanes), n_stages, n_microbatches)) for k in kinds}
+    reduce_s = np.full((len(lanes), n_stages), np.nan)
     measured = []
     for lane_index, lane in enumerate(lanes):
         busy, starts, ends = 0.0, [], []
         for rank in (r for r in ranks if r["lane"] == lane):
             for kind, stage, mb, start, end in rank["events"][step]:
                 if kind == "R":
+                    reduce_s[lane_index, stage] = end - start
                     continue
                 # The loss is part of the last stage's forward of that microbatch.
                 costs["F" if kind == "L" else kind][0, lane_index, stage, mb] += end - start
@@ -153,11 +162,43 @@ def analyse_step(ranks: list[dict], step: int, schedule: str, stages_per_rank: i
                 ends.append(end)
         measured.append(1 - busy / (PP * (max(ends) - min(starts))))
     p2p_s = statistics.median(r["p2p_s"] for r in ranks)
-    predicted = simulate_pipeline(order, costs, p2p_s=p2p_s)
+    overhead_s = schedule_overhead_s(ranks, step, order, p2p_s)
+    no_time = (0.0,) * n_stages
+    sync = StageSync(lambda is_last: (is_last, False), no_time, tuple(np.nanmin(reduce_s, axis=0)), no_time,
+                     shard_group_spans_lanes=True)
+    predicted = simulate_pipeline(order, costs, p2p_s, sync, overhead_s)
     return {"measured_bubble": float(np.mean(measured)), "predicted_bubble": float(predicted.bubble_fraction[0]),
-            "predicted_no_p2p": float(simulate_pipeline(order, costs).bubble_fraction[0]),
-            "compute_s": float(costs["F"].sum() + sum(costs[k].sum() for k in kinds - {"F"})) / len(lanes),
-            "p2p_s": p2p_s}
+            # What each modelled term adds: without the lanes' coupled reduction, without the schedule's overhead.
+            "predicted_without_reduce": float(simulate_pipeline(order, costs, p2p_s, None,
+                                                                overhead_s).bubble_fraction[0]),
+            "predicted_without_overhead": float(simulate_pipeline(order, costs, p2p_s, sync).bubble_fraction[0]),
+            "compute_s": float(sum(costs[k].sum() for k in kinds)) / len(lanes), "p2p_s": p2p_s,
+            "overhead_s": overhead_s}
+
+
+def schedule_overhead_s(ranks: list[dict], step: int, order: dict, p2p_s: float) -> float:
+    """The schedule's own seconds between two compute actions of a rank when the second one's inputs were
+    already there (so the gap is not a wait): median over the step's such pairs, every rank."""
+    deps = action_dependencies(order)
+    gaps = []
+    for lane in {r["lane"] for r in ranks}:
+        spans: dict[Action, list[float]] = {}
+        for rank in (r for r in ranks if r["lane"] == lane):
+            for kind, stage, mb, start, end in rank["events"][step]:
+                if kind in ("F", "B", "I", "W"):
+                    spans[Action(kind, stage, mb)] = [start, end]
+                elif kind == "L":  # the loss extends the last stage's forward
+                    spans[Action("F", stage, mb)][1] = end
+        for rank in (r for r in ranks if r["lane"] == lane):
+            mine = sorted((a for a in spans if any(a in acts for acts in order.values()) and
+                           a.stage in {e[1] for e in rank["events"][step]}), key=lambda a: spans[a][0])
+            reductions = [e[3] for e in rank["events"][step] if e[0] == "R"]
+            for before, after in zip(mine, mine[1:]):
+                ready = max((spans[d][1] + p2p_s for d in deps[after]), default=0.0)
+                gap_start, gap_end = spans[before][1], spans[after][0]
+                if ready <= gap_start and not any(gap_start <= t <= gap_end for t in reductions):
+                    gaps.append(gap_end - gap_start)
+    return float(np.median(gaps)) if gaps else 0.0
 
 
 # ----------------------------------------------------------------------------- driver

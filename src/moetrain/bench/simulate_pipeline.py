@@ -115,6 +115,7 @@ class PipelineTimes:
     bubble_fraction: np.ndarray  # [samples]: 1 - busy / (pp x compute end), mean over lanes
     all_reduces: dict[int, int] = field(default_factory=dict)  # stage -> replicate all-reduces per step
     reduce_scatters: dict[int, int] = field(default_factory=dict)
+    finish_s: dict[Action, np.ndarray] = field(default_factory=dict)  # each compute action's end [samples, lanes]
 
 
 def _dependencies(action: Action, n_stages: int, backward_kind: dict[tuple[int, int], str]) -> list[Action]:
@@ -130,9 +131,21 @@ def _dependencies(action: Action, n_stages: int, backward_kind: dict[tuple[int, 
     return deps
 
 
+def action_dependencies(order: dict[int, list[Action]]) -> dict[Action, list[Action]]:
+    """Every action of `order` and the actions it waits for (the simulator's rules)."""
+    backward_kind = {(a.stage, a.microbatch): a.kind for actions in order.values() for a in actions
+                     if a.kind in ("B", "I")}
+    n_stages = len({a.stage for actions in order.values() for a in actions})
+    return {a: _dependencies(a, n_stages, backward_kind) for actions in order.values() for a in actions}
+
+
 def simulate_pipeline(order: dict[int, list[Action]], costs: dict[str, np.ndarray], p2p_s: float = 0.0,
-                      sync: StageSync | None = None) -> PipelineTimes:
-    """Times of one step for each sample; `costs[kind]`: seconds [samples, lanes, stages, microbatches]."""
+                      sync: StageSync | None = None, overhead_s: float = 0.0) -> PipelineTimes:
+    """Times of one step for each sample; `costs[kind]`: seconds [samples, lanes, stages, microbatches].
+
+    `overhead_s`: the schedule's own seconds before each action (posting its sends and receives), hidden
+    when the action waits for its inputs anyway; it is not compute, so it counts towards the bubble.
+    """
     rank_of = {a.stage: rank for rank, actions in order.items() for a in actions}
     n_stages, pp = len(rank_of), len(order)
     backward_kind = {(a.stage, a.microbatch): a.kind for actions in order.values() for a in actions
@@ -168,7 +181,7 @@ def simulate_pipeline(order: dict[int, list[Action]], costs: dict[str, np.ndarra
                 deps = _dependencies(action, n_stages, backward_kind)
                 if any(dep not in finish for dep in deps):
                     break
-                start = free[rank]
+                start = free[rank] + overhead_s
                 if sync is not None and action.kind == "F" and action.microbatch == 0:
                     gather = couple(start) if sync.shard_group_spans_lanes else start
                     start = gather + sync.all_gather_s[action.stage]
@@ -196,7 +209,8 @@ def simulate_pipeline(order: dict[int, list[Action]], costs: dict[str, np.ndarra
     step = np.max([free[rank] for rank in order], axis=0).max(axis=1)
     busy_s = np.stack([busy[rank] for rank in order], axis=-1)
     bubble = 1 - busy_s.sum(axis=-1) / (pp * np.maximum(compute_end, 1e-300))
-    return PipelineTimes(step, compute_end.max(axis=1), busy_s, bubble.mean(axis=1), all_reduces, reduce_scatters)
+    return PipelineTimes(step, compute_end.max(axis=1), busy_s, bubble.mean(axis=1), all_reduces, reduce_scatters,
+                         finish)
 
 
 def stage_costs_from_microbatches(compute_s: np.ndarray, n_stages: int, forward_fraction: float = 1 / 3,
