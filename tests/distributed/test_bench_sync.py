@@ -52,6 +52,10 @@ def test_smoke_four_ranks_writes_schema_and_chart(tmp_path, capsys):
     (["--cost.p-long", "2"], "p_long"),
     (["--cost-model", "varlen"], "cost"),
     (["--accum", "two"], "accum"),
+    (["--pp", "2", "--cost-model", "batch"], "fixed-shape"),
+    (["--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--pp-stages-per-rank", "2"], "pp_schedule"),
+    (["--pp", "2", "--layers", "3"], "layers"),
+    (["--pp", "0"], "pp"),
 ])
 def test_bad_options_fail_with_one_line_before_spawning(argv, match):
     with pytest.raises(ConfigError, match=match) as err:

@@ -115,7 +115,8 @@ def format_report(result: dict) -> str:
     cost = opts["cost"]
     lines = [f"moetrain bench sync: cost_model={opts['cost_model']} {cost['distribution']} "
              f"(short {cost['short']:g}, ratio {cost['ratio']:g}, p_long {cost['p_long']:g}, cv {cost['cv']:g}), "
-             f"{opts['replicate']} replica groups x {opts['shard']} shards, accum {opts['accum']}, "
+             f"{opts['replicate']} replica groups x {opts['shard']} shards{_pipeline_label(opts)}, "
+             f"accum {opts['accum']}, "
              f"{opts['steps']} interleaved steps per mode, seed {opts['seed']}",
              f"{env['world_size']} ranks on {env['device']} ({env['backend']}), {env['cpu_cores']} CPU cores, "
              f"{env['threads_per_rank']} thread(s) per rank"]
@@ -176,8 +177,9 @@ def draw_chart(result: dict, path: str) -> None:
 
 
 def _default_figure_path(opts: SyncBenchOptions) -> str:
+    pipeline = f"_pp{opts.pp}_{opts.pp_schedule}" if opts.pp > 1 else ""
     return str(RESULTS_DIR / f"sync_{opts.cost_model}_{opts.cost.distribution}_{opts.replicate}x{opts.shard}"
-                             f"_acc{opts.accum}.png")
+                             f"{pipeline}_acc{opts.accum}.png")
 
 
 def report(opts: SyncBenchOptions, raw: dict) -> dict:
@@ -202,7 +204,13 @@ def _setting_label(result: dict) -> str:
     shape = {"bimodal": f"bimodal {cost['short']:g}/{cost['short'] * cost['ratio']:g} p={cost['p_long']:g}",
              "lognormal": f"lognormal mean {cost['short']:g} cv {cost['cv']:g}",
              "constant": f"constant {cost['short']:g}"}[cost["distribution"]]
-    return f"{opts['cost_model']} {shape}, {opts['replicate']}x{opts['shard']}, acc {opts['accum']}"
+    mesh = f"{opts['replicate']}x{opts['shard']}{_pipeline_label(opts)}"
+    return f"{opts['cost_model']} {shape}, {mesh}, acc {opts['accum']}"
+
+
+def _pipeline_label(opts: dict) -> str:
+    """", pipelines of pp N (schedule)" for a PP run (older JSONs have no pp: 1)."""
+    return f", pipelines of pp {opts['pp']} ({opts['pp_schedule']})" if opts.get("pp", 1) > 1 else ""
 
 
 def summarize_runs(paths: tuple[str, ...], figure: str | None) -> str:
