@@ -2,8 +2,8 @@
 
 `main` dispatches `moetrain bench NAME` to the benchmark's own `main`, importing that module
 only when it is asked for (as moetrain.cli does for subcommands), so `moetrain bench --help`
-and importing `moetrain.bench.costs` or `simulate` do not load torch. Benchmarks measure and
-report; nothing here may change how training runs.
+and importing `moetrain.bench.costs` do not load torch (`simulate` does: it reads torch's pipeline
+orders). Benchmarks measure and report; nothing here may change how training runs.
 """
 
 from __future__ import annotations

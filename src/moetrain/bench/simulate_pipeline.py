@@ -20,7 +20,7 @@ it spans (the all-reduce every lane; the reduce-scatter every lane only for 1-D 
 keeps its weights gathered through the step, so it all-gathers once, before its first forward.
 
 The bubble fraction is 1 - (the ranks' compute seconds) / (pp x the time the last compute ends). This
-module predicts; it must not run or time anything real, and it loads torch only to read an order.
+module predicts; it must not run or time anything real (torch is imported only for the orders).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
+from torch import nn
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
 from moetrain.errors import ConfigError
 
@@ -72,10 +74,6 @@ def schedule_order(schedule: str, pp: int, stages_per_rank: int, n_microbatches:
             raise ConfigError(f"1F1B needs one stage per rank and at least pp = {pp} microbatches "
                               f"(got {stages_per_rank}, {n_microbatches})")
         return _one_f_one_b(pp, n_microbatches)
-    # Loaded here, not at the top: `moetrain simulate` without a pipeline must not import torch.
-    from torch import nn
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
-
     n_stages = pp * stages_per_rank
     if schedule == "ZBVZeroBubble":
         if stages_per_rank != 2 or n_microbatches < 2 * pp:
