@@ -164,8 +164,10 @@ def analyse_step(ranks: list[dict], step: int, schedule: str, stages_per_rank: i
     p2p_s = statistics.median(r["p2p_s"] for r in ranks)
     overhead_s = schedule_overhead_s(ranks, step, order, p2p_s)
     no_time = (0.0,) * n_stages
+    # The first forward's all-gather is inside the measured forward (or, in the multi-stage runtime, issued
+    # before the step): only the reduction couples the lanes here.
     sync = StageSync(lambda is_last: (is_last, False), no_time, tuple(np.nanmin(reduce_s, axis=0)), no_time,
-                     shard_group_spans_lanes=True)
+                     shard_group_spans_lanes=True, gathers_at_first_forward=False)
     predicted = simulate_pipeline(order, costs, p2p_s, sync, overhead_s)
     return {"measured_bubble": float(np.mean(measured)), "predicted_bubble": float(predicted.bubble_fraction[0]),
             # What each modelled term adds: without the lanes' coupled reduction, without the schedule's overhead.
@@ -177,28 +179,33 @@ def analyse_step(ranks: list[dict], step: int, schedule: str, stages_per_rank: i
 
 
 def schedule_overhead_s(ranks: list[dict], step: int, order: dict, p2p_s: float) -> float:
-    """The schedule's own seconds between two compute actions of a rank when the second one's inputs were
-    already there (so the gap is not a wait): median over the step's such pairs, every rank."""
+    """The schedule's own seconds per action: how much later than its rank was free and its inputs had
+    arrived (+ `p2p_s` from another rank) each compute action started, mean over the step's actions
+    (a rank's first action, and any after a gradient reduction, left out)."""
     deps = action_dependencies(order)
-    gaps = []
+    rank_of = {a.stage: rank for rank, actions in order.items() for a in actions}
+    late = []
     for lane in {r["lane"] for r in ranks}:
         spans: dict[Action, list[float]] = {}
+        reductions: dict[int, list[float]] = {}
         for rank in (r for r in ranks if r["lane"] == lane):
             for kind, stage, mb, start, end in rank["events"][step]:
                 if kind in ("F", "B", "I", "W"):
                     spans[Action(kind, stage, mb)] = [start, end]
                 elif kind == "L":  # the loss extends the last stage's forward
                     spans[Action("F", stage, mb)][1] = end
-        for rank in (r for r in ranks if r["lane"] == lane):
-            mine = sorted((a for a in spans if any(a in acts for acts in order.values()) and
-                           a.stage in {e[1] for e in rank["events"][step]}), key=lambda a: spans[a][0])
-            reductions = [e[3] for e in rank["events"][step] if e[0] == "R"]
-            for before, after in zip(mine, mine[1:]):
-                ready = max((spans[d][1] + p2p_s for d in deps[after]), default=0.0)
-                gap_start, gap_end = spans[before][1], spans[after][0]
-                if ready <= gap_start and not any(gap_start <= t <= gap_end for t in reductions):
-                    gaps.append(gap_end - gap_start)
-    return float(np.median(gaps)) if gaps else 0.0
+                elif kind == "R":
+                    reductions.setdefault(rank_of[stage], []).append(end)
+        for rank, actions in order.items():
+            timeline = sorted(actions, key=lambda a: spans[a][0])
+            for before, after in zip(timeline, timeline[1:]):
+                free = spans[before][1]
+                if any(free <= t <= spans[after][0] for t in reductions.get(rank, [])):
+                    continue
+                ready = max([free] + [spans[d][1] + (p2p_s if rank_of[d.stage] != rank else 0.0)
+                                      for d in deps[after]])
+                late.append(max(spans[after][0] - ready, 0.0))
+    return float(np.mean(late)) if late else 0.0
 
 
 # ----------------------------------------------------------------------------- driver

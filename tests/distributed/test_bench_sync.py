@@ -45,6 +45,23 @@ def test_smoke_four_ranks_writes_schema_and_chart(tmp_path, capsys):
         main(["--summarize", str(tmp_path / "missing.json")])
 
 
+def test_pipeline_variant_runs_torchs_schedule_on_two_pipelines(tmp_path, capsys):
+    # PP 2 x 2 replica groups: each replica group one 1F1B pipeline; the simulator predicts the same modes.
+    out = tmp_path / "sync_pp.json"
+    argv = ["--pp", "2", "--replicate", "2", "--shard", "1", "--steps", "1", "--warmup-steps", "0", "--accum", "2",
+            "--layers", "2", "--cost.short", "0.002", "--bootstrap", "10", "--json", str(out), "--figure", "none",
+            "--modes", "hsdp", "hsdp-delayed", "hsdp-final-only", "--timeout-s", "150"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [row["mode"] for row in result["modes"]] == ["hsdp", "hsdp-delayed", "hsdp-final-only"]
+    assert result["environment"]["world_size"] == 4
+    for row in result["modes"]:
+        assert row["predicted_mean_step_s"] > 0 and np.isfinite(row["ratio_mean_to_ref"])
+    # Every microbatch's compute was recorded by the stages: [steps, accum, replica groups], all positive.
+    assert (np.asarray(result["measured_compute_s"]) > 0).all()
+    assert "pipelines of pp 2 (1F1B)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--replicate", "0"], "replicate"),
     (["--modes", "hsdp", "fsdp"], "hsdp-delayed"),

@@ -103,6 +103,9 @@ class StageSync:
     reduce_scatter_s: tuple[float, ...]
     all_reduce_s: tuple[float, ...]
     shard_group_spans_lanes: bool = False  # 1-D FSDP: the shard group holds every lane
+    # Each stage all-gathers before its first forward; False: its weights are gathered before the step
+    # (torch's multi-stage runtime issues them as UNSHARD actions up front), outside this model.
+    gathers_at_first_forward: bool = True
 
 
 @dataclass
@@ -141,8 +144,9 @@ def simulate_pipeline(order: dict[int, list[Action]], costs: dict[str, np.ndarra
                       sync: StageSync | None = None, overhead_s: float = 0.0) -> PipelineTimes:
     """Times of one step for each sample; `costs[kind]`: seconds [samples, lanes, stages, microbatches].
 
-    `overhead_s`: the schedule's own seconds before each action (posting its sends and receives), hidden
-    when the action waits for its inputs anyway; it is not compute, so it counts towards the bubble.
+    `overhead_s`: the schedule's own seconds before each action, once the rank is free and its inputs are
+    there (posting and completing sends and receives, a process waking up); not compute, so it counts
+    towards the bubble.
     """
     rank_of = {a.stage: rank for rank, actions in order.items() for a in actions}
     n_stages, pp = len(rank_of), len(order)
@@ -179,12 +183,13 @@ def simulate_pipeline(order: dict[int, list[Action]], costs: dict[str, np.ndarra
                 deps = _dependencies(action, n_stages, backward_kind)
                 if any(dep not in finish for dep in deps):
                     break
-                start = free[rank] + overhead_s
-                if sync is not None and action.kind == "F" and action.microbatch == 0:
+                start = free[rank]
+                if sync is not None and sync.gathers_at_first_forward and action.kind == "F" and action.microbatch == 0:
                     gather = couple(start) if sync.shard_group_spans_lanes else start
                     start = gather + sync.all_gather_s[action.stage]
                 for dep in deps:
                     start = np.maximum(start, finish[dep] + (p2p_s if rank_of[dep.stage] != rank else 0.0))
+                start = start + overhead_s
                 seconds = costs[action.kind][:, :, action.stage, action.microbatch]
                 finish[action] = free[rank] = start + seconds
                 busy[rank] = busy[rank] + seconds
