@@ -505,8 +505,9 @@ def main(argv: list[str]) -> int:
     predictions = predict(compute, opts.replicate, opts.shard, opts.workload, opts.comm, opts.modes, opts.experts,
                           opts.ep, order)
     pipeline = f", pipelines of pp {opts.pp} ({opts.pp_schedule})" if order else ""
+    overlap = "blocking (pipeline stages)" if order else opts.workload.overlap
     print(f"moetrain simulate: {opts.replicate} replica groups x {opts.shard} shards{pipeline}, accum {opts.accum}, "
-          f"overlap={opts.workload.overlap}, {opts.comm.algorithm}; costs: {source}")
+          f"overlap={overlap}, {opts.comm.algorithm}; costs: {source}")
     print(format_table(predictions))
     result: dict = {"options": asdict(opts), "modes": [asdict(p) for p in predictions]}
     if not opts.trace and opts.cost.distribution == "bimodal" and order is None:
