@@ -15,14 +15,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-
-from moetrain.config.job import JobConfig
-from moetrain.config.model import ModelConfig
-from moetrain.data.dataset import load_training_data
-from moetrain.data.packing import IGNORE_INDEX, Batch
-from moetrain.parallel.mesh import JobMesh
-from moetrain.testing.multirank import run_on_ranks
-from moetrain.train.trainer import Trainer
 from split_parity_support import (
     LR,
     MODELS,
@@ -35,6 +27,14 @@ from split_parity_support import (
     reference_run,
 )
 from test_pipeline import FixedLoader, full
+
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.data.dataset import load_training_data
+from moetrain.data.packing import IGNORE_INDEX, Batch
+from moetrain.parallel.mesh import JobMesh
+from moetrain.testing.multirank import run_on_ranks
+from moetrain.train.trainer import Trainer
 
 WORLD, ROWS, MICRO = 4, 2, 3
 
