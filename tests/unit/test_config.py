@@ -193,7 +193,7 @@ def test_world_size_not_divisible_by_model_dimensions():
         check_world_size(ParallelConfig(pp=3), 4)
 
 
-# Pipeline stages are tensor / context split like a whole model (tests/distributed/test_pipeline_split.py).
+# Pipeline stages are tensor / context split like a whole model (tests/distributed/test_pipeline_tp_cp.py).
 @pytest.mark.parametrize("dimensions", [("pp",), ("tp",), ("cp",), ("pp", "tp"), ("pp", "cp")])
 @pytest.mark.parametrize("feature,value", [("model.mtp_depth", 1), ("lora.rank", 4), ("train.float8", "rowwise"),
                                            ("train.optimizer", "muon"), ("train.qk_clip_tau", 100.0),
