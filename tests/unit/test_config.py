@@ -193,18 +193,21 @@ def test_world_size_not_divisible_by_model_dimensions():
         check_world_size(ParallelConfig(pp=3), 4)
 
 
-@pytest.mark.parametrize("dimension", ["pp", "tp", "cp"])
+# Pipeline stages are tensor / context split like a whole model (tests/distributed/test_pipeline_tp_cp.py).
+@pytest.mark.parametrize("dimensions", [("pp",), ("tp",), ("cp",), ("pp", "tp"), ("pp", "cp")])
 @pytest.mark.parametrize("feature,value", [("model.mtp_depth", 1), ("lora.rank", 4), ("train.float8", "rowwise"),
                                            ("train.optimizer", "muon"), ("train.qk_clip_tau", 100.0),
                                            ("ft.enabled", True)])
-def test_features_not_checked_under_a_model_dimension_are_refused(dimension, feature, value):
+def test_features_not_checked_under_a_model_dimension_are_refused(dimensions, feature, value):
     cfg = JobConfig()
     cfg.model.tie_embeddings = False
     cfg.model.qk_norm = "none"
     cfg.model.moe.aux_loss_scope = "global_batch"
     cfg.train.grad_accum, cfg.train.sample_tokens = 4, 0
-    setattr(cfg.parallel, dimension, 2)
-    cfg.validate()  # the dimension alone is fine
+    for dimension in dimensions:
+        setattr(cfg.parallel, dimension, 2)
+    cfg.validate()  # the dimensions alone are fine
+    dimension = dimensions[0]
     section, name = feature.split(".")
     setattr(getattr(cfg, section), name, value)
     cfg.ft.lighthouse = "http://localhost:29510"  # read only with ft.enabled

@@ -101,8 +101,6 @@ def _check_composed_features(cfg: JobConfig) -> None:
     for name, degree in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
         if degree == 1:
             continue
-        check(not (name == "parallel.pp" and (p.tp > 1 or p.cp > 1)), name, degree,
-              "with parallel.tp or parallel.cp > 1: not supported yet (pipeline stages are not tensor/context split)")
         for feature, used in (("model.mtp_depth", cfg.model.mtp_depth > 0), ("lora.rank", cfg.lora.enabled),
                               ("train.float8", t.float8 != "none"), ("train.optimizer", t.optimizer != "adamw"),
                               ("train.qk_clip_tau", t.qk_clip_tau > 0), ("ft.enabled", cfg.ft.enabled)):

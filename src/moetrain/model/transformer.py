@@ -162,6 +162,10 @@ class Transformer(nn.Module):
         must be given.
         """
         batch, seq = tokens.shape[:2]
+        if self.tok_embeddings is None and positions is not None:
+            # A part taking hidden states: under sequence parallelism they are this rank's slice of the rows
+            # that `positions` and `document_ids` describe whole (attention gathers the slices back).
+            seq = positions.shape[1]
         if cache is not None:
             if document_ids is not None or positions is not None:
                 raise ValueError("a forward with a KV cache takes its positions from the cache: "

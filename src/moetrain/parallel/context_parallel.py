@@ -119,11 +119,19 @@ class SequenceSplit:
         """Keyword arguments of the model's forward for this rank's share of `batch`."""
         if self.context is None:
             return {"tokens": batch.tokens, "positions": batch.positions, "document_ids": batch.document_ids}
-        seq, device = batch.tokens.shape[1], batch.tokens.device
-        key_index = torch.cat([head_tail_indices(seq, self.cp, r, device) for r in range(self.cp)])
-        attention = ContextAttention(self.context, batch.document_ids, self._query_index(seq, device), key_index)
         return {"tokens": self.shard(batch.tokens), "positions": self.shard(batch.positions),
-                "attention_plan": AttentionPlan("context", external=attention)}
+                "attention_plan": self.attention_plan(batch.document_ids)}
+
+    def attention_plan(self, document_ids: Tensor) -> AttentionPlan:
+        """Under CP: the plan of this rank's queries over the keys of the whole rows `document_ids` [B, S]."""
+        seq, device = document_ids.shape[1], document_ids.device
+        key_index = torch.cat([head_tail_indices(seq, self.cp, r, device) for r in range(self.cp)])
+        attention = ContextAttention(self.context, document_ids, self._query_index(seq, device), key_index)
+        return AttentionPlan("context", external=attention)
+
+    def local_len(self, seq: int) -> int:
+        """Tokens of a `seq`-long row in this rank's hidden states between blocks (CP's slice, then TP's)."""
+        return seq // self.replicas
 
     def routed_mask(self, mask: Tensor) -> Tensor:
         """The entries of a [B, S] token mask for the tokens this rank's MoE layers route: the CP slice,

@@ -140,12 +140,20 @@ def _split_sinks(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split `model` (a moetrain Transformer, on any device, meta included) over `tp_mesh` in place."""
-    parallelize_module(model, tp_mesh, {
+    """Split `model` (a moetrain Transformer, on any device, meta included) over `tp_mesh` in place.
+
+    A pipeline stage's part holds the embedding or the norm and head only at the pipeline's ends: the plan
+    covers the modules it holds. Between stages the hidden states stay sequence-sharded ([B, S / tp, d] on
+    each TP rank, what the blocks take and return), so a stage sends and receives only its rank's slice.
+    """
+    ends = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(use_local_output=False),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    }
+    held = {name: style for name, style in ends.items() if getattr(model, name, None) is not None}
+    if held:
+        parallelize_module(model, tp_mesh, held)
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block))
         if getattr(block.attention, "sinks", None) is not None:

@@ -85,7 +85,8 @@ def _fill_weights(model: Transformer, weights: str, seed: int, init_scheme: str 
 
 
 def build_pipeline(cfg: JobConfig, job: JobMesh, *, weights: str | None = None) -> PipelineModel:
-    """This pipeline rank's stages (`moetrain.parallel.pipeline`), each parallelized as its own model, with
+    """This pipeline rank's stages (`moetrain.parallel.pipeline`), each parallelized as its own model (TP/CP-split
+    on the job's tp and cp sub-meshes as a whole model is, then FSDP), with
     `weights` (default `model.init_from` or "init") drawn or read through the rank's whole part, so by the
     names the whole model has: the same weights as one process builds (from "hf:DIR" each rank reads its
     own layers' tensors only). In train mode. Collective."""

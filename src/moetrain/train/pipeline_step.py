@@ -3,9 +3,17 @@
 Every rank of a pipeline reads the same microbatches (the data loader is keyed by the data-parallel
 coordinate only), so each stage knows every microbatch's targets. That is how the token counts reach
 the last stage before its loss is scaled: the trainer counts the step's valid targets over the
-data-parallel ranks before the schedule runs (`count_global_tokens` on the data group), and the last
-stage's loss function divides each microbatch's summed token loss by that count. Gradients are then
-the whole global batch's with plain SUM reductions, as without pipelining (`moetrain.train.loss`).
+data-parallel ranks before the schedule runs (`count_global_tokens`), and the last stage's loss
+function divides each microbatch's summed token loss by that count. Gradients are then the whole
+global batch's with plain SUM reductions, as without pipelining (`moetrain.train.loss`).
+
+Under tensor and context parallelism (`SequenceSplit`) each stage is split as a whole model is: the
+first stage takes the rank's CP slice of the tokens, the hidden states between stages are the rank's
+sequence-parallel slice ([B, S / (cp x tp), d], torch's stages send and receive only that), each
+stage's attention plan is built from the whole rows' document ids (a keyword every stage receives),
+and the last stage's loss is the vocabulary-parallel cross-entropy on its CP slice of the targets, the
+schedule running inside `loss_parallel` so that the loss's backward is too. Each TP rank then holds
+the whole loss of its slice (counted once in the totals), the router terms of the tokens it routes.
 
 The MoE router losses are computed where their layers are. Each stage part gets its microbatch's
 targets as a keyword (popped before the part's forward) and, after the forward, its own layers'
@@ -14,7 +22,8 @@ without pipelining). `AddLossGradient` ties them to the stage's output: identity
 backward it also gives the terms a gradient of 1, so they backpropagate into the router with the
 stage's own backward, whichever schedule orders it. Under the global-batch balance loss the step's
 expert counts are measured first by a routing pass through the stages (`route_step`), summed over
-the data-parallel ranks of each stage; the aux-free bias sums its loads over the same ranks.
+the ranks that hold the same stages (data-parallel, context and tensor ranks: `stage_all_reduce`);
+the aux-free bias sums its loads over the same ranks.
 
 Gradient sync: torch's stages run every microbatch's backward without FSDP's reduction and reduce
 once after the schedule's last backward (`PipelineStage.perform_reduce_grad`): one reduce-scatter
@@ -33,10 +42,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
 from moetrain.data.packing import IGNORE_INDEX, Batch
 from moetrain.dtypes import DTYPES
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.collectives import collective_device
+from moetrain.parallel.context_parallel import SequenceSplit
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.pipeline import PipelineModel, build_schedule, stage_rank
 from moetrain.train.loss import router_loss_terms, token_loss_sum
@@ -74,46 +85,54 @@ class PipelineStep:
 
     def __init__(self, cfg: JobConfig, job: JobMesh, pipeline: PipelineModel):
         self.cfg, self.job, self.pipeline = cfg, job, pipeline
+        self.split = SequenceSplit.of(job)
         self.model: Transformer = pipeline.model
         self.aux_is_share = cfg.model.moe.aux_loss_scope == "global_batch"
         self.global_tokens = 0
         self.totals = PipelineTotals()
         self._targets: Tensor | None = None
         for part in pipeline.parts:
-            part.register_forward_pre_hook(self._take_targets, with_kwargs=True)
+            part.register_forward_pre_hook(self._stage_inputs, with_kwargs=True)
             part.register_forward_hook(self._add_router_losses)
         self.schedule = build_schedule(pipeline, job, cfg.parallel, cfg.train.grad_accum, self._loss,
-                                       _stage_shapes(cfg))
+                                       _stage_shapes(cfg, self.split))
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup:
         return self.job.pipeline.get_group()
 
-    def data_all_reduce(self, tensor: Tensor) -> Tensor:
-        """Sum `tensor` in place over the data-parallel ranks of this pipeline coordinate (each dimension in turn)."""
+    def stage_all_reduce(self, tensor: Tensor) -> Tensor:
+        """Sum `tensor` in place over the ranks holding this rank's stages: its data-parallel, context and tensor
+        ranks (each dimension in turn), the ranks whose routed tokens differ."""
         data = self.job.data
-        if data is not None:
-            for name in data.mesh_dim_names:
-                if data.size(data.mesh_dim_names.index(name)) > 1:
-                    dist.all_reduce(tensor, group=data.get_group(name))
+        groups = [] if data is None else [data.get_group(name) for name in data.mesh_dim_names
+                                          if data.size(data.mesh_dim_names.index(name)) > 1]
+        groups += [mesh.get_group() for mesh in (self.job.context, self.job.tensor) if mesh is not None]
+        for group in groups:
+            dist.all_reduce(tensor, group=group)
         return tensor
 
     def count_global_tokens(self, microbatches: list[Batch]) -> int:
-        """The step's valid targets over the data-parallel ranks (every stage sees the same microbatches)."""
+        """The step's valid targets over the data-parallel ranks (every stage sees the same microbatches, and
+        the context and tensor ranks of a data coordinate count the same ones: divided back)."""
         local = torch.tensor([sum(batch.n_valid_targets for batch in microbatches)], dtype=torch.int64,
                              device=collective_device(self.pipeline_group))
-        return int(self.data_all_reduce(local).item())
+        return int(self.stage_all_reduce(local).item()) // self.split.replicas
 
     # ---- the schedule's callbacks
 
-    def _take_targets(self, part, args, kwargs):
+    def _stage_inputs(self, part, args, kwargs):
+        """The whole rows' targets are kept for the router terms; under CP the whole rows' document ids become
+        the attention plan of this rank's slice."""
         self._targets = kwargs.pop("targets", None)
+        if self.split.context is not None and "document_ids" in kwargs:
+            kwargs["attention_plan"] = self.split.attention_plan(kwargs.pop("document_ids"))
         return args, kwargs
 
     def _add_router_losses(self, part: Transformer, args, output: Tensor) -> Tensor:
         if not torch.is_grad_enabled() or self._targets is None:
             return output
-        mask = self._targets != IGNORE_INDEX
+        mask = self.split.routed_mask(self._targets != IGNORE_INDEX)  # the tokens this rank routes
         aux, z = part.aux_loss(), part.z_loss_sum(mask)
         balance, z_term = router_loss_terms(int(mask.sum()), self.global_tokens, aux, z, self.aux_is_share)
         term = torch.as_tensor(balance) + torch.as_tensor(z_term)
@@ -122,8 +141,10 @@ class PipelineStep:
         return AddLossGradient.apply(output, term) if term.requires_grad else output
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        loss_sum, _ = token_loss_sum(logits, targets)
-        self.totals.loss_sum += float(loss_sum.detach())
+        """A microbatch's loss on the last stage: its CP slice's summed token loss (vocabulary-parallel under TP,
+        every TP rank the same whole value) over the step's valid targets."""
+        loss_sum = self.split.local_loss(token_loss_sum(logits, targets)[0])
+        self.totals.loss_sum += float(loss_sum.detach()) / self.split.tp
         return loss_sum / max(self.global_tokens, 1)
 
     # ---- one step
@@ -134,10 +155,12 @@ class PipelineStep:
         self.totals = PipelineTotals()
         tokens, positions, document_ids, targets = (torch.cat([getattr(b, name) for b in microbatches]) for name in
                                                     ("tokens", "positions", "document_ids", "targets"))
-        args = (tokens,) if self.pipeline.holds_first else ()
+        shard = self.split.shard  # this CP rank's tokens of every row (all of them without CP)
+        args = (shard(tokens),) if self.pipeline.holds_first else ()
         losses: list[Tensor] = []
-        self.schedule.step(*args, target=targets, losses=losses, positions=positions, document_ids=document_ids,
-                           targets=targets)
+        with self.split.loss_context():  # the last stage's loss and its backward, inside the schedule
+            self.schedule.step(*args, target=shard(targets), losses=losses, positions=shard(positions),
+                               document_ids=document_ids, targets=targets)
         self._targets = None
         return self.totals
 
@@ -145,10 +168,13 @@ class PipelineStep:
     def forward_only(self, batch: Batch, after_stage: Callable[[Transformer], None] | None = None) -> Tensor | None:
         """`batch` through every stage in order without autograd: the logits on the rank holding the last stage,
         None on the others (collective over the pipeline group). `after_stage(part)` runs after each of this
-        rank's stages. Hidden states move between pipeline ranks by send/recv, so any batch shape works."""
+        rank's stages. Hidden states move between pipeline ranks by send/recv, so any batch shape works.
+        Under CP / TP the logits are the rank's CP slice's (split over the vocabulary under TP)."""
         pipeline, group, parallel = self.pipeline, self.pipeline_group, self.cfg.parallel
         by_stage = dict(zip(pipeline.stage_ids, pipeline.parts, strict=True))
         me = self.job.pipeline.get_local_rank()
+        inputs = self.split.model_inputs(batch)
+        tokens = inputs.pop("tokens")
         hidden = None
         for stage in range(pipeline.n_stages):
             holder, previous = stage_rank(stage, parallel), stage_rank(stage - 1, parallel) if stage else None
@@ -157,12 +183,12 @@ class PipelineStep:
                     dist.send(hidden.contiguous(), dst=dist.get_global_rank(group, holder), group=group)
                 continue
             if previous is not None and previous != me:
-                hidden = torch.empty(*batch.tokens.shape, self.cfg.model.dim, dtype=_hidden_dtype(self.cfg),
-                                     device=self.job.device)
+                rows, seq = batch.tokens.shape
+                hidden = torch.empty(rows, self.split.local_len(seq), self.cfg.model.dim,
+                                     dtype=_hidden_dtype(self.cfg), device=self.job.device)
                 dist.recv(hidden, src=dist.get_global_rank(group, previous), group=group)
             part = by_stage[stage]
-            hidden = part(batch.tokens if stage == 0 else hidden, positions=batch.positions,
-                          document_ids=batch.document_ids)
+            hidden = part(tokens if stage == 0 else hidden, **inputs)
             if after_stage is not None:
                 after_stage(part)
         return hidden if pipeline.holds_last else None
@@ -172,9 +198,10 @@ class PipelineStep:
         """Under the global-batch balance loss: the step's expert counts per MoE layer, before the step trains.
 
         Each microbatch goes through the stages (`forward_only`, the parts in eval mode: no aux-free loads
-        recorded); each rank sums its layers' counts over its data-parallel ranks and gives them to its layers.
+        recorded); each rank sums its layers' counts over the ranks holding its stages (each routed its own
+        tokens) and gives them to its layers.
         """
-        if not self.model.needs_global_balance():
+        if not _uses_global_balance(self.cfg.model):
             return
         counts: dict[int, Tensor] = {}
 
@@ -189,14 +216,20 @@ class PipelineStep:
         finally:
             self.model.train()
         layers = self.model.moe_layers()
-        n_tokens = float(sum(batch.tokens.numel() for batch in microbatches))
+        if not layers:  # stages of dense layers only (as all ranks holding them): they pass hidden states on
+            return
+        n_tokens = float(sum(batch.tokens.numel() for batch in microbatches)) / self.split.replicas  # routed here
         flat = torch.cat([counts[id(layer)] for layer in layers] + [torch.tensor([n_tokens], dtype=torch.float64)])
-        flat = self.data_all_reduce(flat.to(collective_device(self.pipeline_group))).cpu()
+        flat = self.stage_all_reduce(flat.to(collective_device(self.pipeline_group))).cpu()
         self.model.set_global_balance(flat[:-1].view(len(layers), -1), int(flat[-1]))
 
 
-def _hidden_shape(cfg: JobConfig) -> tuple[int, int, int]:
-    return cfg.train.microbatch_size, cfg.data.seq_len, cfg.model.dim
+def _uses_global_balance(model: ModelConfig) -> bool:
+    """Whether the step measures its expert counts first: from the config, not a rank's own layers, as every
+    pipeline rank takes part in the routing pass, one whose stages hold dense layers only too."""
+    moe = model.moe
+    return (model.n_dense_layers < model.n_layers and moe.load_balance == "aux_loss"
+            and moe.aux_loss_scope == "global_batch" and moe.aux_loss_coef > 0)
 
 
 def _hidden_dtype(cfg: JobConfig) -> torch.dtype:
@@ -204,12 +237,13 @@ def _hidden_dtype(cfg: JobConfig) -> torch.dtype:
     return DTYPES[parallel.output_dtype or parallel.param_dtype]
 
 
-def _stage_shapes(cfg: JobConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """Meta tensors of a microbatch's tokens, a stage's hidden states and the logits: torch's stages
-    then need no inference pass (a real forward that would count an extra microbatch's expert loads)."""
-    batch, seq, dim = _hidden_shape(cfg)
+def _stage_shapes(cfg: JobConfig, split: SequenceSplit) -> tuple[Tensor, Tensor, Tensor]:
+    """Meta tensors of a microbatch's tokens (the rank's CP slice), a stage's hidden states (its CP x TP slice)
+    and the logits (the CP slice's; under TP a DTensor of that shape, split over the vocabulary): torch's
+    stages then need no inference pass (a real forward that would count an extra microbatch's expert loads)."""
+    batch, seq, dim = cfg.train.microbatch_size, cfg.data.seq_len, cfg.model.dim
     dtype = _hidden_dtype(cfg)
     # Hidden states and logits carry gradients: a stage's received input must require grad for its backward.
-    return (torch.empty(batch, seq, dtype=torch.int64, device="meta"),
-            torch.empty(batch, seq, dim, dtype=dtype, device="meta", requires_grad=True),
-            torch.empty(batch, seq, cfg.model.vocab_size, dtype=dtype, device="meta", requires_grad=True))
+    return (torch.empty(batch, seq // split.cp, dtype=torch.int64, device="meta"),
+            torch.empty(batch, split.local_len(seq), dim, dtype=dtype, device="meta", requires_grad=True),
+            torch.empty(batch, seq // split.cp, cfg.model.vocab_size, dtype=dtype, device="meta", requires_grad=True))

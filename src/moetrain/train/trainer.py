@@ -326,7 +326,7 @@ class Trainer:
                 self.qk_clip.disarm()
             self.optimizer.zero_grad(set_to_none=True)
             if finite:
-                loads_sum = self.pipeline.data_all_reduce if self.pipeline is not None else all_reduce_sum
+                loads_sum = self.pipeline.stage_all_reduce if self.pipeline is not None else all_reduce_sum
                 self.model.update_expert_bias(loads_sum if self.world > 1 else None)
             else:
                 self.model.discard_pending_expert_load()  # this step's loads are not applied
