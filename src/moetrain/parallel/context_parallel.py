@@ -3,15 +3,16 @@
 Under context parallelism (`parallel.cp`) every rank of a CP group holds the same microbatches and
 computes a part of every sequence: the rows are cut into 2 x cp chunks and rank r takes chunks r and
 2 x cp - 1 - r (head-tail load balancing: under a causal mask late chunks cost more, so every rank
-gets one early and one late chunk and the same causal work). Each layer's attention then all-gathers
-the keys and values of the whole sequence over the CP group (`all_gather_single_autograd`: its
-backward reduce-scatters their gradients) and attends from the rank's queries to them under a mask
-built from the whole rows' document ids and token indices, so packed documents never see each
-other, across the split too; sliding windows and attention sinks go in the same mask (the masked SDPA
-of moetrain.model.attention). Every `model.attention` method runs this way under CP: the keys of a
-rank's queries live on other ranks, so the method-specific layouts do not apply. torch's
-`context_parallel` API was not used: its ring attention on CPU/gloo serves plain causal SDPA only,
-without document masks, windows or sinks.
+gets one early and one late chunk and the same causal work). Each layer's attention then runs the tiled
+attention of moetrain.model.tiled_attention (`ContextAttention`): the keys and values of the whole rows are
+all-gathered over the CP group (functional collectives, sequence-first; gathered again in backward instead
+of saved, their gradients reduce-scattered), and the rank's queries attend to them tile by tile with an
+online softmax, each tile skipped, unmasked or masked from the whole rows' document ids and token indices,
+so packed documents never see each other, across the split too; sliding windows and attention sinks are
+part of the same kernel. No [queries x whole row] mask or score matrix exists: memory is linear in the
+rank's tokens. Every `model.attention` method runs this way under CP: the keys of a rank's queries live on
+other ranks, so the method-specific layouts do not apply. torch's `context_parallel` API was not used: its
+ring attention serves plain causal SDPA only, without document masks, windows or sinks.
 
 `SequenceSplit` is what a training loop needs of both CP and tensor parallelism: the rank's model
 inputs (the CP slice and the attention plan over the whole rows), its targets, the mask of the tokens
