@@ -2,11 +2,12 @@
 
 One 4-rank run (module fixture) trains every case of `CASES` for 2 SGD steps of 2 packed microbatches per
 data-parallel rank, the way the trainer does (`SequenceSplit`: each rank its head and tail chunks of every
-row, keys and values gathered over the CP group, the document mask of the whole rows): CP 2 x FSDP 2 and
-CP 2 x TP 2 on a tiny MoE, and CP 2 x FSDP 2 on a GPT-OSS-shaped (sinks, a sliding window, biases), a
-GLM-4.5-shaped (partial RoPE, per-head QK-norm) and a DeepSeek-V3-shaped (MLA) model. Documents of 3-7
-tokens in rows of 16 cut into 4 or 8 chunks cross every chunk boundary (checked). Losses of every step,
-step-0 gradients and the final parameters are checked within 1e-5 of the largest reference entry.
+row, keys and values gathered over the CP group, attention tile by tile under the whole rows' document
+mask): CP 2 x FSDP 2, CP 2 x TP 2 and CP 2 x EP 2 on a tiny MoE, and CP 2 x FSDP 2 on a GPT-OSS-shaped
+(sinks, a sliding window, biases), a GLM-4.5-shaped (partial RoPE, per-head QK-norm) and a DeepSeek-V3-shaped
+(MLA) model. Documents of 3-7 tokens in rows of 16 cut into 4 or 8 chunks cross every chunk boundary
+(checked). Losses of every step, step-0 gradients and the final parameters are checked within 1e-5 of the
+largest reference entry.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from moetrain.parallel.context_parallel import head_tail_indices
 CASES = {
     "tiny_moe-cp2-fsdp2": ("tiny_moe", {"cp": 2}),
     "tiny_moe-cp2-tp2": ("tiny_moe", {"cp": 2, "tp": 2}),
+    # Each CP rank routes its own chunks of every row through its 2-rank EP group; experts FSDP over efsdp x cp.
+    "tiny_moe-cp2-ep2": ("tiny_moe", {"cp": 2, "ep": 2}),
     "gpt_oss_like-cp2-fsdp2": ("gpt_oss_like", {"cp": 2}),
     "glm_like-cp2-fsdp2": ("glm_like", {"cp": 2}),
     "deepseek_like-cp2-fsdp2": ("deepseek_like", {"cp": 2}),

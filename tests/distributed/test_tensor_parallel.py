@@ -128,23 +128,3 @@ def test_hugging_face_import_and_export_are_exact_under_tp_and_cp(tmp_path):
         for name, expected in reference.items():
             assert torch.equal(torch.as_tensor(loaded[variant][name]), expected), (variant, mesh_name, name)
             assert torch.equal(exported[name].detach(), expected), (variant, mesh_name, name, "export")
-
-
-def test_estimate_reports_the_traffic_and_mask_of_the_tp_and_cp_plans():
-    from moetrain.train.job_estimate import sequence_split_terms
-
-    job = _job({"tp": 2, "cp": 2})
-    model = dataclasses.replace(job.model, dim=32, n_layers=2, n_dense_layers=1, n_heads=4, n_kv_heads=2,
-                                head_dim=8, moe=dataclasses.replace(job.model.moe, n_shared_experts=0))
-    job = dataclasses.replace(job, model=model, train=dataclasses.replace(job.train, microbatch_size=2))
-    terms = sequence_split_terms(job)
-    # Each rank computes 2 x 64 / (cp x tp) tokens. A TP collective moves the [2, 64 / cp, 32] float32 stream,
-    # of which a rank receives half; 8 of them a forward (embedding, head, attention x 2 blocks, the dense
-    # block's FFN), as many in backward.
-    stream = 2 * 32 * 32 * 4
-    assert terms.tokens_per_rank == 32
-    assert terms.tp_bytes == 2 * 8 * stream // 2
-    # CP gathers K and V of 2 KV heads / tp x 8 channels over the whole rows in each of the 2 layers, a rank
-    # receiving half; their gradients go back as much. The mask: 32 queries x 64 keys x 2 rows, float32.
-    assert terms.cp_bytes == 2 * 2 * (2 * 64 * 2 * 1 * 8 * 4) // 2
-    assert terms.cp_mask_bytes == 2 * 32 * 64 * 4

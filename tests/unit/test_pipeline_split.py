@@ -142,9 +142,9 @@ def test_proposed_layouts_fit_and_come_fewest_bytes_first():
     cfg = job(train__microbatch_size=1)
     layouts = propose_layouts(cfg, 16, 8, 2**21, "cuda")
     assert layouts and all(layout.peak_bytes <= 2**21 for layout in layouts)
-    moved = [layout.all_gather_bytes + layout.all_to_all_bytes for layout in layouts]
+    moved = [layout.moved_bytes for layout in layouts]
     assert moved == sorted(moved)
-    assert all(layout.pp * layout.dp_replicate * layout.dp_shard == 16 for layout in layouts)
+    assert all(layout.pp * layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp == 16 for layout in layouts)
 
 
 def test_under_a_pipeline_the_sync_policy_is_the_schedules_one_reduction_per_step():

@@ -145,7 +145,8 @@ class AttentionPlan:
     block_mask: BlockMask | None = None
     document_ids: Tensor | None = None  # [B, S]; None for "causal" (every row one document)
     # An attention function the caller supplies, (q, k, v, sinks, window) -> out, used instead of the method:
-    # context parallelism's, whose keys and values live on other ranks too (moetrain.parallel.context_parallel).
+    # context parallelism's, whose keys and values live on other ranks too (moetrain.parallel.context_parallel
+    # runs moetrain.model.tiled_attention with the CP group's collectives).
     external: Callable[..., Tensor] | None = None
     # Masks built for a sliding window (or a "causal" plan with sinks), once per forward: key (kind, window).
     cache: dict = field(default_factory=dict, repr=False)
@@ -308,7 +309,7 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, sinks: Tensor | None) -> Tensor:
     """SDPA on [N, L, H, D] / [N, Lk, H_kv, D] under a boolean mask broadcastable to [N, 1, L, Lk], with
     optional sinks [H]: one zero key and value appended, its logit set to the head's sink by a float mask.
-    The keys may come in any order (the mask alone says which a query sees), which context parallelism needs.
+    The keys may come in any order (the mask alone says which a query sees).
     `allowed` may also be that mask as an additive float mask (0 / -inf) in q's dtype: SDPA's CPU flash kernel
     then uses it as it is, where it would make a float copy of a boolean mask in every call."""
     if sinks is None:

@@ -38,9 +38,11 @@ from dataclasses import dataclass, replace
 
 from moetrain.config.job import JobConfig
 from moetrain.config.lora import adapter_count
+from moetrain.config.model import ModelConfig
 from moetrain.dtypes import DTYPES
 from moetrain.model.flops import count_params
 from moetrain.model.gemm_attention import gemm_attention_saved_keys
+from moetrain.model.tiled_attention import TILE_SCORES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # float32 weight + float32 gradient + AdamW exp_avg and exp_avg_sq.
@@ -100,7 +102,7 @@ def estimate_training_memory(cfg: JobConfig, dp_shard: int = 1) -> MemoryEstimat
         rows, row_len = 1, cfg.data.token_budget or cfg.data.seq_len
     else:
         rows, row_len = t.microbatch_size, cfg.data.seq_len
-    tokens = rows * row_len
+    tokens = rows * row_len // (cfg.parallel.cp * cfg.parallel.tp)  # a rank's share of the per-token work
     dense, moe, layer_input = activation_elements_per_token(cfg)
     probs = _gemm_attention_probs_per_token(cfg, rows, row_len, "cpu")
     dense, moe = dense + probs, moe + probs
@@ -111,7 +113,8 @@ def estimate_training_memory(cfg: JobConfig, dp_shard: int = 1) -> MemoryEstimat
         per_token = n_dense * dense + n_moe * moe
     act_bytes = DTYPE_BYTES[cfg.parallel.param_dtype]
     activations = tokens * (per_token * act_bytes + 2 * m.vocab_size * LOGITS_BYTES)
-    attention_mask = rows * row_len ** 2  # torch.bool: one byte per element
+    # torch.bool: one byte per element; under CP the tiled attention builds tile-sized masks only.
+    attention_mask = rows * row_len ** 2 if cfg.parallel.cp == 1 else 0
     return MemoryEstimate(parameters, activations, attention_mask)
 
 
@@ -131,11 +134,33 @@ class MemoryBreakdown:
         return self.weights + self.gradients + self.optimizer + saved + self.attention_mask
 
 
+def tp_replicated_params(m: ModelConfig) -> int:
+    """Parameters tensor parallelism keeps whole on every TP rank (moetrain.parallel.tensor_parallel): the
+    RMSNorms, per-head QK-norm weights, the routers and the shared expert's gate, MLA's low-rank projections
+    (wq_a, wkv_a) and their norms. Everything else is split over the TP ranks: heads, FFN widths, the
+    vocabulary, and the routed experts through their FSDP mesh (efsdp x cp x tp)."""
+    moe = m.moe
+    per_layer = 2 * m.dim + (2 * m.attention_head_dim() if m.qk_norm == "per_head" else 0)
+    if m.kv_lora_rank is not None:
+        per_layer += m.dim * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        per_layer += (m.dim + 1) * m.q_lora_rank if m.q_lora_rank else 0
+    router = m.dim * moe.n_experts + (moe.n_experts if moe.router_bias else 0) + (
+        m.dim if moe.shared_expert_gate else 0)
+    return m.dim + m.n_layers * per_layer + (m.n_layers - m.n_dense_layers) * router
+
+
+def rank_params(cfg: JobConfig, params: int, replicated: int, dp_shard: int) -> int:
+    """Of `params` parameters (`replicated` of them whole on every TP rank), those one rank stores: FSDP shards
+    over dp_shard x cp (the CP ranks folded into the shard dimension), tensor parallelism splits the rest."""
+    shard = max(dp_shard, 1) * cfg.parallel.cp
+    return (params - replicated) // (shard * cfg.parallel.tp) + replicated // shard
+
+
 def _state_bytes(cfg: JobConfig, dp_shard: int) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes of this rank's shard; under LoRA a frozen base in the compute
     dtype plus float32 adapters, their gradients and AdamW's moments of the adapters only."""
-    shard = count_params(cfg.model)["total"] // max(dp_shard, 1)
-    adapters = adapter_count(cfg.model, cfg.lora) // max(dp_shard, 1)
+    shard = rank_params(cfg, count_params(cfg.model)["total"], tp_replicated_params(cfg.model), dp_shard)
+    adapters = rank_params(cfg, adapter_count(cfg.model, cfg.lora), 0, dp_shard)
     if not adapters:
         return 4 * shard, 4 * shard, 8 * shard
     return shard * DTYPE_BYTES[cfg.parallel.param_dtype] + 4 * adapters, 4 * adapters, 8 * adapters
@@ -231,7 +256,8 @@ def _attention_saved_per_token(cfg: JobConfig, device_type: str, rows: int = 1, 
     if m.qk_norm != "none":  # the QK-norms' inputs and outputs (RoPE itself saves only cos and sin)
         saved += 2 * (heads + kv_heads) * head_dim
     method = m.attention if m.attention != "auto" else ("flex" if device_type == "cuda" else "segments")
-    if method == "flex":  # q, k, v as they are, the output and its log-sum-exp
+    if method == "flex" or cfg.parallel.cp > 1:  # q, k, v as they are, the output and its log-sum-exp (flex's,
+        # or the tiled attention's under CP, which keeps only this rank's k and v)
         return saved + (2 * heads + 2 * kv_heads) * head_dim + heads
     probs = _gemm_attention_probs_per_token(cfg, rows, row_len, device_type)
     if probs:  # the GEMM attention: its copies of q, k and v, the output and the saved probabilities
@@ -269,41 +295,50 @@ def estimate_peak(cfg: JobConfig, dp_shard: int = 1, device_type: str = "cpu", p
     activation space), is taken as HEAP_SLACK of the step's transient memory (activations, backward working
     set, logits). That fraction is measured, not derived: the slack was 0.13x (olmoe_tiny), 0.5x (tiny_moe)
     and 1.1x (qwen3_moe_debug) of the transients on one process (benchmarks/profile/estimate_accuracy.py)."""
-    m, t = cfg.model, cfg.train
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     ac = (t.activation_checkpointing not in (False, "none")) if activation_checkpointing is None \
         else activation_checkpointing
     counts = count_params(m)
     rows = 1 if cfg.data.batching == "token_budget" else t.microbatch_size
-    tokens = rows * _row_length(cfg)
-    act_bytes = DTYPE_BYTES[cfg.parallel.param_dtype]
+    # A rank's share of the microbatch's per-token work: CP splits the sequence, TP the heads and widths (and,
+    # between them, the sequence: sequence parallelism). TP's projections also save their gathered input,
+    # [B, S / cp, d], once per attention, dense FFN and shared expert (`gathered` tokens more than the share).
+    tokens = rows * _row_length(cfg) // (p.cp * p.tp)
+    gathered = rows * _row_length(cfg) // p.cp - tokens
+    act_bytes = DTYPE_BYTES[p.param_dtype]
     attention = _attention_saved_per_token(cfg, device_type, rows, _row_length(cfg))
     dense_layer = attention + _ffn_saved_per_token(cfg, moe_layer=False)
     moe_layer = attention + _ffn_saved_per_token(cfg, moe_layer=True)
     n_dense, n_moe = m.n_dense_layers, m.n_layers - m.n_dense_layers
     largest_layer = moe_layer if n_moe else dense_layer
     final_norm = 3 * m.dim  # the final norm's input, output and the head's input
+    tp_inputs = 0 if p.tp == 1 else m.dim * (m.n_layers + n_dense + (n_moe if m.moe.n_shared_experts else 0))
     if ac:  # each block's input; one block recomputed at a time (counted in backward_working)
-        saved = m.n_layers * m.dim + final_norm
+        saved, gathered_saved = m.n_layers * m.dim + final_norm, 0
         working = 2 * largest_layer
     else:
-        saved = n_dense * dense_layer + n_moe * moe_layer + final_norm
+        saved, gathered_saved = n_dense * dense_layer + n_moe * moe_layer + final_norm, tp_inputs
         working = largest_layer  # the gradients of the block whose backward runs
-    logits = 3 * tokens * m.vocab_size * LOGITS_BYTES  # logits, log-softmax, their gradient
+    logits = 3 * tokens * m.vocab_size * LOGITS_BYTES  # logits, log-softmax, their gradient (vocabulary split by TP)
     # The boolean document mask, built once per forward; the dense method also keeps a float32 copy per layer.
-    mask = rows * _row_length(cfg) ** 2 * (1 + (4 * m.n_layers if m.attention == "dense" else 0))
+    # Under CP the tiled attention builds tile-sized masks only; it gathers the whole rows' keys and values in
+    # float32 (forward, and again in backward beside their gradients' accumulator) and holds a few tiles' scores.
+    mask = rows * _row_length(cfg) ** 2 * (1 + (4 * m.n_layers if m.attention == "dense" else 0)) if p.cp == 1 else 0
+    context = 0 if p.cp == 1 else 2 * rows * _row_length(cfg) * kv_width(m) // p.tp * 4 + 4 * TILE_SCORES * 4
     fsdp = _fsdp_buffer_bytes(cfg, counts, dp_shard, act_bytes)
     exchange = 0
     if cfg.parallel.ep > 1 and n_moe and not ac:  # the experts' input is the received rows, not the layer's
         exchange = n_moe * tokens * m.moe.top_k * (m.dim + 1) * act_bytes
-    activations, backward_working = (tokens * saved * act_bytes + exchange,
-                                    tokens * working * act_bytes + _folded_experts_bytes(cfg))
+    activations = tokens * saved * act_bytes + gathered * gathered_saved * act_bytes + exchange
+    backward_working = tokens * working * act_bytes + _folded_experts_bytes(cfg) + context
     transients = activations + backward_working + logits
     allocator = int(HEAP_SLACK * transients) if host_heap else 0
     weights, gradients, optimizer = _state_bytes(cfg, dp_shard)
     return PeakEstimate(process=process_bytes, data=data_bytes, weights=weights, gradients=gradients,
                         optimizer=optimizer, activations=activations, backward_working=backward_working,
                         logits=logits, attention_mask=mask, fsdp_buffers=fsdp, optimizer_temporaries=0,
-                        allocator=allocator, expert_weights=4 * (_expert_params(cfg) // max(dp_shard, 1)),
+                        allocator=allocator,
+                        expert_weights=4 * (_expert_params(cfg) // (max(dp_shard, 1) * p.cp * p.tp)),
                         expert_exchange=exchange)
 
 
@@ -322,15 +357,54 @@ def _fsdp_buffer_bytes(cfg: JobConfig, counts: dict[str, int], dp_shard: int, ac
     Under expert parallelism a block's all-gather covers its non-expert parameters and only this rank's
     E/ep experts, over the dp_shard/ep ranks that hold them (none when those are this rank alone).
     """
-    m = cfg.model
-    if dp_shard <= 1:
+    m, p = cfg.model, cfg.parallel
+    if dp_shard * p.cp * p.tp <= 1:
         return 0
     embedding = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
     experts = _expert_params(cfg)
     n_moe = m.n_layers - m.n_dense_layers
-    ep = max(cfg.parallel.ep, 1)
-    per_block = (counts["total"] - embedding - experts) // max(m.n_layers, 1)
-    if n_moe and dp_shard // ep > 1:
+    ep = max(p.ep, 1)
+    # A block's unsharded parameters on a TP rank: its split ones 1/tp (replicated norms and routers neglected).
+    per_block = (counts["total"] - embedding - experts) // max(m.n_layers, 1) // p.tp
+    if n_moe and dp_shard // ep * p.cp * p.tp > 1:  # experts are FSDP-sharded over efsdp x cp x tp
         per_block += experts // (n_moe * ep)
-    per_block = max(per_block, m.vocab_size * m.dim)
+    per_block = max(per_block, m.vocab_size * m.dim // p.tp)
     return 2 * per_block * act_bytes + per_block * DTYPE_BYTES[cfg.parallel.reduce_dtype]
+
+
+def kv_width(m: ModelConfig) -> int:
+    """Elements of one token's keys and values over all heads, as attention gets them (MLA: per-head keys and
+    values padded to one width)."""
+    if m.kv_lora_rank is not None:
+        return 2 * m.n_heads * max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+    return 2 * (m.n_kv_heads or m.n_heads) * m.attention_head_dim()
+
+
+@dataclass(frozen=True)
+class SequenceSplitTraffic:
+    """What tensor (`parallel.tp`) and context (`parallel.cp`) parallelism send per rank and step, in bytes.
+
+    Closed forms of the plans in moetrain.parallel.tensor_parallel and context_parallel, over the step's
+    train.grad_accum microbatches, forward and backward, activations in parallel.param_dtype: TP all-gathers
+    the sequence-sharded stream before attention, the dense FFN and the shared expert and reduce-scatters
+    after them, and once each for the embedding and the LM head, all mirrored in backward; CP all-gathers
+    every layer's keys and values in forward, again in backward (they are not saved) and reduce-scatters
+    their gradients. Each counts the (n - 1) / n share of a collective a rank receives.
+    """
+
+    tokens_per_rank: int  # of a microbatch's B x S tokens, the ones this rank's per-token work covers
+    tp_bytes: int
+    cp_bytes: int
+
+
+def sequence_split_traffic(cfg: JobConfig) -> SequenceSplitTraffic:
+    m, p = cfg.model, cfg.parallel
+    rows, seq = cfg.train.microbatch_size, cfg.data.seq_len
+    element = DTYPE_BYTES[p.param_dtype]
+    micro = max(cfg.train.grad_accum, 1)
+    stream = rows * seq // p.cp * m.dim * element  # the [B, S / cp, d] stream one TP collective moves
+    shared = m.moe.n_shared_experts > 0
+    collectives = 2 + sum(2 + (2 if i < m.n_dense_layers or shared else 0) for i in range(m.n_layers))
+    tp_bytes = micro * 2 * collectives * stream * (p.tp - 1) // p.tp
+    cp_bytes = micro * 3 * m.n_layers * rows * seq * kv_width(m) // p.tp * element * (p.cp - 1) // p.cp
+    return SequenceSplitTraffic(rows * seq // (p.cp * p.tp), tp_bytes, cp_bytes)

@@ -3,15 +3,16 @@
 Under context parallelism (`parallel.cp`) every rank of a CP group holds the same microbatches and
 computes a part of every sequence: the rows are cut into 2 x cp chunks and rank r takes chunks r and
 2 x cp - 1 - r (head-tail load balancing: under a causal mask late chunks cost more, so every rank
-gets one early and one late chunk and the same causal work). Each layer's attention then all-gathers
-the keys and values of the whole sequence over the CP group (`all_gather_single_autograd`: its
-backward reduce-scatters their gradients) and attends from the rank's queries to them under a mask
-built from the whole rows' document ids and token indices, so packed documents never see each
-other, across the split too; sliding windows and attention sinks go in the same mask (the masked SDPA
-of moetrain.model.attention). Every `model.attention` method runs this way under CP: the keys of a
-rank's queries live on other ranks, so the method-specific layouts do not apply. torch's
-`context_parallel` API was not used: its ring attention on CPU/gloo serves plain causal SDPA only,
-without document masks, windows or sinks.
+gets one early and one late chunk and the same causal work). Each layer's attention then runs the tiled
+attention of moetrain.model.tiled_attention (`ContextAttention`): the keys and values of the whole rows are
+all-gathered over the CP group (functional collectives, sequence-first; gathered again in backward instead
+of saved, their gradients reduce-scattered), and the rank's queries attend to them tile by tile with an
+online softmax, each tile skipped, unmasked or masked from the whole rows' document ids and token indices,
+so packed documents never see each other, across the split too; sliding windows and attention sinks are
+part of the same kernel. No [queries x whole row] mask or score matrix exists: memory is linear in the
+rank's tokens. Every `model.attention` method runs this way under CP: the keys of a rank's queries live on
+other ranks, so the method-specific layouts do not apply. torch's `context_parallel` API was not used: its
+ring attention serves plain causal SDPA only, without document masks, windows or sinks.
 
 `SequenceSplit` is what a training loop needs of both CP and tensor parallelism: the rank's model
 inputs (the CP slice and the attention plan over the whole rows), its targets, the mask of the tokens
@@ -27,11 +28,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.data.packing import Batch
-from moetrain.model.attention import AttentionPlan, masked_sdpa
+from moetrain.model.attention import AttentionPlan
+from moetrain.model.tiled_attention import KeyValueExchange, TiledAttention, TilePlan, plan_tiles
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.tensor_parallel import local_loss, vocab_parallel_loss
 
@@ -47,7 +49,7 @@ def head_tail_indices(seq: int, cp: int, rank: int, device: torch.device | str =
 
 @dataclass
 class ContextAttention:
-    """Attention from this rank's queries to the keys of the whole rows, gathered over the CP group."""
+    """Attention from this rank's queries to the keys of the whole rows, tile by tile (model.tiled_attention)."""
 
     group: DeviceMesh
     document_ids: Tensor  # [B, S]: the whole rows
@@ -55,31 +57,18 @@ class ContextAttention:
     key_index: Tensor  # [S]: the token index of each gathered key (ranks in order, each its own indices)
 
     def __post_init__(self) -> None:
-        self.masks: dict[tuple, Tensor] = {}
-
-    def mask(self, window: int | None, dtype: torch.dtype) -> Tensor:
-        """[B, 1, S / cp, S] additive (0 / -inf) in `dtype`: same document, causal, inside the window when one is
-        given. Built once per forward and shared by every layer: a float mask is what SDPA's flash kernel
-        takes without a copy per call (a boolean one it converts in every layer, and the copies stay alive)."""
-        key = (window, dtype)
-        if key not in self.masks:
-            queries, keys = self.query_index.unsqueeze(-1), self.key_index.unsqueeze(0)
-            # Boolean comparisons only: an [S / cp, S] index difference would be int64, 8 bytes a score.
-            allowed = (self.document_ids[:, self.query_index].unsqueeze(-1)
-                       == self.document_ids[:, self.key_index].unsqueeze(-2))
-            allowed &= keys <= queries
-            if window is not None:
-                allowed &= keys > queries - window
-            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            self.masks[key] = additive.masked_fill_(allowed.logical_not_(), float("-inf")).unsqueeze(1)
-        return self.masks[key]
+        self.plans: dict[tuple, TilePlan] = {}
+        group = self.group.get_group()
+        # Dimension 0 (the sequence) of [S / cp, B, F]: the functional collectives gather and scatter along it.
+        self.exchange = KeyValueExchange(lambda t: wait_tensor(all_gather_single(t, 0, group)),
+                                         lambda t: wait_tensor(reduce_scatter_single(t, "sum", 0, group)))
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, window: int | None) -> Tensor:
-        group = self.group.get_group()
-        # Gathered along dim 0 (what the functional collective supports): the sequence goes first and back.
-        k_all, v_all = (all_gather_single_autograd(t.transpose(0, 1).contiguous(), 0, group).transpose(0, 1)
-                        for t in (k, v))
-        return masked_sdpa(q, k_all, v_all, self.mask(window, q.dtype), sinks)
+        # One plan per forward and window (and head count), shared by the layers.
+        key = (window, q.shape[0] * q.shape[2])
+        if key not in self.plans:
+            self.plans[key] = plan_tiles(self.query_index, self.key_index, self.document_ids, window, key[1])
+        return TiledAttention.apply(q, k, v, sinks, self.plans[key], self.exchange)
 
 
 @dataclass(frozen=True)

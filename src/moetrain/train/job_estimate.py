@@ -26,11 +26,11 @@ from moetrain.errors import ConfigError
 from moetrain.interop import hf_dir, hf_job_config
 from moetrain.model.flops import count_params
 from moetrain.model.memory_estimate import (
-    DTYPE_BYTES,
     PeakEstimate,
     estimate_peak,
     estimate_training_memory,
     format_bytes,
+    sequence_split_traffic,
 )
 from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.runtime.preflight import physical_memory_bytes
@@ -130,44 +130,7 @@ class Estimate:
                 "other_activation_checkpointing_peak_bytes": self.other.peak,
                 "lower_bound_bytes": self.lower_bound, "available_bytes": self.available, "fits": self.fits,
                 "parameters": count_params(self.cfg.model),
-                "sequence_split": asdict(sequence_split_terms(self.cfg))}
-
-
-@dataclass(frozen=True)
-class SequenceSplitTerms:
-    """What tensor (`parallel.tp`) and context (`parallel.cp`) parallelism add to a rank's step, in bytes.
-
-    Closed forms of the plans in moetrain.parallel.tensor_parallel and context_parallel (one microbatch,
-    forward and backward; activations in parallel.param_dtype): TP all-gathers the sequence-sharded
-    stream before attention, the dense FFN and the shared expert and reduce-scatters after them, and once
-    each for the embedding and the LM head, all mirrored in backward; CP all-gathers every layer's keys and
-    values (reduce-scattered in backward) and holds one additive float32 mask of its queries against the
-    whole row. The peak `estimate` reports is still the data-parallel one (weights over dp_shard alone, every
-    token's activations): an upper bound under TP/CP, where weights also split over cp x tp and per-token
-    activations shrink to `tokens_per_rank`; these terms are reported beside it.
-    """
-
-    tokens_per_rank: int  # of the microbatch's B x S tokens, the ones this rank's per-token work covers
-    tp_bytes: int  # received per rank per microbatch by TP's gathers and reduce-scatters
-    cp_bytes: int  # received per rank per microbatch by CP's K/V gathers and their gradients' reduce-scatters
-    cp_mask_bytes: int  # the [B, S / cp, S] float32 mask of a CP rank
-
-
-def sequence_split_terms(cfg: JobConfig) -> SequenceSplitTerms:
-    m, p = cfg.model, cfg.parallel
-    rows, seq = cfg.train.microbatch_size, cfg.data.seq_len
-    element = DTYPE_BYTES[p.param_dtype]
-    stream = rows * seq // p.cp * m.dim * element  # the [B, S / cp, d] stream one TP collective moves
-    shared = m.moe.n_shared_experts > 0
-    collectives = 2 + sum(2 + (2 if i < m.n_dense_layers or shared else 0) for i in range(m.n_layers))
-    tp_bytes = 2 * collectives * stream * (p.tp - 1) // p.tp
-    if m.kv_lora_rank is not None:  # MLA gathers per-head keys and values padded to one width
-        kv_width = 2 * m.n_heads * max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
-    else:
-        kv_width = 2 * (m.n_kv_heads or m.n_heads) * m.attention_head_dim()
-    cp_bytes = 2 * m.n_layers * rows * seq * kv_width // p.tp * element * (p.cp - 1) // p.cp
-    mask = rows * (seq // p.cp) * seq * 4 if p.cp > 1 else 0
-    return SequenceSplitTerms(rows * seq // (p.cp * p.tp), tp_bytes, cp_bytes, mask)
+                "sequence_split": asdict(sequence_split_traffic(self.cfg))}
 
 
 def estimate(cfg: JobConfig, world: int, per_node: int, device: str, device_memory: str | None = None,
@@ -225,7 +188,8 @@ def _expert_rows(est: Estimate) -> list[str]:
         return []
     rows = [f"      experts       {format_bytes(parts.expert_weights):>12}  (of the weights: {moe.n_experts // ep} of "
             f"{moe.n_experts} experts per MoE layer on this rank (ep {ep}), FSDP-sharded over "
-            f"{max(est.shard // ep, 1)} rank(s); their gradients and optimizer state alike)"]
+            f"{max(est.shard // ep, 1) * cfg.parallel.cp * cfg.parallel.tp} rank(s); their gradients and optimizer "
+            "state alike)"]
     if parts.expert_exchange:
         rows.append(f"      exchanged     {format_bytes(parts.expert_exchange):>12}  (of the activations: the rows "
                     "the experts receive by all-to-all, kept for backward)")
@@ -268,6 +232,9 @@ def describe(est: Estimate) -> str:
                     f"{', '.join(cfg.lora.targets)}), the only ones with gradients and optimizer state")
         weights = (f"(the frozen base in {cfg.parallel.param_dtype} and float32 adapters, 1/{shard} of the model; "
                    "backward adds one layer's folded expert weights and their gradient)")
+    elif cfg.parallel.cp * cfg.parallel.tp > 1:
+        weights = (f"(float32: FSDP over dp_shard x cp = {shard * cfg.parallel.cp} ranks, and what TP splits "
+                   f"1/{cfg.parallel.tp} of that)")
     else:
         weights = f"(float32, 1/{shard} of the model)"
     rows += [
@@ -292,16 +259,15 @@ def describe(est: Estimate) -> str:
         rows.append(f"    allocator       {format_bytes(parts.allocator):>12}  (the host heap's slack: half the "
                     "step's transients, as measured on the presets)")
     if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:
-        split = sequence_split_terms(cfg)
+        split = sequence_split_traffic(cfg)
         rows += [
             f"    TP/CP           tp {cfg.parallel.tp} x cp {cfg.parallel.cp}: {split.tokens_per_rank} of each "
-            f"microbatch's {cfg.train.microbatch_size * cfg.data.seq_len} tokens per rank",
-            f"      TP traffic    {format_bytes(split.tp_bytes):>12}  per microbatch (sequence gathers and "
+            f"microbatch's {cfg.train.microbatch_size * cfg.data.seq_len} tokens per rank (weights, activations "
+            "and logits above are this rank's share)",
+            f"      TP traffic    {format_bytes(split.tp_bytes):>12}  per step (sequence gathers and "
             "reduce-scatters, forward and backward)",
-            f"      CP traffic    {format_bytes(split.cp_bytes):>12}  per microbatch (K/V gathers and their "
-            "gradients' reduce-scatters)",
-            f"      CP mask       {format_bytes(split.cp_mask_bytes):>12}  (float32, the rank's queries against "
-            "the whole row; not in the peak below)",
+            f"      CP traffic    {format_bytes(split.cp_bytes):>12}  per step (K/V gathers in forward and "
+            "backward, their gradients' reduce-scatters)",
         ]
     rows += [
         f"    peak            {format_bytes(parts.peak):>12}  (train.activation_checkpointing = {ac}; other setting: "

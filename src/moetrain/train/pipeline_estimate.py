@@ -14,10 +14,18 @@ import dataclasses
 from dataclasses import dataclass
 
 from moetrain.config.job import JobConfig
-from moetrain.config.parallel import ParallelConfig
+from moetrain.config.parallel import ParallelConfig, check_sequence_split
 from moetrain.errors import ConfigError
 from moetrain.model.flops import count_params
-from moetrain.model.memory_estimate import DTYPE_BYTES, PeakEstimate, estimate_peak, format_bytes
+from moetrain.model.memory_estimate import (
+    DTYPE_BYTES,
+    PeakEstimate,
+    estimate_peak,
+    format_bytes,
+    rank_params,
+    sequence_split_traffic,
+    tp_replicated_params,
+)
 from moetrain.parallel.pipeline import layer_costs, rank_stages, split_layers
 
 
@@ -90,7 +98,7 @@ def pipeline_peak(cfg: JobConfig, shard: int, device_type: str, process_bytes: i
         base = estimate_peak(dataclasses.replace(cfg, model=stage_model), shard, device_type, process_bytes,
                              data_bytes, activation_checkpointing, host_heap)
         flying = in_flight(cfg.parallel, cfg.train.grad_accum, pp_rank)
-        state = share.params // max(shard, 1)
+        state = rank_params(cfg, share.params, tp_replicated_params(stage_model), shard)
         peak = dataclasses.replace(base, weights=4 * state, gradients=4 * state, optimizer=8 * state,
                                    activations=int(base.activations * flying),
                                    logits=base.logits if share.holds_last else 0)
@@ -112,13 +120,21 @@ class Layout:
     dp_replicate: int
     dp_shard: int
     ep: int
+    cp: int
+    tp: int
     peak_bytes: int
     all_gather_bytes: int
     all_to_all_bytes: int
+    sequence_split_bytes: int  # TP's and CP's collectives (memory_estimate.sequence_split_traffic)
 
     @property
     def name(self) -> str:
-        return f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} (ep {self.ep})"
+        return (f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} (ep {self.ep})"
+                f" x cp {self.cp} x tp {self.tp}")
+
+    @property
+    def moved_bytes(self) -> int:
+        return self.all_gather_bytes + self.all_to_all_bytes + self.sequence_split_bytes
 
 
 def traffic(cfg: JobConfig, shard: int) -> tuple[int, int]:
@@ -130,11 +146,12 @@ def traffic(cfg: JobConfig, shard: int) -> tuple[int, int]:
     share = max((rank_share(cfg, r) for r in range(parallel.pp)), key=lambda s: s.params)
     act = DTYPE_BYTES[parallel.param_dtype]
     gathers = 1 if parallel.pp > 1 or not parallel.reshard_after_forward else 2 * cfg.train.grad_accum
-    efsdp = shard // parallel.ep
-    dense = (share.params - share.expert_params) * (shard - 1) / shard
+    # Under CP and TP, FSDP shards over dp_shard x cp, and TP splits a rank's share; experts over efsdp x cp x tp.
+    fsdp, efsdp = shard * parallel.cp, shard // parallel.ep * parallel.cp * parallel.tp
+    dense = (share.params - share.expert_params) / parallel.tp * (fsdp - 1) / fsdp
     experts = share.expert_params / parallel.ep * (efsdp - 1) / max(efsdp, 1)
     all_gather = int((dense + experts) * act * gathers)
-    tokens = cfg.train.grad_accum * cfg.train.microbatch_size * cfg.data.seq_len
+    tokens = cfg.train.grad_accum * cfg.train.microbatch_size * cfg.data.seq_len // (parallel.cp * parallel.tp)
     all_to_all = int(tokens * m.moe.top_k * m.dim * act * share.moe_layers * 4 * (parallel.ep - 1) / parallel.ep)
     return all_gather, all_to_all
 
@@ -143,43 +160,78 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _splits(cfg: JobConfig, ranks: int) -> list[tuple[int, int]]:
+    """(cp, tp) pairs dividing `ranks` that the job's model and rows allow (check_sequence_split), judged with the
+    options TP/CP need and a user can switch (no sampling, no compile, no eval tasks, global-batch aux loss)."""
+    train = dataclasses.replace(cfg.train, sample_tokens=0, compile=False, eval_tasks=())
+    moe = dataclasses.replace(cfg.model.moe, aux_loss_scope="global_batch")
+    model = dataclasses.replace(cfg.model, moe=moe)
+    pairs = []
+    for cp in _divisors(ranks):
+        for tp in _divisors(ranks // cp):
+            try:
+                check_sequence_split(dataclasses.replace(cfg.parallel, cp=cp, tp=tp), model, cfg.data, train)
+            except ConfigError:
+                continue
+            pairs.append((cp, tp))
+    return pairs
+
+
 def propose_layouts(cfg: JobConfig, world: int, per_node: int, available: int, device_type: str) -> list[Layout]:
-    """Every pp x dp_replicate x dp_shard x ep layout of `world` ranks whose heaviest rank fits `available`
-    bytes, fewest bytes moved per step first. Replicas span whole nodes (dp_shard a multiple of per_node or
-    one node's divisor); a pipeline takes at least pp microbatches (train.grad_accum raised to pp); 1F1B."""
+    """Every pp x dp_replicate x dp_shard x ep x cp x tp layout of `world` ranks whose heaviest rank fits
+    `available` bytes, fewest bytes moved per step first. cp x tp stays inside a node (their collectives run
+    every layer) and does not combine with pp yet (the pipeline's stages are not TP/CP-split); replicas span
+    whole nodes (dp_shard x cp x tp a multiple of per_node or one node's divisor); a pipeline takes at least
+    pp microbatches (train.grad_accum raised to pp); 1F1B."""
     m = cfg.model
     layouts = []
     for pp in _divisors(world):
         if pp > m.n_layers or (pp > 1 and m.tie_embeddings):
             continue
-        data_world = world // pp
-        for replicate in _divisors(data_world):
-            shard = data_world // replicate
-            if shard % per_node and per_node % shard:
+        for cp, tp in _splits(cfg, per_node if pp == 1 else 1):
+            if (world // pp) % (cp * tp):
                 continue
-            for ep in _divisors(shard):
-                if m.n_layers == m.n_dense_layers and ep > 1 or m.moe.n_experts % ep:
+            data_world = world // (pp * cp * tp)
+            for replicate in _divisors(data_world):
+                shard = data_world // replicate
+                if (shard * cp * tp) % per_node and per_node % (shard * cp * tp):
                     continue
-                parallel = dataclasses.replace(cfg.parallel, pp=pp, dp_replicate=replicate, dp_shard=shard, ep=ep,
-                                               pp_schedule="1F1B", pp_stages_per_rank=1)
-                train = dataclasses.replace(cfg.train, grad_accum=max(cfg.train.grad_accum, pp))
-                job = dataclasses.replace(cfg, parallel=parallel, train=train)
-                try:
-                    peak = pipeline_peak(job, shard, device_type, 0, 0,
-                                         cfg.train.activation_checkpointing not in (False, "none"), False)[0]
-                except ConfigError:
-                    continue
-                if peak.peak <= available:
-                    layouts.append(Layout(pp, replicate, shard, ep, peak.peak, *traffic(job, shard)))
-    return sorted(layouts, key=lambda layout: (layout.all_gather_bytes + layout.all_to_all_bytes, layout.peak_bytes))
+                for ep in _divisors(shard):
+                    layout = _layout(cfg, pp, replicate, shard, ep, cp, tp, available, device_type)
+                    if layout is not None:
+                        layouts.append(layout)
+    return sorted(layouts, key=lambda layout: (layout.moved_bytes, layout.peak_bytes))
+
+
+def _layout(cfg: JobConfig, pp: int, replicate: int, shard: int, ep: int, cp: int, tp: int, available: int,
+            device_type: str) -> Layout | None:
+    """The layout's peak and traffic, or None when it is impossible or does not fit `available` bytes."""
+    m = cfg.model
+    if m.n_layers == m.n_dense_layers and ep > 1 or m.moe.n_experts % ep:
+        return None
+    parallel = dataclasses.replace(cfg.parallel, pp=pp, dp_replicate=replicate, dp_shard=shard, ep=ep, cp=cp, tp=tp,
+                                   pp_schedule="1F1B", pp_stages_per_rank=1)
+    train = dataclasses.replace(cfg.train, grad_accum=max(cfg.train.grad_accum, pp))
+    job = dataclasses.replace(cfg, parallel=parallel, train=train)
+    try:
+        peak = pipeline_peak(job, shard, device_type, 0, 0,
+                             cfg.train.activation_checkpointing not in (False, "none"), False)[0]
+    except ConfigError:
+        return None
+    if peak.peak > available:
+        return None
+    split = sequence_split_traffic(job)
+    return Layout(pp, replicate, shard, ep, cp, tp, peak.peak, *traffic(job, shard), split.tp_bytes + split.cp_bytes)
 
 
 def describe_layouts(layouts: list[Layout], where: str, limit: int = 10) -> str:
     """The first `limit` layouts as lines of text."""
     if not layouts:
-        return f"no pp x dp_replicate x dp_shard x ep layout fits {where}"
-    rows = [f"layouts that fit {where}, fewest bytes moved per step and rank first ({len(layouts)} fit):"]
-    rows += [f"  {layout.name:<46} peak {format_bytes(layout.peak_bytes):>10}  all-gather "
+        return f"no pp x dp_replicate x dp_shard x ep x cp x tp layout fits {where}"
+    rows = [f"layouts that fit {where}, fewest bytes moved per step and rank first ({len(layouts)} fit; cp/tp > 1 "
+            "need train.sample_tokens = 0, compile off, no eval_tasks, global_batch aux loss):"]
+    rows += [f"  {layout.name:<58} peak {format_bytes(layout.peak_bytes):>10}  all-gather "
              f"{format_bytes(layout.all_gather_bytes):>10}  all-to-all {format_bytes(layout.all_to_all_bytes):>10}"
+             f"  TP/CP {format_bytes(layout.sequence_split_bytes):>10}"
              for layout in layouts[:limit]]
     return "\n".join(rows)
