@@ -193,17 +193,42 @@ def test_world_size_not_divisible_by_model_dimensions():
         check_world_size(ParallelConfig(pp=3), 4)
 
 
-@pytest.mark.parametrize("dimension", ["pp", "tp", "cp"])
-@pytest.mark.parametrize("feature,value", [("model.mtp_depth", 1), ("lora.rank", 4), ("train.float8", "rowwise"),
-                                           ("train.optimizer", "muon"), ("train.qk_clip_tau", 100.0),
-                                           ("ft.enabled", True)])
-def test_features_not_checked_under_a_model_dimension_are_refused(dimension, feature, value):
+# Muon, QK-clip and MTP are checked under pipeline parallelism (tests/distributed/test_muon_dist.py, test_mtp_dist.py).
+UNDER_SPLIT_ONLY = {"model.mtp_depth", "train.optimizer", "train.qk_clip_tau"}
+COMPOSED = [(dimension, feature, value) for dimension in ("pp", "tp", "cp") for feature, value in (
+    ("model.mtp_depth", 1), ("lora.rank", 4), ("train.float8", "rowwise"), ("train.optimizer", "muon"),
+    ("train.qk_clip_tau", 100.0), ("ft.enabled", True)) if not (dimension == "pp" and feature in UNDER_SPLIT_ONLY)]
+
+
+def _composed_job(dimension: str) -> JobConfig:
     cfg = JobConfig()
     cfg.model.tie_embeddings = False
     cfg.model.qk_norm = "none"
     cfg.model.moe.aux_loss_scope = "global_batch"
     cfg.train.grad_accum, cfg.train.sample_tokens = 4, 0
     setattr(cfg.parallel, dimension, 2)
+    return cfg
+
+
+@pytest.mark.parametrize("feature,value", [("model.mtp_depth", 1), ("train.optimizer", "muon"),
+                                           ("train.qk_clip_tau", 100.0)])
+def test_features_checked_under_a_pipeline_are_accepted(feature, value):
+    cfg = _composed_job("pp")
+    section, name = feature.split(".")
+    setattr(getattr(cfg, section), name, value)
+    cfg.validate()
+
+
+def test_mtp_under_a_schedule_with_first_and_last_stage_on_one_rank_is_refused():
+    cfg = _composed_job("pp")
+    cfg.model.mtp_depth, cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank = 1, "ZBVZeroBubble", 2
+    with pytest.raises(ConfigError, match=r"^model.mtp_depth = 1 is invalid: must be 0 with parallel.pp_schedule"):
+        cfg.validate()
+
+
+@pytest.mark.parametrize("dimension,feature,value", COMPOSED)
+def test_features_not_checked_under_a_model_dimension_are_refused(dimension, feature, value):
+    cfg = _composed_job(dimension)
     cfg.validate()  # the dimension alone is fine
     section, name = feature.split(".")
     setattr(getattr(cfg, section), name, value)

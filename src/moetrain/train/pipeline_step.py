@@ -89,14 +89,19 @@ class PipelineStep:
     def pipeline_group(self) -> dist.ProcessGroup:
         return self.job.pipeline.get_group()
 
-    def data_all_reduce(self, tensor: Tensor) -> Tensor:
-        """Sum `tensor` in place over the data-parallel ranks of this pipeline coordinate (each dimension in turn)."""
+    def data_all_reduce(self, tensor: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+        """Reduce `tensor` in place (a sum, or `op`) over the data-parallel ranks of this pipeline coordinate,
+        the ranks holding the same stages (each dimension in turn)."""
         data = self.job.data
         if data is not None:
             for name in data.mesh_dim_names:
                 if data.size(data.mesh_dim_names.index(name)) > 1:
-                    dist.all_reduce(tensor, group=data.get_group(name))
+                    dist.all_reduce(tensor, op=op, group=data.get_group(name))
         return tensor
+
+    def data_max(self, tensor: Tensor) -> Tensor:
+        """The elementwise maximum over the ranks holding the same stages, in place (QK-clip's per-head maxima)."""
+        return self.data_all_reduce(tensor, dist.ReduceOp.MAX)
 
     def count_global_tokens(self, microbatches: list[Batch]) -> int:
         """The step's valid targets over the data-parallel ranks (every stage sees the same microbatches)."""

@@ -173,7 +173,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.float8_gathered = cfg.train.float8 == "tensorwise" and not runs_unsharded(job)
         # QK-clip: each head's largest logit recorded during the step, its weights clipped after it.
-        self.qk_clip = QKClip(self.model, cfg.train.qk_clip_tau) if cfg.train.qk_clip_tau > 0 else None
+        self.qk_clip = (QKClip(self.model, cfg.train.qk_clip_tau, self.pipeline and self.pipeline.data_max)
+                        if cfg.train.qk_clip_tau > 0 else None)
         self.max_logits: torch.Tensor | None = None  # [layers, heads] of the last clipped step
         self.schedule = LRSchedule.from_config(cfg.train)
         batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, cfg.train.seed)
@@ -344,6 +345,8 @@ class Trainer:
         with self._compute_dtype():
             with phases.phase("forward"):  # the schedule interleaves forwards and backwards: all of it here
                 self.pipeline.route_step(microbatches)
+                if self.qk_clip is not None:  # after the routing pass: only the training forwards are recorded
+                    self.qk_clip.arm()
                 totals = self.pipeline.run(microbatches, global_tokens)
         return tuple(torch.tensor(value, dtype=torch.float64) for value in
                      (totals.loss_sum, totals.balance_loss, totals.z_loss)) + (None,)
