@@ -17,7 +17,13 @@ from moetrain.config.job import JobConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.model.flops import count_params
-from moetrain.model.memory_estimate import DTYPE_BYTES, PeakEstimate, estimate_peak, format_bytes
+from moetrain.model.memory_estimate import (
+    DTYPE_BYTES,
+    PeakEstimate,
+    estimate_peak,
+    format_bytes,
+    optimizer_state_bytes,
+)
 from moetrain.parallel.pipeline import layer_costs, rank_stages, split_layers
 
 
@@ -91,7 +97,7 @@ def pipeline_peak(cfg: JobConfig, shard: int, device_type: str, process_bytes: i
                              data_bytes, activation_checkpointing, host_heap)
         flying = in_flight(cfg.parallel, cfg.train.grad_accum, pp_rank)
         state = share.params // max(shard, 1)
-        peak = dataclasses.replace(base, weights=4 * state, gradients=4 * state, optimizer=8 * state,
+        peak = dataclasses.replace(base, weights=4 * state, gradients=4 * state, optimizer=optimizer_state_bytes(cfg, state),
                                    activations=int(base.activations * flying),
                                    logits=base.logits if share.holds_last else 0)
         if cfg.parallel.pp > 1 and shard > 1:
