@@ -98,7 +98,8 @@ def pipeline_peak(cfg: JobConfig, shard: int, device_type: str, process_bytes: i
         flying = in_flight(cfg.parallel, cfg.train.grad_accum, pp_rank)
         state = share.params // max(shard, 1)
         peak = dataclasses.replace(base, weights=4 * state, gradients=4 * state,
-                                   optimizer=optimizer_state_bytes(cfg, state), activations=int(base.activations * flying),
+                                   optimizer=optimizer_state_bytes(cfg, state),
+                                   activations=int(base.activations * flying),
                                    logits=base.logits if share.holds_last else 0)
         if cfg.parallel.pp > 1 and shard > 1:
             # A stage keeps its weights gathered through the step and its gradients unsharded until the
