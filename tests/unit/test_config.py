@@ -193,23 +193,44 @@ def test_world_size_not_divisible_by_model_dimensions():
         check_world_size(ParallelConfig(pp=3), 4)
 
 
-# Pipeline stages are tensor / context split like a whole model (tests/distributed/test_pipeline_tp_cp.py).
-@pytest.mark.parametrize("dimensions", [("pp",), ("tp",), ("cp",), ("pp", "tp"), ("pp", "cp")])
-@pytest.mark.parametrize("feature,value", [("model.mtp_depth", 1), ("lora.rank", 4), ("train.float8", "rowwise"),
-                                           ("train.optimizer", "muon"), ("train.qk_clip_tau", 100.0),
-                                           ("ft.enabled", True)])
-def test_features_not_checked_under_a_model_dimension_are_refused(dimensions, feature, value):
+# Pipeline stages are tensor / context split like a whole model (tests/distributed/test_pipeline_tp_cp.py). Muon,
+# QK-clip and MTP are checked under pipeline parallelism (tests/distributed/test_muon_dist.py, test_mtp_dist.py).
+FEATURES = (("model.mtp_depth", 1), ("lora.rank", 4), ("train.float8", "rowwise"), ("train.optimizer", "muon"),
+            ("train.qk_clip_tau", 100.0), ("ft.enabled", True))
+REFUSED_UNDER = {"model.mtp_depth": ("tp", "cp"), "lora.rank": ("pp", "tp", "cp"), "train.float8": ("pp", "tp", "cp"),
+                 "train.optimizer": ("tp", "cp"), "train.qk_clip_tau": ("tp", "cp"), "ft.enabled": ()}
+LAYOUTS = (("pp",), ("tp",), ("cp",), ("pp", "tp"), ("pp", "cp"))
+COMPOSED = [(layout, feature, value) for layout in LAYOUTS for feature, value in FEATURES]
+
+
+def _composed_job(layout: tuple[str, ...]) -> JobConfig:
     cfg = JobConfig()
     cfg.model.tie_embeddings = False
     cfg.model.qk_norm = "none"
     cfg.model.moe.aux_loss_scope = "global_batch"
     cfg.train.grad_accum, cfg.train.sample_tokens = 4, 0
-    for dimension in dimensions:
+    for dimension in layout:
         setattr(cfg.parallel, dimension, 2)
-    cfg.validate()  # the dimensions alone are fine
-    dimension = dimensions[0]
+    return cfg
+
+
+def test_mtp_under_a_schedule_with_first_and_last_stage_on_one_rank_is_refused():
+    cfg = _composed_job(("pp",))
+    cfg.model.mtp_depth, cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank = 1, "ZBVZeroBubble", 2
+    with pytest.raises(ConfigError, match=r"^model.mtp_depth = 1 is invalid: must be 0 with parallel.pp_schedule"):
+        cfg.validate()
+
+
+@pytest.mark.parametrize("layout,feature,value", COMPOSED)
+def test_features_not_checked_under_a_model_dimension_are_refused_and_the_rest_accepted(layout, feature, value):
+    cfg = _composed_job(layout)
+    cfg.validate()  # the layout alone is fine
     section, name = feature.split(".")
     setattr(getattr(cfg, section), name, value)
     cfg.ft.lighthouse = "http://localhost:29510"  # read only with ft.enabled
-    with pytest.raises(ConfigError, match=f"{feature} = .* is not supported yet with parallel.{dimension} = 2"):
+    refusing = [dimension for dimension in layout if dimension in REFUSED_UNDER[feature]]
+    if not refusing:
+        cfg.validate()
+        return
+    with pytest.raises(ConfigError, match=f"{feature} = .* is not supported yet with parallel.{refusing[0]} = 2"):
         cfg.validate()

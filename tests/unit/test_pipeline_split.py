@@ -81,6 +81,24 @@ def test_the_ranks_parts_name_every_parameter_and_buffer_of_the_whole_model_once
     assert part_names == set(rank0.model.state_dict())
 
 
+def test_mtp_modules_live_on_the_last_stage_with_a_copy_of_the_embedding_and_weigh_on_it():
+    cfg = dataclasses.replace(DEEPSEEK_LIKE, mtp_depth=1)
+    costs, head = layer_costs(cfg)
+    plain_costs, plain_head = layer_costs(DEEPSEEK_LIKE)
+    d = cfg.dim
+    assert costs == plain_costs and head == 2 * plain_head + plain_costs[-1] + 2 * d * d  # block, eh_proj, head
+    parallel = ParallelConfig(pp=2)
+    first, last = (pipeline_parts(cfg, parallel, rank) for rank in range(2))
+    with torch.device("meta"):
+        whole = set(Transformer(cfg).state_dict())
+    # The two ranks together name the whole model; only the embedding is named on both.
+    assert set(first.model.state_dict()) | set(last.model.state_dict()) == whole
+    assert set(first.model.state_dict()) & set(last.model.state_dict()) == {"tok_embeddings.weight"}
+    (last_part,) = last.parts
+    assert last_part.tok_embeddings is None and last_part.mtp_embeddings is last.model.tok_embeddings
+    assert len(last_part.mtp) == 1 and len(first.parts[0].mtp) == 0
+
+
 def _whole_names() -> list[str]:
     with torch.device("meta"):
         return list(Transformer(DEEPSEEK_LIKE).state_dict())

@@ -77,6 +77,7 @@ class JobConfig:
                            batching=d.batching, compile=t.compile, eval_tasks=bool(t.eval_tasks))
         check_sequence_split(p, m, d, t)
         _check_composed_features(self)
+        _check_mtp_pipeline(self)
         if p.ep > 1:
             check(m.n_dense_layers < m.n_layers, "parallel.ep", p.ep,
                   f"expert parallelism needs an MoE layer, but all model.n_layers = {m.n_layers} layers are dense; "
@@ -101,11 +102,23 @@ def _check_composed_features(cfg: JobConfig) -> None:
     for name, degree in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
         if degree == 1:
             continue
-        for feature, used in (("model.mtp_depth", cfg.model.mtp_depth > 0), ("lora.rank", cfg.lora.enabled),
-                              ("train.float8", t.float8 != "none"), ("train.optimizer", t.optimizer != "adamw"),
-                              ("train.qk_clip_tau", t.qk_clip_tau > 0), ("ft.enabled", cfg.ft.enabled)):
+        # Muon, QK-clip and MTP are checked under pipeline parallelism (tests/distributed): refused under tp/cp only.
+        under_split = name != "parallel.pp"
+        for feature, used in (("model.mtp_depth", under_split and cfg.model.mtp_depth > 0),
+                              ("lora.rank", cfg.lora.enabled), ("train.float8", t.float8 != "none"),
+                              ("train.optimizer", under_split and t.optimizer != "adamw"),
+                              ("train.qk_clip_tau", under_split and t.qk_clip_tau > 0), ("ft.enabled", cfg.ft.enabled)):
             check(not used, feature, getattr(_section(cfg, feature), feature.split(".")[1]),
                   f"is not supported yet with {name} = {degree}")
+
+
+def _check_mtp_pipeline(cfg: JobConfig) -> None:
+    # The last stage embeds the tokens ahead with its own copy of the first stage's embedding; ZBVZeroBubble puts
+    # both stages on one rank, where that copy would be the first stage's module under a second FSDP root.
+    p = cfg.parallel
+    check(not (cfg.model.mtp_depth > 0 and p.pp > 1 and p.pp_schedule == "ZBVZeroBubble"), "model.mtp_depth",
+          cfg.model.mtp_depth, "must be 0 with parallel.pp_schedule = 'ZBVZeroBubble' (the first and last stages "
+          "on one rank): use 1F1B or Interleaved1F1B")
 
 
 def _section(cfg: JobConfig, field: str):

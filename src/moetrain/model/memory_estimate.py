@@ -2,8 +2,9 @@
 
 `estimate_training_memory(cfg, dp_shard)` adds up, in bytes per rank:
 - parameters and optimizer state: 16 bytes per parameter (float32 weight, float32 gradient,
-  AdamW's two float32 moments), the parameters sharded over the `dp_shard` ranks (FSDP;
-  replicas under HSDP hold a full shard each);
+  AdamW's two float32 moments; under `train.optimizer = "muon"` the matrices Muon updates keep one
+  float32 momentum buffer instead, `optimizer_state_bytes`), the parameters sharded over the
+  `dp_shard` ranks (FSDP; replicas under HSDP hold a full shard each);
 - activations saved for backward by one microbatch (`train.microbatch_size` × `data.seq_len`
   tokens, or one row of `data.token_budget` tokens; only one microbatch is alive at a time):
   per token and layer the norm inputs and outputs, q/k/v, the attention output, the FFN's
@@ -40,7 +41,7 @@ from moetrain.config.job import JobConfig
 from moetrain.config.lora import adapter_count
 from moetrain.config.model import ModelConfig
 from moetrain.dtypes import DTYPES
-from moetrain.model.flops import count_params
+from moetrain.model.flops import _attention_params, count_params
 from moetrain.model.gemm_attention import gemm_attention_saved_keys
 from moetrain.model.tiled_attention import TILE_SCORES
 
@@ -156,13 +157,47 @@ def rank_params(cfg: JobConfig, params: int, replicated: int, dp_shard: int) -> 
     return (params - replicated) // (shard * cfg.parallel.tp) + replicated // shard
 
 
+def muon_params(cfg: JobConfig) -> int:
+    """Parameters Muon updates under `train.optimizer = "muon"` (0 under AdamW): the weight matrices and expert
+    stacks of `train.muon_groups` (moetrain.train.optim's choice; 1-D parameters and expert biases stay on AdamW)."""
+    if cfg.train.optimizer != "muon":
+        return 0
+    m, moe = cfg.model, cfg.model.moe
+    n_moe = m.n_layers - m.n_dense_layers
+    w1_width = moe.expert_hidden if moe.activation == "gelu" else 2 * moe.expert_hidden
+    matrices = {
+        "attention": m.n_layers * _attention_params(m)[0],
+        "dense_ffn": 3 * m.dim * (m.n_dense_layers * m.ffn_hidden + n_moe * moe.shared_width()),
+        "experts": n_moe * moe.n_experts * (m.dim * w1_width + moe.expert_hidden * m.dim),
+        "router": n_moe * m.dim * (moe.n_experts + (1 if moe.shared_expert_gate else 0)),
+        "embeddings": m.vocab_size * m.dim,
+        "head": 0 if m.tie_embeddings else m.vocab_size * m.dim,
+    }
+    return sum(matrices.get(group, 0) for group in set(cfg.train.muon_groups))
+
+
+def optimizer_state_bytes(cfg: JobConfig, params: int) -> int:
+    """Optimizer state of `params` parameters of the model (a rank's shard or stage): AdamW's 2 float32 moments
+    each, except Muon's matrices, 1 float32 momentum buffer each (their share of the whole model)."""
+    total = count_params(cfg.model)["total"]
+    return 8 * params - 4 * params * muon_params(cfg) // max(total, 1)
+
+
+def optimizer_label(cfg: JobConfig) -> str:
+    """What `moetrain estimate` says the optimizer state is."""
+    if cfg.train.optimizer != "muon":
+        return "AdamW: 2 float32 moments; fused step, no temporaries"
+    return (f"Muon: 1 float32 momentum buffer on its {muon_params(cfg) / 1e6:.2f} M matrix parameters "
+            f"({', '.join(cfg.train.muon_groups)}), AdamW's 2 moments on the rest")
+
+
 def _state_bytes(cfg: JobConfig, dp_shard: int) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes of this rank's shard; under LoRA a frozen base in the compute
     dtype plus float32 adapters, their gradients and AdamW's moments of the adapters only."""
     shard = rank_params(cfg, count_params(cfg.model)["total"], tp_replicated_params(cfg.model), dp_shard)
     adapters = rank_params(cfg, adapter_count(cfg.model, cfg.lora), 0, dp_shard)
     if not adapters:
-        return 4 * shard, 4 * shard, 8 * shard
+        return 4 * shard, 4 * shard, optimizer_state_bytes(cfg, shard)
     return shard * DTYPE_BYTES[cfg.parallel.param_dtype] + 4 * adapters, 4 * adapters, 8 * adapters
 
 

@@ -109,9 +109,10 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if head else None
         # Multi-token prediction: module k's block is layer n_layers + k - 1 (MoE past n_dense_layers, as
         # the Hugging Face families number it); run only when a forward asks (`mtp=True`). Only a model
-        # with both ends holds them (pipeline parallelism refuses model.mtp_depth > 0).
+        # with both ends holds them (a pipeline's last rank holds a copy of the embedding for them).
         self.mtp = nn.ModuleList(MTPModule(cfg, TransformerBlock(cfg, cfg.n_layers + k))
                                  for k in range(cfg.mtp_depth if embedding and head else 0))
+        self.mtp_embeddings: nn.Embedding | None = None  # a pipeline's last stage part only (`part_of`)
         if cfg.tie_embeddings and embedding and head:
             self.output.weight = self.tok_embeddings.weight
         # The document-masked attention method; compiled blocks pin it (moetrain.parallel.parallelize).
@@ -127,7 +128,10 @@ class Transformer(nn.Module):
         part.layers = Blocks({str(i): whole.layers[i] for i in layer_ids})
         part.norm = whole.norm if head else None
         part.output = whole.output if head else None
-        part.mtp = nn.ModuleList()  # pipeline parallelism refuses model.mtp_depth > 0
+        # The last stage runs the MTP modules, embedding the tokens ahead with the rank's copy of the embedding
+        # (its input is hidden states, so it is not the part's `tok_embeddings`: moetrain.train.pipeline_step).
+        part.mtp = whole.mtp if head else nn.ModuleList()
+        part.mtp_embeddings = whole.tok_embeddings if head and not embedding and len(whole.mtp) else None
         part.attention_method = whole.attention_method
         return part
 
@@ -143,7 +147,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
                 document_ids: Tensor | None = None, until_last_moe: bool = False,
                 cache: KVCache | None = None, mtp: bool = False,
-                attention_plan: AttentionPlan | None = None) -> Tensor | tuple[Tensor, list[Tensor]] | None:
+                attention_plan: AttentionPlan | None = None,
+                mtp_tokens: Tensor | None = None) -> Tensor | tuple[Tensor, list[Tensor]] | None:
         """tokens [B, S] -> logits [B, S, V]; in a part, hidden states [B, S, D] in or out where it lacks the ends.
 
         `document_ids` [B, S] (contiguous runs of equal ids) restricts attention to earlier tokens of
@@ -160,6 +165,8 @@ class Transformer(nn.Module):
         `attention_plan`: a plan the caller built (context parallelism's: these tokens are a slice of longer
         rows and attend over keys other ranks hold); `document_ids` is then not planned here and `positions`
         must be given.
+        `mtp_tokens` (a pipeline's last stage, whose input is hidden states): the microbatch's tokens, embedded
+        by `mtp_embeddings` for the MTP modules.
         """
         batch, seq = tokens.shape[:2]
         if self.tok_embeddings is None and positions is not None:
@@ -200,6 +207,8 @@ class Transformer(nn.Module):
         if not self.mtp:
             raise ValueError("a forward with mtp=True needs model.mtp_depth > 0")
         normed = [self.norm(h)]
+        if self.mtp_embeddings is not None:
+            embedded = self.mtp_embeddings(mtp_tokens)
         for depth, module in enumerate(self.mtp, start=1):
             h = module.block(module.combine(h, shifted_ahead(embedded, depth)), positions, plan)
             normed.append(module.norm(h))

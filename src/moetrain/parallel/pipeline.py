@@ -7,6 +7,9 @@ dense feed-forward, or the router, the shared expert and top_k routed experts: t
 `moetrain.model.flops` divided by 6, attention scores left out as they are the same in every block),
 the head costs its vocab x dim matmul and the embedding (a lookup) nothing; the split minimises the
 most expensive stage. So a DeepSeek-V3-shaped model's cheap dense first layers and its head even out.
+Multi-token-prediction modules (`model.mtp_depth`) live in the last stage, each costing its block, its
+projection and one more pass through the head; that rank also holds a copy of the token embedding for
+them (docs/design/mtp.md).
 
 Stages go to pipeline ranks as torch's schedules expect: one per rank (1F1B), looped (stage s on
 rank s mod pp: Interleaved1F1B) or V-shaped (rank r holds stages r and 2 pp - 1 - r: ZBVZeroBubble).
@@ -49,13 +52,15 @@ SCHEDULES = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
 
 
 def layer_costs(cfg: ModelConfig) -> tuple[list[int], int]:
-    """(cost of each block, cost of the norm + head): matmul parameters one token passes through."""
+    """(cost of each block, cost of the norm + head and MTP modules): matmul parameters one token passes through."""
     def matmul_params(n_dense: int) -> int:
         return count_params(dataclasses.replace(cfg, n_layers=1, n_dense_layers=n_dense))["active_matmul"]
 
     head = cfg.vocab_size * cfg.dim
     dense, moe = matmul_params(1) - head, matmul_params(0) - head
-    return [dense if i < cfg.n_dense_layers else moe for i in range(cfg.n_layers)], head
+    # MTP module k: its block (layer n_layers + k, past the dense layers: MoE), eh_proj and the head once more.
+    mtp = cfg.mtp_depth * (moe + 2 * cfg.dim * cfg.dim + head)
+    return [dense if i < cfg.n_dense_layers else moe for i in range(cfg.n_layers)], head + mtp
 
 
 def split_layers(costs: list[int], n_stages: int, head_cost: int = 0) -> list[range]:
@@ -129,8 +134,9 @@ def pipeline_parts(cfg: ModelConfig, parallel: ParallelConfig, pp_rank: int) -> 
     stage_ids = rank_stages(pp_rank, parallel)
     n_stages = len(ranges)
     held = sorted(layer for s in stage_ids for layer in ranges[s])
-    with torch.device("meta"):
-        model = Transformer(cfg, held, embedding=0 in stage_ids, head=n_stages - 1 in stage_ids)
+    holds_last = n_stages - 1 in stage_ids
+    with torch.device("meta"):  # the last stage's MTP modules embed with a copy of the embedding
+        model = Transformer(cfg, held, embedding=0 in stage_ids or (holds_last and cfg.mtp_depth > 0), head=holds_last)
     parts = [Transformer.part_of(model, ranges[s], embedding=s == 0, head=s == n_stages - 1) for s in stage_ids]
     return PipelineModel(model, parts, stage_ids, n_stages)
 

@@ -30,6 +30,7 @@ from moetrain.model.memory_estimate import (
     estimate_peak,
     estimate_training_memory,
     format_bytes,
+    optimizer_label,
     sequence_split_traffic,
 )
 from moetrain.observe.peak_memory import current_rss_bytes
@@ -242,8 +243,7 @@ def describe(est: Estimate) -> str:
         + (f"(float32, 1/{shard} of the rank's stages)" if cfg.parallel.pp > 1 else weights),
         *_expert_rows(est)[:1],
         f"    gradients       {format_bytes(parts.gradients):>12}",
-        f"    optimizer       {format_bytes(parts.optimizer):>12}  (AdamW: 2 float32 moments; fused step, no "
-        "temporaries)",
+        f"    optimizer       {format_bytes(parts.optimizer):>12}  ({optimizer_label(cfg)})",
         f"    activations     {format_bytes(without_ac.activations):>12}  without activation checkpointing",
         f"                    {format_bytes(with_ac.activations):>12}  with activation checkpointing",
         *_expert_rows(est)[1:],

@@ -22,6 +22,7 @@ from moetrain.model.memory_estimate import (
     PeakEstimate,
     estimate_peak,
     format_bytes,
+    optimizer_state_bytes,
     rank_params,
     sequence_split_traffic,
     tp_replicated_params,
@@ -99,7 +100,8 @@ def pipeline_peak(cfg: JobConfig, shard: int, device_type: str, process_bytes: i
                              data_bytes, activation_checkpointing, host_heap)
         flying = in_flight(cfg.parallel, cfg.train.grad_accum, pp_rank)
         state = rank_params(cfg, share.params, tp_replicated_params(stage_model), shard)
-        peak = dataclasses.replace(base, weights=4 * state, gradients=4 * state, optimizer=8 * state,
+        peak = dataclasses.replace(base, weights=4 * state, gradients=4 * state,
+                                   optimizer=optimizer_state_bytes(cfg, state),
                                    activations=int(base.activations * flying),
                                    logits=base.logits if share.holds_last else 0)
         if cfg.parallel.pp > 1 and shard > 1:

@@ -25,6 +25,14 @@ expert counts are measured first by a routing pass through the stages (`route_st
 the ranks that hold the same stages (data-parallel, context and tensor ranks: `stage_all_reduce`);
 the aux-free bias sums its loads over the same ranks.
 
+Multi-token prediction (`model.mtp_depth`, docs/design/mtp.md) runs in the last stage, whose part holds the
+MTP modules and a copy of the first stage's token embedding (`mtp_embeddings`) for the tokens ahead: the
+part gets the microbatch's tokens as a keyword and `mtp=True`, and its MTP loss term (the step's MTP targets
+counted over the data-parallel ranks first, like the main loss's) is tied to its output as the router
+terms are. After the schedule the copy's gradient is summed into the first stage's (a reduce over the two
+ranks) and dropped, so only the first stage's embedding is stepped and clipped; after the optimizer step
+the first stage's weights are broadcast to the copy (`after_optimizer_step`), which so stays equal.
+
 Gradient sync: torch's stages run every microbatch's backward without FSDP's reduction and reduce
 once after the schedule's last backward (`PipelineStage.perform_reduce_grad`): one reduce-scatter
 and, under HSDP, one replicate all-reduce per FSDP parameter group per step, whatever the schedule.
@@ -40,9 +48,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.data.packing import IGNORE_INDEX, Batch
 from moetrain.dtypes import DTYPES
 from moetrain.model.transformer import Transformer
@@ -50,7 +60,7 @@ from moetrain.parallel.collectives import collective_device
 from moetrain.parallel.context_parallel import SequenceSplit
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.pipeline import PipelineModel, build_schedule, stage_rank
-from moetrain.train.loss import router_loss_terms, token_loss_sum
+from moetrain.train.loss import mtp_loss_term, mtp_valid_counts, router_loss_terms, token_loss_sum
 
 
 class AddLossGradient(torch.autograd.Function):
@@ -78,6 +88,8 @@ class PipelineTotals:
     balance_loss: float = 0.0
     z_loss: float = 0.0
     losses: list[Tensor] = field(default_factory=list)
+    mtp_loss: float = 0.0  # (1/D) Σ_k CE_k of the last stage's microbatches
+    mtp_counts: list[int] | None = None  # the step's valid targets per MTP depth; None without the MTP loss
 
 
 class PipelineStep:
@@ -91,6 +103,10 @@ class PipelineStep:
         self.global_tokens = 0
         self.totals = PipelineTotals()
         self._targets: Tensor | None = None
+        self._document_ids: Tensor | None = None
+        self.mtp_weight = cfg.train.mtp_loss_weight if cfg.model.mtp_depth > 0 else 0.0
+        # (group, the first stage's global rank) on the ranks holding the embedding and its copy, else None.
+        self._embedding_copies = _embedding_copies(job, cfg.parallel) if cfg.model.mtp_depth > 0 else None
         for part in pipeline.parts:
             part.register_forward_pre_hook(self._stage_inputs, with_kwargs=True)
             part.register_forward_hook(self._add_router_losses)
@@ -101,16 +117,20 @@ class PipelineStep:
     def pipeline_group(self) -> dist.ProcessGroup:
         return self.job.pipeline.get_group()
 
-    def stage_all_reduce(self, tensor: Tensor) -> Tensor:
-        """Sum `tensor` in place over the ranks holding this rank's stages: its data-parallel, context and tensor
-        ranks (each dimension in turn), the ranks whose routed tokens differ."""
+    def stage_all_reduce(self, tensor: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+        """Reduce `tensor` in place (a sum, or `op`) over the ranks holding this rank's stages: its data-parallel,
+        context and tensor ranks (each dimension in turn), the ranks whose routed tokens differ."""
         data = self.job.data
         groups = [] if data is None else [data.get_group(name) for name in data.mesh_dim_names
                                           if data.size(data.mesh_dim_names.index(name)) > 1]
         groups += [mesh.get_group() for mesh in (self.job.context, self.job.tensor) if mesh is not None]
         for group in groups:
-            dist.all_reduce(tensor, group=group)
+            dist.all_reduce(tensor, op=op, group=group)
         return tensor
+
+    def data_max(self, tensor: Tensor) -> Tensor:
+        """The elementwise maximum over the ranks holding the same stages, in place (QK-clip's per-head maxima)."""
+        return self.stage_all_reduce(tensor, dist.ReduceOp.MAX)
 
     def count_global_tokens(self, microbatches: list[Batch]) -> int:
         """The step's valid targets over the data-parallel ranks (every stage sees the same microbatches, and
@@ -125,11 +145,16 @@ class PipelineStep:
         """The whole rows' targets are kept for the router terms; under CP the whole rows' document ids become
         the attention plan of this rank's slice."""
         self._targets = kwargs.pop("targets", None)
+        mtp_tokens = kwargs.pop("mtp_tokens", None)
+        self._document_ids = kwargs.get("document_ids")
+        if len(part.mtp) and self.totals.mtp_counts is not None and torch.is_grad_enabled():
+            kwargs.update(mtp=True, mtp_tokens=mtp_tokens)
         if self.split.context is not None and "document_ids" in kwargs:
             kwargs["attention_plan"] = self.split.attention_plan(kwargs.pop("document_ids"))
         return args, kwargs
 
-    def _add_router_losses(self, part: Transformer, args, output: Tensor) -> Tensor:
+    def _add_router_losses(self, part: Transformer, args, output: Tensor | tuple) -> Tensor:
+        output, mtp_logits = output if isinstance(output, tuple) else (output, None)
         if not torch.is_grad_enabled() or self._targets is None:
             return output
         mask = self.split.routed_mask(self._targets != IGNORE_INDEX)  # the tokens this rank routes
@@ -138,6 +163,11 @@ class PipelineStep:
         term = torch.as_tensor(balance) + torch.as_tensor(z_term)
         self.totals.balance_loss += float(torch.as_tensor(balance).detach())
         self.totals.z_loss += float(torch.as_tensor(z_term).detach())
+        if mtp_logits is not None:  # + λ/D Σ_k CE_k of this microbatch (moetrain.train.loss)
+            mtp_term, mtp_part = mtp_loss_term(mtp_logits, self._targets, self._document_ids,
+                                               self.totals.mtp_counts, self.mtp_weight)
+            term = term + mtp_term
+            self.totals.mtp_loss += mtp_part
         return AddLossGradient.apply(output, term) if term.requires_grad else output
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -153,16 +183,48 @@ class PipelineStep:
         """Forward and backward of every microbatch through the schedule; this rank's sums."""
         self.global_tokens = global_tokens
         self.totals = PipelineTotals()
+        if self.mtp_weight > 0:  # the step's valid targets of each MTP depth over the data-parallel ranks
+            local = torch.tensor([mtp_valid_counts(b.targets, b.document_ids, self.cfg.model.mtp_depth)
+                                  for b in microbatches], dtype=torch.int64).sum(dim=0)
+            counts = self.stage_all_reduce(local.to(collective_device(self.pipeline_group)))
+            self.totals.mtp_counts = [int(c) // self.split.replicas for c in counts.tolist()]
         tokens, positions, document_ids, targets = (torch.cat([getattr(b, name) for b in microbatches]) for name in
                                                     ("tokens", "positions", "document_ids", "targets"))
         shard = self.split.shard  # this CP rank's tokens of every row (all of them without CP)
         args = (shard(tokens),) if self.pipeline.holds_first else ()
+        mtp = {"mtp_tokens": tokens} if self.totals.mtp_counts is not None else {}  # refused under CP
         losses: list[Tensor] = []
         with self.split.loss_context():  # the last stage's loss and its backward, inside the schedule
             self.schedule.step(*args, target=shard(targets), losses=losses, positions=shard(positions),
-                               document_ids=document_ids, targets=targets)
-        self._targets = None
+                               document_ids=document_ids, targets=targets, **mtp)
+        self._targets = self._document_ids = None
+        self._sum_embedding_gradients()
         return self.totals
+
+    def _sum_embedding_gradients(self) -> None:
+        """The last stage's gradient of its embedding copy summed into the first stage's, then dropped there."""
+        if self._embedding_copies is None:
+            return
+        group, owner = self._embedding_copies
+        weight = self.model.tok_embeddings.weight
+        grad = _local(weight.grad) if weight.grad is not None else torch.zeros_like(_local(weight))
+        dist.reduce(grad, dst=owner, group=group)
+        if self.job.rank != owner:
+            weight.grad = None
+
+    @torch.no_grad()
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give the last stage's embedding copy the first stage's new weights (collective over the two ranks).
+
+        The copy keeps no optimizer state of its own: a checkpoint load's initialisation may have given it one,
+        which would go stale and could be the copy a later save keeps."""
+        if self._embedding_copies is None:
+            return
+        group, owner = self._embedding_copies
+        weight = self.model.tok_embeddings.weight
+        dist.broadcast(_local(weight), src=owner, group=group)
+        if self.job.rank != owner:
+            optimizer.state.pop(weight, None)
 
     @torch.no_grad()
     def forward_only(self, batch: Batch, after_stage: Callable[[Transformer], None] | None = None) -> Tensor | None:
@@ -230,6 +292,28 @@ def _uses_global_balance(model: ModelConfig) -> bool:
     moe = model.moe
     return (model.n_dense_layers < model.n_layers and moe.load_balance == "aux_loss"
             and moe.aux_loss_scope == "global_batch" and moe.aux_loss_coef > 0)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _embedding_copies(job: JobMesh, parallel: ParallelConfig) -> tuple[dist.ProcessGroup, int] | None:
+    """(the group of this rank and the rank holding the other copy of the token embedding, the global rank of
+    the first stage's holder) on the ranks of the first and the last stage, None on the others. Collective."""
+    first, last = stage_rank(0, parallel), stage_rank(parallel.pp_stages - 1, parallel)
+    ranks = job.root.mesh.reshape(parallel.pp, -1)  # pp is the root's outermost dimension
+    column = int((ranks == job.rank).nonzero()[0, 1])
+    if parallel.pp == 2:
+        group = job.pipeline.get_group()
+    else:  # every rank creates every pair's group, in the same order
+        group, _ = dist.new_subgroups_by_enumeration([[int(ranks[first, c]), int(ranks[last, c])]
+                                                      for c in range(ranks.shape[1])])
+    return (group, int(ranks[first, column])) if job.pipeline.get_local_rank() in (first, last) else None
+
+
+def _hidden_shape(cfg: JobConfig) -> tuple[int, int, int]:
+    return cfg.train.microbatch_size, cfg.data.seq_len, cfg.model.dim
 
 
 def _hidden_dtype(cfg: JobConfig) -> torch.dtype:

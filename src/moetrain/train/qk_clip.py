@@ -3,7 +3,9 @@
 Each step, while `arm()` is in force, every attention layer records each query head's largest
 pre-softmax logit over the step's microbatches (`model.attention.max_logit_per_head`, via the
 layer's `max_logits`). After the optimizer step `clip()` takes the maximum over all ranks and, for
-every head h whose maximum S_h exceeds τ, scales its weights so that its logits shrink by η = τ / S_h:
+every head h whose maximum S_h exceeds τ, scales its weights so that its logits shrink by η = τ / S_h
+(under pipeline parallelism each stage clips its own layers: the maximum is taken over the ranks that hold
+the same layers, `reduce_max`, as the stages' layer counts differ):
 
 - grouped-query attention with one key head per query head (MHA): the head's query rows and its key
   rows (weights and biases) each by √η, Kimi K2's balanced split;
@@ -20,6 +22,8 @@ module changes weights after a step; it takes no part in the step itself.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,13 +57,22 @@ def _per_head_rows(values: list[Tensor]) -> Tensor:
     return torch.cat(values, dim=1).reshape(-1)
 
 
+def _world_max(maxima: Tensor) -> Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    return maxima
+
+
 class QKClip:
     """Records the largest logit per head during a step and clips the heads above τ after it (module docstring)."""
 
-    def __init__(self, model: nn.Module, tau: float):
+    def __init__(self, model: nn.Module, tau: float, reduce_max: Callable[[Tensor], Tensor] | None = None):
+        """`reduce_max` takes the elementwise maximum in place over the ranks holding `model`'s attention layers
+        (default: every rank of the default process group, each holding every layer)."""
         if not tau > 0:
             raise ConfigError(f"train.qk_clip_tau = {tau!r} is invalid: must be > 0 (0 turns QK-clip off)")
         self.tau = tau
+        self.reduce_max = reduce_max or _world_max
         self.layers = [m for m in model.modules() if isinstance(m, ATTENTION_LAYERS)]
         for layer in self.layers:
             if isinstance(layer, Attention) and layer.qk_norm != "none":
@@ -78,9 +91,7 @@ class QKClip:
     @torch.no_grad()
     def clip(self) -> Tensor:
         """Clip the heads whose maximum over all ranks exceeded τ; stop recording; return the maxima [layers, heads]."""
-        maxima = torch.stack([layer.max_logits for layer in self.layers])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)  # each rank saw its own batches
+        maxima = self.reduce_max(torch.stack([layer.max_logits for layer in self.layers]))  # each rank: its batches
         self.disarm()
         for layer, head_max in zip(self.layers, maxima, strict=True):
             over = head_max > self.tau

@@ -173,7 +173,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.float8_gathered = cfg.train.float8 == "tensorwise" and not runs_unsharded(job)
         # QK-clip: each head's largest logit recorded during the step, its weights clipped after it.
-        self.qk_clip = QKClip(self.model, cfg.train.qk_clip_tau) if cfg.train.qk_clip_tau > 0 else None
+        self.qk_clip = (QKClip(self.model, cfg.train.qk_clip_tau, self.pipeline and self.pipeline.data_max)
+                        if cfg.train.qk_clip_tau > 0 else None)
         self.max_logits: torch.Tensor | None = None  # [layers, heads] of the last clipped step
         self.schedule = LRSchedule.from_config(cfg.train)
         batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, cfg.train.seed)
@@ -283,8 +284,8 @@ class Trainer:
         with phases.phase("collectives"):
             global_tokens = self._count_tokens(microbatches)
         if self.pipeline is not None:
-            loss_sum, aux_sum, z_sum, expert_load = self._pipeline_microbatches(microbatches, global_tokens, phases)
-            mtp_sum, mtp_counts = 0.0, None  # refused under pipeline parallelism (config.parallel)
+            loss_sum, aux_sum, z_sum, expert_load, mtp_sum, mtp_counts = self._pipeline_microbatches(
+                microbatches, global_tokens, phases)
         else:
             loss_sum, aux_sum, z_sum, expert_load, mtp_sum, mtp_counts = self._accumulate(microbatches,
                                                                                           global_tokens, phases)
@@ -318,6 +319,8 @@ class Trainer:
             if finite:
                 with record_function("optimizer"):  # a label in profiler traces
                     self.optimizer.step()
+                if self.pipeline is not None:  # the last stage's copy of the embedding (MTP) takes the new weights
+                    self.pipeline.after_optimizer_step(self.optimizer)
                 if self.float8_gathered:  # the next all-gathers' float8 scales, in one collective
                     precompute_float8_scales(self.model)
                 if self.qk_clip is not None:
@@ -340,13 +343,16 @@ class Trainer:
                           mtp_loss=totals.mtp_loss if mtp_counts is not None else None)
 
     def _pipeline_microbatches(self, microbatches, global_tokens: int, phases: StepPhases):
-        """The PP branch of `_accumulate`; the step's expert load is not recorded (each stage has its own layers)."""
+        """The PP branch of `_accumulate`; the step's expert load is not recorded (each stage has its own layers),
+        the MTP loss is the last stage's (moetrain.train.pipeline_step)."""
         with self._compute_dtype():
             with phases.phase("forward"):  # the schedule interleaves forwards and backwards: all of it here
                 self.pipeline.route_step(microbatches)
+                if self.qk_clip is not None:  # after the routing pass: only the training forwards are recorded
+                    self.qk_clip.arm()
                 totals = self.pipeline.run(microbatches, global_tokens)
         return tuple(torch.tensor(value, dtype=torch.float64) for value in
-                     (totals.loss_sum, totals.balance_loss, totals.z_loss)) + (None,)
+                     (totals.loss_sum, totals.balance_loss, totals.z_loss)) + (None, totals.mtp_loss, totals.mtp_counts)
 
     def _accumulate(self, microbatches, global_tokens: int, phases: StepPhases):
         """Forward and backward of each microbatch under the sync policy: (loss, balance, z sums; expert load;
