@@ -257,3 +257,51 @@ def _recovery_round_trip() -> bool:
 
 def test_recovery_state_makes_a_fresh_fsdp_model_and_optimizer_continue_bit_for_bit():
     assert run_on_ranks(_recovery_round_trip, 2) == [True, True]
+
+
+class _DoublingManager:
+    """A stand-in for torchft's Manager between two groups holding the same gradient: the SUM doubles it."""
+
+    def allreduce(self, tensor, reduce_op):
+        tensor.mul_(2)
+        return _done()
+
+    def errored(self):
+        return None
+
+
+@pytest.mark.parametrize(("sync_policy", "grad_accum", "managed_policy"), [
+    ("auto", 3, "delayed_all_reduce"), ("auto", 1, "every_microbatch"),
+    ("every_microbatch", 3, "every_microbatch"), ("final_only", 3, "final_only"),
+])
+def test_the_managed_all_reduce_runs_once_per_step_or_once_per_microbatch(sync_policy, grad_accum, managed_policy):
+    """Each microbatch's gradient crosses the groups exactly once, whatever the policy: two groups with the same
+    data end with twice one process's accumulated gradient (summed 2^k times it would be off)."""
+    from moetrain.config.ft import FtConfig
+    from moetrain.parallel.fault_tolerance import ReplicaGroup, managed_sync_policy
+    from moetrain.parallel.grad_sync import accumulation
+    from moetrain.parallel.mesh import MeshDims
+
+    policy = managed_sync_policy(ParallelConfig(sync_policy=sync_policy), MeshDims(dp_shard=2), grad_accum,
+                                 FtConfig(replica_groups=2))
+    assert policy.name == managed_policy
+    group = ReplicaGroup(FtConfig(replica_groups=2), _DoublingManager(), "f", policy)
+    model = build_model(TINY, ParallelConfig(), None, seed=0)
+    reference = build_model(TINY, ParallelConfig(), None, seed=0)
+    batches = [torch.randint(0, TINY.vocab_size, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for tokens, _ in group.accumulation(model, accumulation(model, batches, policy)):
+        model(tokens).float().square().mean().backward()
+    group.after_backward(model)
+    for tokens in batches:
+        reference(tokens).float().square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, 2 * q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _done() -> torch.futures.Future:
+    """A finished future: what the stand-in's all-reduce returns, so that .wait() does not block."""
+    future = torch.futures.Future()
+    future.set_result(None)
+    return future

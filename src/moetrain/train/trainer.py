@@ -289,7 +289,7 @@ class Trainer:
             loss_sum, aux_sum, z_sum, expert_load, mtp_sum, mtp_counts = self._accumulate(microbatches,
                                                                                           global_tokens, phases)
         if self.replicas is not None:
-            self.replicas.after_backward(self.model)  # the replicate all-reduce, once per step
+            self.replicas.after_backward(self.model)  # the replicate all-reduce (once per step unless per microbatch)
         # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
         a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
         compute_s = time.perf_counter() - start - a2a_s
@@ -369,7 +369,10 @@ class Trainer:
                 prepare_global_balance(self.model, microbatches, self.split.model_inputs, self.split.tp)
             if self.qk_clip is not None:
                 self.qk_clip.arm()
-            for batch, _is_last in accumulation(self.model, microbatches, self.policy):
+            steps = accumulation(self.model, microbatches, self.policy)
+            if self.replicas is not None:  # (ft) the managed all-reduce after each microbatch, when its policy says so
+                steps = self.replicas.accumulation(self.model, steps)
+            for batch, _is_last in steps:
                 with phases.phase("forward"), self.split.loss_context():
                     outputs = self.model(**self.split.model_inputs(batch), mtp=mtp_counts is not None)
                     logits = outputs[0] if mtp_counts is not None else outputs
