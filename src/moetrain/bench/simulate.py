@@ -45,6 +45,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from moetrain.args import parse_typed_args
+from moetrain.bench import goodput
 from moetrain.bench.costs import CostSpec, draw_costs, expected_max_of_sum_bimodal, expected_sum_of_max_bimodal
 from moetrain.errors import ConfigError
 
@@ -517,6 +518,8 @@ def format_table(predictions: Sequence[ModePrediction]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["goodput"]:  # failures over days, not one step: the options of moetrain.bench.goodput
+        return goodput.main(argv[1:])
     opts: SimulateOptions = parse_typed_args(SimulateOptions, argv, "moetrain simulate")
     _validate(opts)
     if opts.trace:
