@@ -183,6 +183,71 @@ def test_a_killed_group_rejoins_from_its_live_peer(corpus, tmp_path, env):
     check_kill_and_rejoin(result, steps)
 
 
+def layout_and_lost_lighthouse(corpus: Path, root: Path, env: dict[str, str], steps: int, lost_after: int,
+                               layout: dict[str, object]) -> dict:
+    """Two groups of 2 ranks with `layout` inside each (e.g. parallel__tp=2); the lighthouse killed after
+    step `lost_after`; a new lighthouse, both groups resumed with --checkpoint.resume auto to `steps`.
+
+    Meanwhile plain HSDP 2 x (the same layout) runs as one 4-rank job in this process's ranks. Returns its
+    records, both groups' records (the first launch's and the resumed one's), their exit codes and the
+    error lines of the first launch, and the groups' `stopped` records.
+    """
+    pause = root / "pause_before_step"
+    pause.write_text(str(lost_after + 1))
+    paused_env = {**env, "MOETRAIN_TEST_PAUSE_STEPS_FILE": str(pause)}
+    lighthouse = Lighthouse(env)
+    args = lambda g, address: group_args(corpus, root, address, g, steps, ft__quorum_timeout_s=2,  # noqa: E731
+                                        checkpoint__resume="auto", **layout)
+    groups = [ReplicaGroupJob(root / f"group{g}", args(g, lighthouse.address), GROUP_RANKS, paused_env)
+              for g in (0, 1)]
+    resumed: list[ReplicaGroupJob] = []
+    try:
+        plain = job_args(corpus, root / "plain", train__steps=steps, parallel__dp_replicate=2, **layout)
+        assert run_on_ranks(run.main, 2 * GROUP_RANKS, plain, timeout=300) == [0] * (2 * GROUP_RANKS)
+        for job in groups:
+            job.wait_for(lambda job: job.last_step() >= lost_after, 120, f"step {lost_after}")
+        first = [job.records() for job in groups]
+        lighthouse.stop()
+        pause.unlink()
+        codes = [job.wait(120) for job in groups]
+        errors = [[line for line in job.log.read_text().splitlines() if "moetrain: error" in line] for job in groups]
+        stopped = [job.records("stopped") for job in groups]
+        lighthouse = Lighthouse(env)
+        resumed = [ReplicaGroupJob(root / f"group{g}", args(g, lighthouse.address), GROUP_RANKS, env) for g in (0, 1)]
+        resumed_codes = [job.wait(120) for job in resumed]
+        return {"plain": read_records(root / "plain"), "first": first, "codes": codes, "errors": errors,
+                "stopped": stopped, "resumed_codes": resumed_codes, "resumed": [job.records() for job in resumed]}
+    finally:
+        for job in (*groups, *resumed, lighthouse):
+            job.stop()
+
+
+@needs_torchrun
+def test_tensor_parallel_groups_match_plain_hsdp_and_outlive_a_lost_lighthouse(corpus, tmp_path, env):
+    """2 groups x (TP 2) through torchft equal plain HSDP 2 x TP 2 within 1e-5 at every step; the lighthouse
+    killed after step 2: each group stops with one line and a checkpoint of step 2 in its own run directory,
+    and resumes once a new lighthouse is up, still equal to plain HSDP, both groups bitwise equal."""
+    steps, lost_after = 4, 2
+    result = layout_and_lost_lighthouse(corpus, tmp_path, env, steps, lost_after, {"parallel__tp": 2})
+    assert result["codes"] == [1, 1]  # torchrun's code for a rank that exited 3
+    for g, lines in enumerate(result["errors"]):
+        assert len(set(lines)) == 1, lines  # the same one line on each rank
+        assert f"replica group {g}: no quorum from the lighthouse" in lines[0]
+        assert f"checkpoint step_{lost_after:08d} saved" in lines[0]
+        assert [r["checkpoint_step"] for r in result["stopped"][g]] == [lost_after]
+    assert result["resumed_codes"] == [0, 0]
+    plain = by_step(result["plain"])
+    assert sorted(plain) == list(range(1, steps + 1)) and plain[steps]["loss"] < plain[1]["loss"]
+    for g in (0, 1):
+        records = {**by_step(result["first"][g]), **by_step(result["resumed"][g])}
+        assert sorted(records) == list(range(1, steps + 1))
+        for step, expected in plain.items():
+            assert records[step]["ft_participants"] == [0, 1]
+            assert records[step]["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6), (g, step)
+    after = [by_step(records) for records in result["resumed"]]
+    assert all(after[0][s]["param_checksum"] == after[1][s]["param_checksum"] for s in range(lost_after + 1, steps + 1))
+
+
 @pytest.mark.parametrize(("fields", "named"), [
     ({"ft.enabled": True}, "ft.lighthouse"),
     ({"ft.replica_id": 2}, "ft.replica_id"),
