@@ -1,6 +1,6 @@
 """Fault-tolerant HSDP (torchft) under faults and against plain HSDP, with real processes on gloo.
 
-Three measurements, each written to benchmarks/results/ft_<name>.json (and printed):
+Four measurements, each written to benchmarks/results/ft_<name>.json (and printed):
 
 - `kill`: the suite's kill-and-rejoin scenario, longer and repeated (--repeats): two replica groups
   of 2 ranks, group 1 SIGKILLed early in a step, restarted once group 0 took steps alone. Each
@@ -15,6 +15,10 @@ Three measurements, each written to benchmarks/results/ft_<name>.json (and print
   as two torchft groups of 2 ranks, under each replicate all-reduce policy (delayed_all_reduce: one
   managed all-reduce per step; every_microbatch: one per microbatch), alternating A and B, median
   step time over the last steps, and whether the losses are equal (written as .json and a .md table).
+
+- `layouts`: tensor (tp2) or pipeline (pp2) parallelism inside each of the two groups: losses
+  against plain HSDP 2 x (the same layout), then the lighthouse killed and both groups resumed
+  (the suite's test runs tp2 only).
 
 Not part of the suite (a minute or more each). On a shared machine the times are noisy: compare
 the ratios of one run only.
@@ -110,6 +114,31 @@ def _median_step_s(run_dir: Path, skip: int) -> float:
     return statistics.median(r["step_s"] for r in read_records(run_dir)[skip:])
 
 
+LAYOUTS = {"tp2": {"parallel__tp": 2}, "pp2": {"parallel__pp": 2}}
+
+
+def layouts(steps: int, names: list[str]) -> dict:
+    """The suite's lost-lighthouse scenario with each layout inside the two groups, checked as the test checks it."""
+    runs = {}
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            (root / "run").mkdir()
+            started = time.monotonic()
+            result = ft_test.layout_and_lost_lighthouse(_corpus(root), root / "run", _env(), steps, 2, LAYOUTS[name])
+            ft_test.check_layout_and_lost_lighthouse(result, steps, 2)
+            plain = ft_test.by_step(result["plain"])
+            resumed = ft_test.by_step(result["resumed"][0])
+            first = ft_test.by_step(result["first"][0])
+            losses = {**first, **resumed}
+            runs[name] = {"wall_s": time.monotonic() - started, "error_line": result["errors"][0][0],
+                          "largest_loss_difference_to_plain_hsdp": max(abs(losses[s]["loss"] - plain[s]["loss"])
+                                                                       for s in plain),
+                          "losses": [losses[s]["loss"] for s in sorted(losses)], "checks": "passed"}
+            print(name, json.dumps({k: v for k, v in runs[name].items() if k != "losses"}), flush=True)
+    return {"steps": steps, "lighthouse_lost_after_step": 2, "layouts": runs}
+
+
 POLICIES = ("delayed_all_reduce", "every_microbatch")
 
 
@@ -176,7 +205,8 @@ def overhead_table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("kill", "lighthouse", "overhead"))
+    parser.add_argument("what", choices=("kill", "lighthouse", "overhead", "layouts"))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--pairs", type=int, default=3)
@@ -185,7 +215,8 @@ def main() -> None:
     args = parser.parse_args()
     result = {"kill": lambda: kill(args.repeats, args.steps, args.keep),
               "lighthouse": lambda: lighthouse_lost(args.steps),
-              "overhead": lambda: overhead(args.steps, args.pairs)}[args.what]()
+              "overhead": lambda: overhead(args.steps, args.pairs),
+              "layouts": lambda: layouts(args.steps, args.layouts)}[args.what]()
     result["machine"] = f"{os.cpu_count()} CPUs, shared with other jobs: compare ratios of one run only"
     out = RESULTS / (args.out or f"ft_{args.what}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -193,7 +224,7 @@ def main() -> None:
         table = overhead_table(result)
         out.with_suffix(".md").write_text(table)
         print(table)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "runs")}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "runs", "layouts")}, indent=2))
 
 
 if __name__ == "__main__":

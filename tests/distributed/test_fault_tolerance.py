@@ -222,13 +222,8 @@ def layout_and_lost_lighthouse(corpus: Path, root: Path, env: dict[str, str], st
             job.stop()
 
 
-@needs_torchrun
-def test_tensor_parallel_groups_match_plain_hsdp_and_outlive_a_lost_lighthouse(corpus, tmp_path, env):
-    """2 groups x (TP 2) through torchft equal plain HSDP 2 x TP 2 within 1e-5 at every step; the lighthouse
-    killed after step 2: each group stops with one line and a checkpoint of step 2 in its own run directory,
-    and resumes once a new lighthouse is up, still equal to plain HSDP, both groups bitwise equal."""
-    steps, lost_after = 4, 2
-    result = layout_and_lost_lighthouse(corpus, tmp_path, env, steps, lost_after, {"parallel__tp": 2})
+def check_layout_and_lost_lighthouse(result: dict, steps: int, lost_after: int) -> None:
+    """What must hold after `layout_and_lost_lighthouse` (shared with benchmarks/stress/ft_faults.py layouts)."""
     assert result["codes"] == [1, 1]  # torchrun's code for a rank that exited 3
     for g, lines in enumerate(result["errors"]):
         assert len(set(lines)) == 1, lines  # the same one line on each rank
@@ -246,6 +241,17 @@ def test_tensor_parallel_groups_match_plain_hsdp_and_outlive_a_lost_lighthouse(c
             assert records[step]["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6), (g, step)
     after = [by_step(records) for records in result["resumed"]]
     assert all(after[0][s]["param_checksum"] == after[1][s]["param_checksum"] for s in range(lost_after + 1, steps + 1))
+
+
+@needs_torchrun
+def test_tensor_parallel_groups_match_plain_hsdp_and_outlive_a_lost_lighthouse(corpus, tmp_path, env):
+    """2 groups x (TP 2) through torchft equal plain HSDP 2 x TP 2 within 1e-5 at every step; the lighthouse
+    killed after step 2: each group stops with one line and a checkpoint of step 2 in its own run directory,
+    and resumes once a new lighthouse is up, still equal to plain HSDP, both groups bitwise equal.
+    (PP 2 inside a group runs the same scenario in benchmarks/stress/ft_faults.py layouts: too slow for both here.)"""
+    steps, lost_after = 4, 2
+    result = layout_and_lost_lighthouse(corpus, tmp_path, env, steps, lost_after, {"parallel__tp": 2})
+    check_layout_and_lost_lighthouse(result, steps, lost_after)
 
 
 @pytest.mark.parametrize(("fields", "named"), [
