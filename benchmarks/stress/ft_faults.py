@@ -16,7 +16,7 @@ Four measurements, each written to benchmarks/results/ft_<name>.json (and printe
   managed all-reduce per step; every_microbatch: one per microbatch), alternating A and B, median
   step time over the last steps, and whether the losses are equal (written as .json and a .md table).
 
-- `layouts`: tensor (tp2) or pipeline (pp2) parallelism inside each of the two groups: losses
+- `layouts`: tensor (tp2), pipeline (pp2) or context (cp2) parallelism inside each of the two groups: losses
   against plain HSDP 2 x (the same layout), then the lighthouse killed and both groups resumed
   (the suite's test runs tp2 only).
 
@@ -114,7 +114,7 @@ def _median_step_s(run_dir: Path, skip: int) -> float:
     return statistics.median(r["step_s"] for r in read_records(run_dir)[skip:])
 
 
-LAYOUTS = {"tp2": {"parallel__tp": 2}, "pp2": {"parallel__pp": 2}}
+LAYOUTS = {"tp2": {"parallel__tp": 2}, "pp2": {"parallel__pp": 2}, "cp2": {"parallel__cp": 2}}
 
 
 def layouts(steps: int, names: list[str]) -> dict:

@@ -104,8 +104,7 @@ def _check_composed_features(cfg: JobConfig) -> None:
               "with parallel.tp or parallel.cp > 1: not supported yet (pipeline stages are not tensor/context split)")
         for feature, used in (("model.mtp_depth", cfg.model.mtp_depth > 0), ("lora.rank", cfg.lora.enabled),
                               ("train.float8", t.float8 != "none"), ("train.optimizer", t.optimizer != "adamw"),
-                              ("train.qk_clip_tau", t.qk_clip_tau > 0),
-                              ("ft.enabled", cfg.ft.enabled and name == "parallel.cp")):  # tp, pp: checked with ft
+                              ("train.qk_clip_tau", t.qk_clip_tau > 0)):
             check(not used, feature, getattr(_section(cfg, feature), feature.split(".")[1]),
                   f"is not supported yet with {name} = {degree}")
 
