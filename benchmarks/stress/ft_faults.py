@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "tests" / "distributed"))  # the scenario and its 
 import test_fault_tolerance as ft_test  # noqa: E402
 
 from moetrain.data.corpus import stdlib_root  # noqa: E402
+from moetrain.testing import use_preloaded_fork_server  # noqa: E402
 from moetrain.testing.replica_groups import Lighthouse, ReplicaGroupJob, read_records  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -119,6 +120,7 @@ LAYOUTS = {"tp2": {"parallel__tp": 2}, "pp2": {"parallel__pp": 2}, "cp2": {"para
 
 def layouts(steps: int, names: list[str]) -> dict:
     """The suite's lost-lighthouse scenario with each layout inside the two groups, checked as the test checks it."""
+    use_preloaded_fork_server()  # the groups' ranks are forked, as in the suite
     runs = {}
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
@@ -132,6 +134,7 @@ def layouts(steps: int, names: list[str]) -> dict:
             first = ft_test.by_step(result["first"][0])
             losses = {**first, **resumed}
             runs[name] = {"wall_s": time.monotonic() - started, "error_line": result["errors"][0][0],
+                          "exit_codes_when_lost": result["codes"], "resumed_exit_codes": result["resumed_codes"],
                           "largest_loss_difference_to_plain_hsdp": max(abs(losses[s]["loss"] - plain[s]["loss"])
                                                                        for s in plain),
                           "losses": [losses[s]["loss"] for s in sorted(losses)], "checks": "passed"}
