@@ -21,8 +21,8 @@ non-finite step means, when to evaluate, log or save is the run's job, not this 
 
 Under fault-tolerant HSDP (`ft.enabled`, `moetrain.parallel.fault_tolerance`) the step first asks
 for its quorum (a rejoining group loads a live peer's state there), the token count and the small
-totals are also summed over the participating replica groups, their gradients once after the last
-microbatch, and the step is applied only when torchft's vote commits it; otherwise it is redone
+totals are also summed over the participating replica groups, their gradients after the last
+microbatch or after each (the sync policy's), and the step is applied only when torchft's vote commits it; otherwise it is redone
 from the same data position.
 
 Under pipeline parallelism (`parallel.pp > 1`) the model is the rank's stages and the microbatches
