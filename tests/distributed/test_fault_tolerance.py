@@ -5,8 +5,10 @@ gradients in torchft's managed group. Before any fault the groups train exactly 
 trains on the same global batch (and so plain HSDP 2 x 2). When one group is SIGKILLed, the other
 keeps stepping (same processes) with the loss divided by its own tokens only; the killed group,
 restarted, copies the live group's state and from then on both hold bitwise-equal parameters.
-One scenario, one test: every process start costs seconds here. benchmarks/stress/ft_kill_rejoin.py
-runs it longer and reports the stall and rejoin times.
+A second scenario runs TP 2 inside each group against plain HSDP 2 x TP 2 and kills the lighthouse
+mid-run: both groups stop with one line and a checkpoint, and resume when a new one is up. One test
+per scenario: every process start costs seconds here. benchmarks/stress/ft_faults.py runs them
+longer (and PP 2 / CP 2 inside the groups) and reports the stall and rejoin times.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -93,8 +98,6 @@ def kill_and_rejoin(corpus: Path, root: Path, env: dict[str, str], steps: int, k
     the rejoin), group 0's rank process ids before the kill and at the rejoin, and the wall times of
     the stall (the kill to group 0's next step) and of the rejoin (group 0 let go to group 1's first step).
     """
-    import time
-
     pause = root / "pause_before_step"
     pause.write_text(str(kill_after + 1))
     paused_env = {**env, "MOETRAIN_TEST_PAUSE_STEPS_FILE": str(pause)}
@@ -183,6 +186,100 @@ def test_a_killed_group_rejoins_from_its_live_peer(corpus, tmp_path, env):
     check_kill_and_rejoin(result, steps)
 
 
+@contextmanager
+def stderr_to(path: Path):
+    """Send this process's fd 2, and so the stderr of ranks started meanwhile, to `path`."""
+    saved = os.dup(2)
+    with open(path, "w") as file:
+        os.dup2(file.fileno(), 2)
+    try:
+        yield path
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def layout_and_lost_lighthouse(corpus: Path, root: Path, env: dict[str, str], steps: int, lost_after: int,
+                               layout: dict[str, object]) -> dict:
+    """Two groups of 2 ranks with `layout` inside each (e.g. parallel__tp=2); the lighthouse killed after
+    step `lost_after`; a new lighthouse, both groups resumed with --checkpoint.resume auto to `steps`.
+
+    Each group is one `run_on_ranks` call (its own process group; ranks forked, not torchrun: nothing
+    here kills a group), the plain HSDP 2 x (the same layout) reference a third one of 4 ranks, all at
+    once. Returns its records, both groups' records (the first launch's and the resumed one's), their
+    exit codes and error lines of the first launch, and the groups' `stopped` records.
+    """
+    pause = root / "pause_before_step"
+    pause.write_text(str(lost_after + 1))  # holds the reference too; released with the groups
+    lighthouse = Lighthouse(env)
+    args = lambda g, address: group_args(corpus, root, address, g, steps, ft__quorum_timeout_s=2,  # noqa: E731
+                                        checkpoint__resume="auto", **layout)
+    plain = job_args(corpus, root / "plain", train__steps=steps, parallel__dp_replicate=2, **layout)
+    ranks = lambda argv, n=GROUP_RANKS: lambda: run_on_ranks(run.main, n, argv, timeout=300)  # noqa: E731
+    saved = {name: os.environ.get(name) for name in ("MOETRAIN_TEST_PAUSE_STEPS_FILE", "OMP_NUM_THREADS")}
+    os.environ.update(MOETRAIN_TEST_PAUSE_STEPS_FILE=str(pause), OMP_NUM_THREADS="1")  # the ranks' environment
+    try:
+        with ThreadPoolExecutor(3) as pool, stderr_to(root / "first.stderr") as log:
+            running = [pool.submit(ranks(args(g, lighthouse.address))) for g in (0, 1)]
+            running.append(pool.submit(ranks(plain, 2 * GROUP_RANKS)))
+            deadline = time.monotonic() + 300
+            while min(len(read_records(root / f"group{g}")) for g in (0, 1)) < lost_after:
+                assert time.monotonic() < deadline and not any(f.done() for f in running), "no step 2"
+                time.sleep(0.05)
+            first = [read_records(root / f"group{g}") for g in (0, 1)]
+            lighthouse.stop()
+            pause.unlink()
+            codes = [future.result() for future in running]
+        errors = [[line for line in log.read_text().splitlines()
+                   if line.startswith(f"moetrain: error: replica group {g}: ")] for g in (0, 1)]
+        os.environ.pop("MOETRAIN_TEST_PAUSE_STEPS_FILE")
+        lighthouse = Lighthouse(env)
+        with ThreadPoolExecutor(2) as pool:
+            resumed_codes = list(pool.map(lambda g: ranks(args(g, lighthouse.address))(), (0, 1)))
+    finally:
+        lighthouse.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return {"plain": read_records(root / "plain"), "first": first, "codes": codes[:2], "plain_code": codes[2],
+            "errors": errors, "stopped": [read_records(root / f"group{g}", "stopped") for g in (0, 1)],
+            "resumed_codes": resumed_codes, "resumed": [read_records(root / f"group{g}") for g in (0, 1)]}
+
+
+def check_layout_and_lost_lighthouse(result: dict, steps: int, lost_after: int) -> None:
+    """What must hold after `layout_and_lost_lighthouse` (shared with benchmarks/stress/ft_faults.py layouts)."""
+    assert result["codes"] == [[3, 3], [3, 3]] and result["plain_code"] == [0] * 4  # 3: a collective failed
+    for g, lines in enumerate(result["errors"]):
+        assert len(lines) == GROUP_RANKS and len(set(lines)) == 1, lines  # the same one line on each rank
+        assert f"replica group {g}: no quorum from the lighthouse" in lines[0]
+        assert f"checkpoint step_{lost_after:08d} saved" in lines[0]
+        assert [r["checkpoint_step"] for r in result["stopped"][g]] == [lost_after]
+    assert result["resumed_codes"] == [[0, 0], [0, 0]]
+    plain = by_step(result["plain"])
+    assert sorted(plain) == list(range(1, steps + 1)) and plain[steps]["loss"] < plain[1]["loss"]
+    for g in (0, 1):
+        records = {**by_step(result["first"][g]), **by_step(result["resumed"][g])}
+        assert sorted(records) == list(range(1, steps + 1))
+        for step, expected in plain.items():
+            assert records[step]["ft_participants"] == [0, 1]
+            assert records[step]["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6), (g, step)
+    after = [by_step(records) for records in result["resumed"]]
+    assert all(after[0][s]["param_checksum"] == after[1][s]["param_checksum"] for s in range(lost_after + 1, steps + 1))
+
+
+@needs_torchrun
+def test_tensor_parallel_groups_match_plain_hsdp_and_outlive_a_lost_lighthouse(corpus, tmp_path, env):
+    """2 groups x (TP 2) through torchft equal plain HSDP 2 x TP 2 within 1e-5 at every step; the lighthouse
+    killed after step 2: each group stops with one line and a checkpoint of step 2 in its own run directory,
+    and resumes once a new lighthouse is up, still equal to plain HSDP, both groups bitwise equal.
+    (PP 2 and CP 2 inside a group run the same scenario in benchmarks/stress/ft_faults.py layouts: too slow here.)"""
+    steps, lost_after = 4, 2
+    result = layout_and_lost_lighthouse(corpus, tmp_path, env, steps, lost_after, {"parallel__tp": 2})
+    check_layout_and_lost_lighthouse(result, steps, lost_after)
+
+
 @pytest.mark.parametrize(("fields", "named"), [
     ({"ft.enabled": True}, "ft.lighthouse"),
     ({"ft.replica_id": 2}, "ft.replica_id"),
@@ -257,3 +354,51 @@ def _recovery_round_trip() -> bool:
 
 def test_recovery_state_makes_a_fresh_fsdp_model_and_optimizer_continue_bit_for_bit():
     assert run_on_ranks(_recovery_round_trip, 2) == [True, True]
+
+
+class _DoublingManager:
+    """A stand-in for torchft's Manager between two groups holding the same gradient: the SUM doubles it."""
+
+    def allreduce(self, tensor, reduce_op):
+        tensor.mul_(2)
+        return _done()
+
+    def errored(self):
+        return None
+
+
+@pytest.mark.parametrize(("sync_policy", "grad_accum", "managed_policy"), [
+    ("auto", 3, "delayed_all_reduce"), ("auto", 1, "every_microbatch"),
+    ("every_microbatch", 3, "every_microbatch"), ("final_only", 3, "final_only"),
+])
+def test_the_managed_all_reduce_runs_once_per_step_or_once_per_microbatch(sync_policy, grad_accum, managed_policy):
+    """Each microbatch's gradient crosses the groups exactly once, whatever the policy: two groups with the same
+    data end with twice one process's accumulated gradient (summed 2^k times it would be off)."""
+    from moetrain.config.ft import FtConfig
+    from moetrain.parallel.fault_tolerance import ReplicaGroup, managed_sync_policy
+    from moetrain.parallel.grad_sync import accumulation
+    from moetrain.parallel.mesh import MeshDims
+
+    policy = managed_sync_policy(ParallelConfig(sync_policy=sync_policy), MeshDims(dp_shard=2), grad_accum,
+                                 FtConfig(replica_groups=2))
+    assert policy.name == managed_policy
+    group = ReplicaGroup(FtConfig(replica_groups=2), _DoublingManager(), "f", policy)
+    model = build_model(TINY, ParallelConfig(), None, seed=0)
+    reference = build_model(TINY, ParallelConfig(), None, seed=0)
+    batches = [torch.randint(0, TINY.vocab_size, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for tokens, _ in group.accumulation(model, accumulation(model, batches, policy)):
+        model(tokens).float().square().mean().backward()
+    group.after_backward(model)
+    for tokens in batches:
+        reference(tokens).float().square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, 2 * q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _done() -> torch.futures.Future:
+    """A finished future: what the stand-in's all-reduce returns, so that .wait() does not block."""
+    future = torch.futures.Future()
+    future.set_result(None)
+    return future

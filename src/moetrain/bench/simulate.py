@@ -46,6 +46,7 @@ from typing import Literal
 import numpy as np
 
 from moetrain.args import parse_typed_args
+from moetrain.bench import goodput
 from moetrain.bench.costs import (
     CostSpec,
     draw_costs,
@@ -491,6 +492,8 @@ def format_table(predictions: Sequence[ModePrediction]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["goodput"]:  # failures over days, not one step: the options of moetrain.bench.goodput
+        return goodput.main(argv[1:])
     opts: SimulateOptions = parse_typed_args(SimulateOptions, argv, "moetrain simulate")
     _validate(opts)
     if opts.trace:

@@ -88,7 +88,6 @@ class JobConfig:
             # torchft's managed group is the replicate dimension: inside a replica group nothing is replicated.
             check(p.dp_replicate == 1, "parallel.dp_replicate", p.dp_replicate,
                   "with ft.enabled = true: must be 1 (the replica groups are the replicate dimension)")
-            check(p.pp == 1, "parallel.pp", p.pp, "with ft.enabled = true: must be 1 (not supported yet)")
             check(not self.checkpoint.async_save, "checkpoint.async_save", self.checkpoint.async_save,
                   "with ft.enabled = true: must be false (a recovery must not race a background save)")
         if self.lora.enabled:
@@ -107,7 +106,7 @@ def _check_composed_features(cfg: JobConfig) -> None:
         for feature, used in (("model.mtp_depth", under_split and cfg.model.mtp_depth > 0),
                               ("lora.rank", cfg.lora.enabled), ("train.float8", t.float8 != "none"),
                               ("train.optimizer", under_split and t.optimizer != "adamw"),
-                              ("train.qk_clip_tau", under_split and t.qk_clip_tau > 0), ("ft.enabled", cfg.ft.enabled)):
+                              ("train.qk_clip_tau", under_split and t.qk_clip_tau > 0)):
             check(not used, feature, getattr(_section(cfg, feature), feature.split(".")[1]),
                   f"is not supported yet with {name} = {degree}")
 

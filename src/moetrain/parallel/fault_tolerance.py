@@ -9,9 +9,13 @@ others (the groups shard identically, so their local gradient shards line up):
 - `exchange(values)`: the step's small vector summed over the participating groups (the valid
   token count that divides the loss, and checks: a replica id used twice, another config or
   code version).
-- `sync_gradients(model)`: after the last microbatch's backward, once per step, every local
-  gradient shard summed over the groups (flattened in buckets): the delayed replicate all-reduce.
-  The loss is already divided by the participating groups' token count, so a SUM is exact.
+- `sync_gradients(model)`: every local gradient shard summed over the groups (flattened in
+  buckets). When is `parallel.sync_policy`'s, resolved as plain HSDP with ft.replica_groups
+  replicas resolves it (`managed_sync_policy`): once per step after the last microbatch's backward
+  (delayed_all_reduce, final_only; "auto" with train.grad_accum > 1), or after every microbatch's
+  (every_microbatch: `accumulation` sums each microbatch's gradient alone, then adds it to those
+  of the earlier microbatches, as FSDP does). The loss is already divided by the participating
+  groups' token count, so a SUM is exact.
 - `commit()`: torchft's vote; a step is applied only when every participating group got through
   its all-reduces (a group lost mid-step makes the others redo the step without it).
 
@@ -30,7 +34,8 @@ import hashlib
 import json
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -40,9 +45,11 @@ from torch.distributed.tensor import DTensor
 
 from moetrain import __version__
 from moetrain.config.ft import FtConfig
+from moetrain.config.parallel import ParallelConfig
 from moetrain.errors import ConfigError
 from moetrain.parallel.collectives import all_gather_floats, all_ranks_true
-from moetrain.parallel.mesh import JobMesh
+from moetrain.parallel.grad_sync import SyncPolicy, resolve_sync_policy
+from moetrain.parallel.mesh import JobMesh, MeshDims
 
 _BUCKET_ELEMENTS = 1 << 24  # gradients are summed across groups in flat buckets of at most this many elements
 _FINGERPRINT_PIECES = 3  # 20-bit pieces of the config/code fingerprint, exact in float64 even when squared
@@ -74,6 +81,12 @@ def data_position(ft: FtConfig, group_rank: int, group_world: int) -> tuple[int,
     step it rejoins at. With every group up this is plain HSDP's split (replicate-major).
     """
     return ft.replica_id * group_world + group_rank, ft.replica_groups * group_world
+
+
+def managed_sync_policy(parallel: ParallelConfig, dims: MeshDims, grad_accum: int, ft: FtConfig) -> SyncPolicy:
+    """When the managed all-reduce runs: `parallel.sync_policy` resolved as for plain HSDP whose replicate
+    dimension is the ft.replica_groups groups (so "auto" is delayed_all_reduce when gradients accumulate)."""
+    return resolve_sync_policy(parallel, replace(dims, dp_replicate=ft.replica_groups), grad_accum)
 
 
 def job_fingerprint(sections: dict[str, Any]) -> str:
@@ -142,19 +155,21 @@ def load_recovery_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
 class ReplicaGroup:
     """This replica group's membership in the fault-tolerant run (a torchft Manager); see the module docstring."""
 
-    def __init__(self, ft: FtConfig, manager: Any, fingerprint: str):
+    def __init__(self, ft: FtConfig, manager: Any, fingerprint: str, policy: SyncPolicy):
         self.ft = ft
         self.manager = manager
         self.fingerprint = fingerprint
+        self.policy = policy  # when gradients cross groups (`managed_sync_policy`)
         self.participants: list[int] = []  # replica ids in the current step's quorum
         self._first_step = True
 
     @classmethod
     def join(cls, ft: FtConfig, job: JobMesh, fingerprint: str, state: Callable[[], dict[str, Any]],
-             load_state: Callable[[dict[str, Any]], None]) -> ReplicaGroup:
+             load_state: Callable[[dict[str, Any]], None], policy: SyncPolicy) -> ReplicaGroup:
         """Start this group's manager (collective within the group: every rank calls it).
 
-        `state`/`load_state` give and take what a rejoining group copies from a live one.
+        `state`/`load_state` give and take what a rejoining group copies from a live one; `policy`
+        says when gradients are summed over the groups (`managed_sync_policy`).
         """
         timeout = timedelta(seconds=ft.timeout_s)
         try:
@@ -163,7 +178,7 @@ class ReplicaGroup:
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
             raise ConfigError(f"ft.lighthouse = {ft.lighthouse!r} is unreachable (within ft.connect_timeout_s = "
                               f"{ft.connect_timeout_s:g} s): start `moetrain lighthouse` first ({first})") from None
-        return cls(ft, manager, fingerprint)
+        return cls(ft, manager, fingerprint, policy)
 
     @staticmethod
     def _manager(ft: FtConfig, job: JobMesh, timeout: timedelta, state: Callable[[], dict[str, Any]],
@@ -239,7 +254,11 @@ class ReplicaGroup:
         return summed
 
     def sync_gradients(self, model: nn.Module) -> None:
-        """Sum every local gradient shard over the participating groups, in place (once per step)."""
+        """Sum every local gradient shard over the participating groups, in place.
+
+        The groups' buckets line up: each layer's experts are one stacked tensor, so a parameter has a
+        gradient in every group or (unused by the model) in none.
+        """
         grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
@@ -257,10 +276,32 @@ class ReplicaGroup:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
 
+    def accumulation(self, model: nn.Module, steps: Iterator[tuple[Any, bool]]) -> Iterator[tuple[Any, bool]]:
+        """Wrap `grad_sync.accumulation`'s (microbatch, is_last) pairs: under every_microbatch, each
+        microbatch's gradient is summed over the groups right after its backward (the loop body), alone,
+        then added to the earlier microbatches' sum (`earlier += new`, FSDP's own accumulation); under the
+        other policies the pairs pass through and `after_backward` sums the step's gradient once."""
+        if self.policy.name != "every_microbatch":
+            yield from steps
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        for batch, is_last in steps:
+            earlier = [p.grad for p in params]
+            for param in params:
+                param.grad = None
+            yield batch, is_last
+            self.sync_gradients(model)
+            for param, grad in zip(params, earlier, strict=True):
+                if grad is not None:
+                    grad += param.grad
+                    param.grad = grad
+
     def after_backward(self, model: nn.Module) -> None:
-        """After the step's last backward, before the vote: gradients and aux-free expert loads summed
-        over the participating groups (each group then applies the same update and bias step)."""
-        self.sync_gradients(model)
+        """After the step's last backward, before the vote: gradients (unless every microbatch's were
+        summed already) and aux-free expert loads summed over the participating groups (each group then
+        applies the same update and bias step)."""
+        if self.policy.name != "every_microbatch":
+            self.sync_gradients(model)
         for moe in model.moe_layers():
             self.manager.allreduce(moe.load_since_update, reduce_op=_SUM).wait()
 

@@ -56,7 +56,7 @@ from moetrain.logging import get_logger, setup_logging
 from moetrain.observe.metrics import LN2, MetricsWriter, ProgressBar, StepResult, console_line
 from moetrain.observe.peak_memory import current_rss_bytes
 from moetrain.observe.profiler import ProfilerWindow
-from moetrain.parallel.fault_tolerance import ReplicaGroup, ReplicaGroupLost, job_fingerprint
+from moetrain.parallel.fault_tolerance import ReplicaGroup, ReplicaGroupLost, job_fingerprint, managed_sync_policy
 from moetrain.parallel.process_group import distributed_job
 from moetrain.runtime.allocator import reuse_freed_host_memory
 from moetrain.runtime.disk import no_space_left
@@ -289,8 +289,9 @@ FT_SHARED = ("model", "data", "train", "parallel")  # what every replica group o
 def _join_replica_groups(trainer: Trainer) -> None:
     cfg = trainer.cfg
     shared = {**{k: cfg.to_dict()[k] for k in FT_SHARED}, "groups": cfg.ft.replica_groups}
+    policy = managed_sync_policy(cfg.parallel, trainer.job.dims, cfg.train.grad_accum, cfg.ft)
     trainer.attach_replicas(ReplicaGroup.join(cfg.ft, trainer.job, job_fingerprint(shared),
-                                              trainer.recovery_state, trainer.load_recovery_state))
+                                              trainer.recovery_state, trainer.load_recovery_state, policy))
 
 
 def _train_step(trainer: Trainer, phase: _Phase, first: bool) -> StepResult:

@@ -21,9 +21,9 @@ non-finite step means, when to evaluate, log or save is the run's job, not this 
 
 Under fault-tolerant HSDP (`ft.enabled`, `moetrain.parallel.fault_tolerance`) the step first asks
 for its quorum (a rejoining group loads a live peer's state there), the token count and the small
-totals are also summed over the participating replica groups, their gradients once after the last
-microbatch, and the step is applied only when torchft's vote commits it; otherwise it is redone
-from the same data position.
+totals are also summed over the participating replica groups, their gradients after the last
+microbatch or after each (the sync policy's), and the step is applied only when torchft's vote
+commits it; otherwise it is redone from the same data position.
 
 Under pipeline parallelism (`parallel.pp > 1`) the model is the rank's stages and the microbatches
 run through torch's schedule instead (`moetrain.train.pipeline_step`); the rest of the step is shared.
@@ -290,7 +290,7 @@ class Trainer:
             loss_sum, aux_sum, z_sum, expert_load, mtp_sum, mtp_counts = self._accumulate(microbatches,
                                                                                           global_tokens, phases)
         if self.replicas is not None:
-            self.replicas.after_backward(self.model)  # the replicate all-reduce, once per step
+            self.replicas.after_backward(self.model)  # the replicate all-reduce (once per step unless per microbatch)
         # Under expert parallelism the token all-to-alls are reported on their own, not as compute.
         a2a_s, a2a_sent, a2a_received = self.all_to_all.take() if self.all_to_all is not None else (0.0, 0, 0)
         compute_s = time.perf_counter() - start - a2a_s
@@ -375,7 +375,10 @@ class Trainer:
                 prepare_global_balance(self.model, microbatches, self.split.model_inputs, self.split.tp)
             if self.qk_clip is not None:
                 self.qk_clip.arm()
-            for batch, _is_last in accumulation(self.model, microbatches, self.policy):
+            steps = accumulation(self.model, microbatches, self.policy)
+            if self.replicas is not None:  # (ft) the managed all-reduce after each microbatch, when its policy says so
+                steps = self.replicas.accumulation(self.model, steps)
+            for batch, _is_last in steps:
                 with phases.phase("forward"), self.split.loss_context():
                     outputs = self.model(**self.split.model_inputs(batch), mtp=mtp_counts is not None)
                     logits = outputs[0] if mtp_counts is not None else outputs
