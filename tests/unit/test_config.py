@@ -194,7 +194,7 @@ def test_world_size_not_divisible_by_model_dimensions():
 
 
 @pytest.mark.parametrize("dimension", ["pp", "tp", "cp"])
-@pytest.mark.parametrize("feature,value", [("model.mtp_depth", 1), ("lora.rank", 4), ("train.float8", "rowwise"),
+@pytest.mark.parametrize("feature,value", [("model.mtp_depth", 1), ("train.float8", "rowwise"),
                                            ("train.optimizer", "muon"), ("train.qk_clip_tau", 100.0),
                                            ("ft.enabled", True)])
 def test_features_not_checked_under_a_model_dimension_are_refused(dimension, feature, value):
@@ -209,4 +209,24 @@ def test_features_not_checked_under_a_model_dimension_are_refused(dimension, fea
     setattr(getattr(cfg, section), name, value)
     cfg.ft.lighthouse = "http://localhost:29510"  # read only with ft.enabled
     with pytest.raises(ConfigError, match=f"{feature} = .* is not supported yet with parallel.{dimension} = 2"):
+        cfg.validate()
+
+
+# LoRA: each pipeline stage holds its layers' adapters; tensor and context parallelism are refused with the reason.
+@pytest.mark.parametrize("dimension,refusal", [("pp", None), ("tp", "the tensor-parallel plans split the base"),
+                                               ("cp", "not yet checked against one process")])
+def test_lora_runs_under_a_pipeline_and_is_refused_under_tp_and_cp(dimension, refusal):
+    cfg = JobConfig()
+    cfg.model.tie_embeddings = False
+    cfg.model.qk_norm = "none"
+    cfg.model.moe.aux_loss_scope = "global_batch"
+    cfg.train.grad_accum, cfg.train.sample_tokens = 4, 0
+    setattr(cfg.parallel, dimension, 2)
+    cfg.lora.rank = 4
+    if refusal is None:
+        cfg.validate()
+        cfg.lora.init_from = "adapter_dir"
+        refusal = "lora.init_from = .* not supported yet with parallel.pp = 2: the adapter directory"
+    with pytest.raises(ConfigError, match=f"lora.rank = 4 .*not supported yet with parallel.{dimension} = 2: .*"
+                       f"{refusal}" if dimension != "pp" else refusal):
         cfg.validate()

@@ -103,7 +103,7 @@ def _check_composed_features(cfg: JobConfig) -> None:
             continue
         check(not (name == "parallel.pp" and (p.tp > 1 or p.cp > 1)), name, degree,
               "with parallel.tp or parallel.cp > 1: not supported yet (pipeline stages are not tensor/context split)")
-        for feature, used in (("model.mtp_depth", cfg.model.mtp_depth > 0), ("lora.rank", cfg.lora.enabled),
+        for feature, used in (("model.mtp_depth", cfg.model.mtp_depth > 0),
                               ("train.float8", t.float8 != "none"), ("train.optimizer", t.optimizer != "adamw"),
                               ("train.qk_clip_tau", t.qk_clip_tau > 0), ("ft.enabled", cfg.ft.enabled)):
             check(not used, feature, getattr(_section(cfg, feature), feature.split(".")[1]),
@@ -123,13 +123,19 @@ def _check_lora(lora: LoraConfig, model: ModelConfig, parallel: ParallelConfig) 
     narrowest = min(lora.targets, key=widths.__getitem__)
     check(lora.rank <= widths[narrowest], "lora.rank", lora.rank,
           f"must be <= {widths[narrowest]}, the smallest dimension of the {narrowest} matrices")
+    # Under a pipeline each stage holds its layers' adapters (gradients checked against float64). The tensor-
+    # parallel plans split base weights the adapters do not follow, and context parallelism is unchecked.
+    for name, degree in (("parallel.tp", parallel.tp), ("parallel.cp", parallel.cp)):
+        check(degree == 1, "lora.rank", lora.rank, f"not supported yet with {name} = {degree}: "
+              + ("the tensor-parallel plans split the base weights, not yet the adapters (A and B would stay whole "
+                 "while W x is a shard)" if name == "parallel.tp" else
+                 "adapters under context parallelism are not yet checked against one process"))
+    check(not (parallel.pp > 1 and lora.init_from), "lora.init_from", lora.init_from,
+          f"not supported yet with parallel.pp = {parallel.pp}: the adapter directory is read into a whole model")
     moe = model.moe
     check(not (moe.load_balance == "aux_free" and moe.bias_update_rate > 0 and model.n_dense_layers < model.n_layers),
           "model.moe.bias_update_rate", moe.bias_update_rate, "must be 0 with lora.rank > 0: the aux-free balancing "
           "bias is base state, which LoRA keeps frozen and a PEFT adapter cannot carry")
-    check(not (lora.expert_mode == "shared" and "experts" in lora.targets and parallel.ep > 1), "lora.expert_mode",
-          lora.expert_mode, "one adapter shared by experts split over ranks is not implemented; use per_expert "
-          "with parallel.ep > 1")
 
 
 def _check_tokenizer_travels(model_dir: str, tokenizer: str) -> None:
