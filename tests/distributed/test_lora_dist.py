@@ -122,6 +122,7 @@ def test_adapter_gradients_under_fsdp2_ep2_equal_float64_and_the_base_stays_unch
     assert set(grads) == set(want) and base_grads == []
     got = {name: torch.from_numpy(g).double() for name, g in grads.items()}
     error, where = relative_error(got, want)
+    print(f"{lora.expert_mode}: {len(got)} adapter gradients, max relative error {error:.2e} at {where}")
     assert error < BOUND, (error, where)
     assert all(float(w.abs().max()) > 0 for w in want.values())  # every adapter takes a gradient
     for name, value in base.items():
@@ -213,6 +214,7 @@ def test_adapter_gradients_under_pp2_equal_float64_and_the_checkpoint_gathers_th
     want = pp_reference_grads(cfg, batches)
     assert set(grads) == set(want) and base_grads == []  # every stage's adapters, no base gradient
     error, where = relative_error(grads, want)
+    print(f"pp 2 x fsdp 2: {len(grads)} adapter gradients, max relative error {error:.2e} at {where}")
     assert error < BOUND, (error, where)
     # The checkpoint holds every stage's adapters: one process (what export-hf builds) reads them back whole.
     model = model_of_run(_pp_job(4), latest_complete(tmp_path))
