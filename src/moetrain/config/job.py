@@ -123,12 +123,14 @@ def _check_lora(lora: LoraConfig, model: ModelConfig, parallel: ParallelConfig) 
     narrowest = min(lora.targets, key=widths.__getitem__)
     check(lora.rank <= widths[narrowest], "lora.rank", lora.rank,
           f"must be <= {widths[narrowest]}, the smallest dimension of the {narrowest} matrices")
-    # Under a pipeline each stage holds its layers' adapters (gradients checked against float64). The tensor-
-    # parallel plans split base weights the adapters do not follow, and context parallelism is unchecked.
+    # Under a pipeline each stage holds its layers' adapters (gradients checked against float64). torch's
+    # tensor-parallel styles partition a Linear's parameters without knowing adapters (ColwiseParallel shards
+    # all of them on dim 0, RowwiseParallel only weight and bias), and context parallelism is unchecked.
     for name, degree in (("parallel.tp", parallel.tp), ("parallel.cp", parallel.cp)):
         check(degree == 1, "lora.rank", lora.rank, f"not supported yet with {name} = {degree}: "
-              + ("the tensor-parallel plans split the base weights, not yet the adapters (A and B would stay whole "
-                 "while W x is a shard)" if name == "parallel.tp" else
+              + ("the tensor-parallel plans split the base weights, not yet the adapters (torch's ColwiseParallel "
+                 "shards every parameter of a Linear on dim 0, lora_A's rank too; RowwiseParallel only weight and "
+                 "bias, leaving lora_A and lora_B plain beside a DTensor weight)" if name == "parallel.tp" else
                  "adapters under context parallelism are not yet checked against one process"))
     check(not (parallel.pp > 1 and lora.init_from), "lora.init_from", lora.init_from,
           f"not supported yet with parallel.pp = {parallel.pp}: the adapter directory is read into a whole model")
