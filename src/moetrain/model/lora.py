@@ -117,8 +117,8 @@ class _FoldInto(torch.autograd.Function):
         lora_A, lora_B = ctx.saved_tensors
         lhs, rhs = _factors(lora_A, lora_B, ctx.n_experts)
         # baddbmm's own derivative, then expand's (a sum over the experts sharing one pair)
-        grad_lhs = grad.bmm(rhs.transpose(1, 2)) * ctx.scaling
-        grad_rhs = lhs.transpose(1, 2).bmm(grad) * ctx.scaling
+        grad_lhs = grad.bmm(rhs.transpose(1, 2)).mul_(ctx.scaling)  # in place on the fresh product: same values
+        grad_rhs = lhs.transpose(1, 2).bmm(grad).mul_(ctx.scaling)
         if lora_A.shape[0] != ctx.n_experts:
             grad_lhs, grad_rhs = grad_lhs.sum(0, keepdim=True), grad_rhs.sum(0, keepdim=True)
         return None, grad_lhs.transpose(1, 2), grad_rhs.transpose(1, 2), None, None
