@@ -58,9 +58,10 @@ def measure(variant: str, targets: list[str], expert_mode: str, tmp: Path) -> di
 
 
 def main(argv: list[str]) -> None:
-    out, _ = take_option(argv, "json")
+    out, argv = take_option(argv, "json")
+    variants, _ = take_option(argv, "variants")  # comma-separated; default every family below
     rows = []
-    for variant in ("qwen3_moe", "deepseek_v3", "gpt_oss"):
+    for variant in (variants.split(",") if variants else ("qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral")):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = lora_job(hf_tiny.save(hf_tiny.build_variant(variant), Path(tmp) / "probe"))
         present = [t for t in ("attention", "ffn", "shared_experts", "experts", "router")

@@ -303,3 +303,24 @@ def test_backward_refolds_the_expert_stacks_instead_of_keeping_them(monkeypatch,
     if impl == "memory_efficient":  # what the recipe saves: without it autograd keeps both stacks
         assert alive == [True, True]
     assert all(torch.equal(refolded[n], kept[n]) for n in kept)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per_expert", "shared"])
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
+def test_the_fold_into_a_reused_stack_equals_autograds_fold_bit_for_bit(shared, base_dtype):
+    from moetrain.model import lora as lora_module
+
+    gen = torch.Generator().manual_seed(4)
+    n_experts, stacks = 4, 1 if shared else 4
+    weight = torch.randn(n_experts, 8, 12, generator=gen).to(base_dtype)
+    grad_out = torch.randn(n_experts, 8, 12, generator=gen)
+    results = []
+    for reused in (False, True):
+        a = torch.randn(stacks, 3, 8, generator=torch.Generator().manual_seed(5)).requires_grad_()
+        b = torch.randn(stacks, 12, 3, generator=torch.Generator().manual_seed(6)).requires_grad_()
+        folded = (lora_module._FoldInto.apply(weight, a, b, 0.7, lora_module._stack_for("w1", weight, a)) if reused
+                  else fold(weight, a, b, 0.7))
+        (folded * grad_out).sum().backward()
+        results.append((folded.detach().clone(), a.grad, b.grad))
+    for plain, reused in zip(*results, strict=True):
+        assert torch.equal(plain, reused)

@@ -51,7 +51,8 @@ def trained(cfg, directory, steps=3):
 
 
 @pytest.mark.parametrize("variant, expert_mode", [("qwen3_moe", "per_expert"), ("deepseek_v3", "per_expert"),
-                                                  ("gpt_oss", "per_expert"), ("qwen3_moe", "shared")])
+                                                  ("gpt_oss", "per_expert"), ("qwen3_moe", "shared"),
+                                                  ("mixtral", "per_expert")])
 def test_peft_loads_the_adapters_with_moetrains_logits(tmp_path, variant, expert_mode):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

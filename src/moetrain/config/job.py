@@ -104,7 +104,7 @@ def _check_composed_features(cfg: JobConfig) -> None:
         # Muon, QK-clip and MTP are checked under pipeline parallelism (tests/distributed): refused under tp/cp only.
         under_split = name != "parallel.pp"
         for feature, used in (("model.mtp_depth", under_split and cfg.model.mtp_depth > 0),
-                              ("lora.rank", cfg.lora.enabled), ("train.float8", t.float8 != "none"),
+                              ("train.float8", t.float8 != "none"),
                               ("train.optimizer", under_split and t.optimizer != "adamw"),
                               ("train.qk_clip_tau", under_split and t.qk_clip_tau > 0)):
             check(not used, feature, getattr(_section(cfg, feature), feature.split(".")[1]),
@@ -133,13 +133,21 @@ def _check_lora(lora: LoraConfig, model: ModelConfig, parallel: ParallelConfig) 
     narrowest = min(lora.targets, key=widths.__getitem__)
     check(lora.rank <= widths[narrowest], "lora.rank", lora.rank,
           f"must be <= {widths[narrowest]}, the smallest dimension of the {narrowest} matrices")
+    # Under a pipeline each stage holds its layers' adapters (gradients checked against float64). torch's
+    # tensor-parallel styles partition a Linear's parameters without knowing adapters (ColwiseParallel shards
+    # all of them on dim 0, RowwiseParallel only weight and bias), and context parallelism is unchecked.
+    for name, degree in (("parallel.tp", parallel.tp), ("parallel.cp", parallel.cp)):
+        check(degree == 1, "lora.rank", lora.rank, f"not supported yet with {name} = {degree}: "
+              + ("the tensor-parallel plans split the base weights, not yet the adapters (torch's ColwiseParallel "
+                 "shards every parameter of a Linear on dim 0, lora_A's rank too; RowwiseParallel only weight and "
+                 "bias, leaving lora_A and lora_B plain beside a DTensor weight)" if name == "parallel.tp" else
+                 "adapters under context parallelism are not yet checked against one process"))
+    check(not (parallel.pp > 1 and lora.init_from), "lora.init_from", lora.init_from,
+          f"not supported yet with parallel.pp = {parallel.pp}: the adapter directory is read into a whole model")
     moe = model.moe
     check(not (moe.load_balance == "aux_free" and moe.bias_update_rate > 0 and model.n_dense_layers < model.n_layers),
           "model.moe.bias_update_rate", moe.bias_update_rate, "must be 0 with lora.rank > 0: the aux-free balancing "
           "bias is base state, which LoRA keeps frozen and a PEFT adapter cannot carry")
-    check(not (lora.expert_mode == "shared" and "experts" in lora.targets and parallel.ep > 1), "lora.expert_mode",
-          lora.expert_mode, "one adapter shared by experts split over ranks is not implemented; use per_expert "
-          "with parallel.ep > 1")
 
 
 def _check_tokenizer_travels(model_dir: str, tokenizer: str) -> None:

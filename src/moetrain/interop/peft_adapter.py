@@ -45,6 +45,7 @@ from moetrain.errors import ConfigError
 from moetrain.interop import families
 from moetrain.interop.config_map import export_family
 from moetrain.interop.hf_io import ROPE_ROWS, check_output_dir
+from moetrain.interop.layouts import fused_expert_names
 from moetrain.interop.sharded_tensors import copy_full_into, full, rope_reorder
 from moetrain.model.init import canonical_name
 from moetrain.model.layers import rope_permutation
@@ -53,6 +54,11 @@ from moetrain.parallel.collectives import barrier, rank_and_world
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
+
+IN_MEMORY_RENAMES = {"mixtral": (".block_sparse_moe.", ".mlp.")}
+"""Families whose files keep transformers 4's per-expert names, which transformers 5 loads into fused 3-D
+parameters under module names of its own (Mixtral: `mlp.gate`, `mlp.experts.gate_up_proj` / `down_proj`).
+PEFT targets the loaded model's names, so the adapters are written under those."""
 
 # adapter_config.json options and the values moetrain computes; any other value is refused on import.
 IMPLEMENTED_OPTIONS = {"peft_type": ("LORA",), "use_dora": (False, None), "use_rslora": (False, None),
@@ -114,6 +120,8 @@ def adapter_entries(model: nn.Module, cfg: JobConfig) -> tuple[list[Entry], list
     """(entries, target_modules, target_parameters) of `model`'s adapters in the family's PEFT names."""
     family = families.family(export_family(cfg.model))
     names = family.tensor_names(cfg.model)
+    if family.model_type in IN_MEMORY_RENAMES:
+        names = {ours: theirs.replace(*IN_MEMORY_RENAMES[family.model_type]) for ours, theirs in names.items()}
     model_cfg, n_experts = cfg.model, cfg.model.moe.n_experts
     entries: list[Entry] = []
     modules: list[str] = []
@@ -144,8 +152,8 @@ def _expert_entries(experts: LoRAExpertWeights, family: families.Family, layer: 
     if family.interleaved_expert_names is not None:
         gate_up, _, down, _ = family.interleaved_expert_names(layer)
         gate_up_rows = torch.stack((torch.arange(n), torch.arange(n) + n), dim=-1).flatten()  # gate | up -> 0::2, 1::2
-    elif family.fused_expert_names is not None:
-        gate_up, down = family.fused_expert_names(layer)
+    elif family.fused_expert_names is not None or family.model_type in IN_MEMORY_RENAMES:
+        gate_up, down = (family.fused_expert_names or fused_expert_names)(layer)
         gate_up_rows = None
     else:
         raise ConfigError(f"lora.targets = 'experts' cannot be exported for {family.label}: PEFT reaches routed "

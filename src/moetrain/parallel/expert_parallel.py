@@ -193,7 +193,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> AllToAllStat
         if moe.cfg.n_experts % ep_mesh.size():
             raise ValueError(f"{moe.cfg.n_experts} experts cannot be split over {ep_mesh.size()} ranks")
         for name, weight in list(moe.experts.named_parameters(recurse=False)):
-            if weight.shape[0] != moe.cfg.n_experts:  # not one slice per expert (a LoRA adapter all experts share)
+            if not _per_expert(weight, moe):
                 continue
             sharded = distribute_tensor(weight.data, ep_mesh, [Shard(0)], src_data_rank=None)
             moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
@@ -210,5 +210,12 @@ def all_to_all_stats(model: nn.Module) -> AllToAllStats | None:
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The routed-expert weights of every MoE layer (the parameters EP shards)."""
-    return {p for moe in moe_layers(model) for p in moe.experts.parameters()}
+    """The routed-expert weights of every MoE layer split per expert (the parameters EP shards)."""
+    return {p for moe in moe_layers(model) for p in moe.experts.parameters() if _per_expert(p, moe)}
+
+
+def _per_expert(param: nn.Parameter, moe: MoE) -> bool:
+    """One slice per expert. A LoRA adapter every expert shares ([1, ...]) is not: whole on every rank, it
+    shards like the block's other weights, and FSDP's reduction over all data-parallel ranks (the EP ranks
+    among them) sums what each rank's experts contributed to its gradient."""
+    return param.shape[0] == moe.cfg.n_experts

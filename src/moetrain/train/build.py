@@ -98,6 +98,8 @@ def build_pipeline(cfg: JobConfig, job: JobMesh, *, weights: str | None = None) 
     # all-gather every layer twice per microbatch, and torch's split backward (ZBVZeroBubble) collects
     # a stage's weight gradients by the module's registered parameters, which must be the gathered ones.
     parallel = dataclasses.replace(cfg.parallel, reshard_after_forward=False)
+    if cfg.lora.enabled:  # the parts share `model`'s modules: each stage's adapters live with its layers
+        apply_lora(pipeline.model, cfg.lora, frozen_dtype=DTYPES[cfg.parallel.param_dtype])
     for part in pipeline.parts:
         parallelize_model(part, job, parallel, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile,
