@@ -59,17 +59,19 @@ def record_gemms(monkeypatch) -> list[tuple[str, torch.Tensor, torch.Tensor, lis
     return calls
 
 
-def expert_step(impl: str, float8: bool = True) -> None:
+def expert_step(impl: str, float8: bool = True, device: str = "cpu") -> None:
     """One bf16 forward and backward of a routed-expert layer (some experts empty or nearly)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(T, D, generator=gen).bfloat16().requires_grad_()
-    w1 = (torch.randn(E, D, 2 * N, generator=gen) / D**0.5).bfloat16().requires_grad_()
-    w2 = (torch.randn(E, N, D, generator=gen) / N**0.5).bfloat16().requires_grad_()
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, torch.bfloat16).requires_grad_()
+
+    x, w1, w2 = leaf(T, D), leaf(E, D, 2 * N, scale=D**-0.5), leaf(E, N, D, scale=N**-0.5)
     logits = torch.randn(T, E, generator=gen) + torch.tensor([2.0, 0.0, -1.0, -4.0])  # unequal loads
     gates, idx = logits.softmax(-1).topk(K)
-    routing = routing_from_topk(idx, gates.bfloat16(), E)
+    routing = routing_from_topk(idx.to(device), gates.to(device, torch.bfloat16), E)
     out = routed_experts(x, routing, w1, w2, "swiglu", impl, float8=float8)
-    (out.float() * torch.randn(T, D, generator=gen)).sum().backward()
+    (out.float() * torch.randn(T, D, generator=gen).to(device)).sum().backward()
 
 
 def gemm_errors(calls) -> list[tuple[str, float, float]]:
@@ -92,10 +94,15 @@ def gemm_errors(calls) -> list[tuple[str, float, float]]:
     return rows
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)  # CUDA: torchao's kernels and torch._scaled_grouped_mm
 @pytest.mark.parametrize("impl", ["grouped", "memory_efficient"])
-def test_expert_gemms_within_the_float8_bound(impl, monkeypatch):
+def test_expert_gemms_within_the_float8_bound(impl, device, monkeypatch):
     calls = record_gemms(monkeypatch)
-    expert_step(impl)
+    expert_step(impl, device=device)
     assert sorted(kind for kind, *_ in calls) == ["product"] * 4 + ["weight_grad"] * 2
     rows = gemm_errors(calls)
     over = [r for r in rows if r[1] > 1]
