@@ -7,7 +7,10 @@ forward, the median time of each and their ratio, and whether the tokens agree. 
 ratio of medians measured side by side is the number to read, not the times. A third variant, alternated with
 the two, runs speculative decoding with its few-token forwards (the verify forward, the MTP catch-up) on the
 general path instead of the decode step's (`moetrain.model.kv_cache.FEW_TOKENS = 1`): what the speed-up was
-before those forwards took the decode path.
+before those forwards took the decode path. `--forward-costs N` first times the forwards themselves, N rounds
+alternated, each round starting with the next kind (a one-token decode step; a two-token verify forward on the
+decode path and on the general path; the MTP module's forward of one and of two tokens), each the median over
+the rounds: steadier than whole generations on a loaded machine.
 
     PYTHONPATH=src:. .venv/bin/python benchmarks/quality/mtp_speculative.py --run-dir RUN --tokens 128
 
@@ -36,12 +39,60 @@ from moetrain.train.build import build_model
 PROMPTS = ["def ", "import os\n", "class ", "    def __init__(self", "for i in range(", "if __name__ == "]
 
 
+def forward_costs(model, rounds: int, context: int = 40, capacity: int = 400) -> dict[str, float]:
+    """Median seconds of each kind of cached forward (see the module docstring), alternated over `rounds`."""
+    depth_layers = len(model.layers) + model.cfg.mtp_depth
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen)
+
+    def main_forward(n: int, few: int) -> float:
+        kv_cache.FEW_TOKENS, cache = few, kv_cache.KVCache(depth_layers, 1, capacity)
+        model.cached_forward(tokens(context), cache)
+        for timed in (False, True):  # the first forward makes the cache's tables (once per generation): untimed
+            start = time.perf_counter()
+            for _ in range(10 if timed else 1):
+                model.cached_forward(tokens(n), cache)
+                cache.rewind(cache.length - n + 1)
+        return (time.perf_counter() - start) / 10
+
+    def mtp_forward(n: int) -> float:
+        cache = kv_cache.KVCache(depth_layers, 1, capacity)
+        hidden = torch.randn(1, context, model.cfg.dim, generator=gen)
+        model.mtp_cached_forward(1, hidden, tokens(context), cache)
+        for timed in (False, True):
+            start = time.perf_counter()
+            for _ in range(10 if timed else 1):
+                model.mtp_cached_forward(1, hidden[:, :n], tokens(n), cache)
+                cache.rewind(cache.length - n + 1)
+        return (time.perf_counter() - start) / 10
+
+    few_tokens = kv_cache.FEW_TOKENS
+    times: dict[str, list[float]] = {k: [] for k in ("decode_1", "verify_2_decode_path", "verify_2_general_path",
+                                                      "mtp_1", "mtp_2")}
+    try:
+        with torch.inference_mode():
+            kinds = {"decode_1": lambda: main_forward(1, few_tokens),
+                     "verify_2_decode_path": lambda: main_forward(2, few_tokens),
+                     "verify_2_general_path": lambda: main_forward(2, 1), "mtp_1": lambda: mtp_forward(1),
+                     "mtp_2": lambda: mtp_forward(2)}
+            order = list(kinds)
+            for round_ in range(rounds):  # each round starts with the next kind: no kind always runs first
+                for name in order[round_ % len(order):] + order[:round_ % len(order)]:
+                    times[name].append(kinds[name]())
+    finally:
+        kv_cache.FEW_TOKENS = few_tokens
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the rows as JSON here too")
+    parser.add_argument("--forward-costs", type=int, default=0, help="rounds of the per-forward timing (0: none)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     run_dir = RunDir(Path(args.run_dir))
@@ -51,6 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg.model, weights="none")
     load_model_weights(ref, model)
     model.eval()
+    if args.forward_costs:
+        costs = forward_costs(model, args.forward_costs)
+        print(f"forward costs, median of {args.forward_costs} alternated rounds (ms): "
+              + ", ".join(f"{k} {1000 * v:.1f}" for k, v in costs.items()))
+        print(f"verify of 2 / decode of 1: decode path {costs['verify_2_decode_path'] / costs['decode_1']:.2f}, "
+              f"general path {costs['verify_2_general_path'] / costs['decode_1']:.2f}")
+        if args.out:
+            Path(args.out).with_suffix(".forwards.json").write_text(json.dumps(costs, indent=1) + "\n")
     rows = []
     for prompt in PROMPTS:
         context = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
