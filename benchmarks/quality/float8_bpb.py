@@ -31,8 +31,8 @@ BF16 = ("--parallel.param_dtype", "bfloat16")
 
 def rows(recipes: list[str]) -> list[Row]:
     out = [Row("bf16", "float8", "bf16 compute (float32 master weights)", BF16)]
-    out += [Row(f"float8_{r}", "float8", f"float8 {r} linears, float8 rowwise routed experts, bf16 elsewhere", (*BF16, "--train.float8", r))
-            for r in recipes]
+    out += [Row(f"float8_{r}", "float8", f"float8 {r} linears, float8 rowwise routed experts, bf16 elsewhere",
+                (*BF16, "--train.float8", r)) for r in recipes]
     return out
 
 
