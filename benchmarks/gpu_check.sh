@@ -4,11 +4,14 @@
 #   bash benchmarks/gpu_check.sh [OUT_DIR]      (default OUT_DIR: benchmarks/results/gpu_check)
 #
 # Steps (each under its own time limit; the limits add up to 13.5 minutes):
-#   1. the CUDA-marked tests (pytest -m cuda; a skipped or missing test counts as a failure)
+#   1. the CUDA-marked tests (pytest -m cuda; a skipped or missing test counts as a failure), among them the
+#      float8 routed experts through torchao's kernels and torch._scaled_grouped_mm within float8's bound
+#      (tests/unit/test_float8_experts.py)
 #   2. moetrain bench moe in bf16 on the GPU (expert implementations side by side)
 #   3. moetrain bench train on configs/qwen3_moe_debug.toml, flex attention, bf16 (tokens/s, MFU, memory)
 #   4. bf16 import parity against transformers (benchmarks/parity/hf_parity_bf16.py)
-#   5. float8 (train.float8 = "rowwise", torchao's _scaled_mm) against bf16 on qwen3_moe_debug (step 3 is its
+#   5. float8 (train.float8 = "rowwise": torchao's _scaled_mm for the linears, its rowwise float8 grouped GEMMs
+#      for the routed experts) against bf16 on qwen3_moe_debug (step 3 is its
 #      bf16 row) and on the DeepSeek-V3 debug preset (a bf16 row and a float8 row), then their tokens/s and
 #      MFU ratios; MFU keeps the bf16 peak as its denominator, so float8's gain shows as a higher MFU
 # A step that fails is reported and the others still run; the script exits 1 when any failed,

@@ -1,10 +1,12 @@
-"""Held-out bits per byte of the default job trained with float8 linears against bf16 (train.float8).
+"""Held-out bits per byte of the default job trained in float8 against bf16 (train.float8).
 
 Each row is `configs/tiny_moe.toml` with `parallel.param_dtype = "bfloat16"` (the compute dtype float8
 training replaces; master weights stay float32), run as a fresh subprocess with one intra-op thread,
 no checkpoints and no sample, the quality grid's schedule (benchmarks/quality/grid.py), on one seed;
 the rows run side by side. The question is quality, not speed: on CPU float8 runs in torchao's emulation
 (moetrain.parallel.float8.NATIVE_ON), so only the held-out bpb and its relative gap to bf16 are the result.
+A float8 row runs the attention, dense and shared-expert linears in the row's recipe and the routed experts'
+grouped GEMMs in torchao's rowwise grouped recipe (what train.float8 converts: docs/design/float8.md).
 
     PYTHONPATH=src:. .venv/bin/python benchmarks/quality/float8_bpb.py --steps 300 --seq-len 128 --out float8_bpb
 
@@ -29,8 +31,8 @@ BF16 = ("--parallel.param_dtype", "bfloat16")
 
 def rows(recipes: list[str]) -> list[Row]:
     out = [Row("bf16", "float8", "bf16 compute (float32 master weights)", BF16)]
-    out += [Row(f"float8_{r}", "float8", f"float8 {r} linears, bf16 elsewhere", (*BF16, "--train.float8", r))
-            for r in recipes]
+    out += [Row(f"float8_{r}", "float8", f"float8 {r} linears, float8 rowwise routed experts, bf16 elsewhere",
+                (*BF16, "--train.float8", r)) for r in recipes]
     return out
 
 

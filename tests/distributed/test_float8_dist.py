@@ -13,10 +13,15 @@ forwards in both, SGD for 3 steps.
   within 1e-5.
 - rowwise, param_dtype bfloat16: rowwise scales cannot be cut per shard, so FSDP gathers bf16 weights,
   the same bf16 values one process's compute copies hold: the same bound.
+
+The routed experts run their grouped GEMMs in float8 in every case (torchao's rowwise grouped recipe, weights
+gathered in param_dtype), through the memory-efficient layer and, in the last row, the standard-autograd one:
+each microbatch's expert groups and scales are the same in both runs, so the same bound holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -37,7 +42,13 @@ pytest.importorskip("torchao.float8")
 WORLD, STEPS, MICRO, LR = 2, 3, 2, 0.3
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_dense_layers=1, n_heads=2, ffn_hidden=64, max_seq_len=16,
                   moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1))
-CASES = [("tensorwise", "float32"), ("rowwise", "bfloat16")]
+# (linears' recipe, param_dtype, moe.impl)
+CASES = [("tensorwise", "float32", "memory_efficient"), ("rowwise", "bfloat16", "memory_efficient"),
+         ("rowwise", "bfloat16", "grouped")]
+
+
+def with_impl(impl: str) -> ModelConfig:
+    return dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, impl=impl))
 
 
 def initial_state() -> dict[str, torch.Tensor]:
@@ -97,19 +108,19 @@ def train(model, microbatches_of_step, step_hook=None, compute=None, on_end=None
     return losses
 
 
-def one_process(state, data, recipe: str, param_dtype: str) -> list[float]:
+def one_process(state, data, recipe: str, param_dtype: str, impl: str) -> list[float]:
     from moetrain.parallel.precision import compute_copy
     from moetrain.train.build import build_model
 
     parallel = ParallelConfig(param_dtype=param_dtype)
-    model = build_model(CFG, parallel, None, "cpu", weights="none", float8=recipe)
+    model = build_model(with_impl(impl), parallel, None, "cpu", weights="none", float8=recipe)
     load_full_state(model, state)
     copies = compute_copy(model, parallel)
     return train(model, lambda step: [mb for rank in data[step] for mb in rank],
                  compute=copies.compute if copies is not None else None)
 
 
-def sharded(state, data, recipe: str, param_dtype: str, checkpoint_dir: str):
+def sharded(state, data, recipe: str, param_dtype: str, impl: str, checkpoint_dir: str):
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from moetrain.parallel.float8 import precompute_float8_scales
@@ -120,11 +131,13 @@ def sharded(state, data, recipe: str, param_dtype: str, checkpoint_dir: str):
     rank, world, device = init_distributed(ParallelConfig())
     parallel = ParallelConfig(dp_shard=world, param_dtype=param_dtype)
     job = JobMesh.from_config(parallel, world, device)
-    model = build_model(CFG, parallel, job, device, weights="none", float8=recipe)
+    cfg = with_impl(impl)
+    model = build_model(cfg, parallel, job, device, weights="none", float8=recipe)
     load_full_state(model, state)
+    experts_in_float8 = [name for name, module in model.named_modules() if getattr(module, "expert_float8", False)]
     gathered_in_float8 = sorted(n for n, p in model.named_parameters()
                                 if isinstance(p.to_local(), WeightWithDynamicFloat8CastTensor))
-    plain = build_model(CFG, parallel, job, device, weights="none")
+    plain = build_model(cfg, parallel, job, device, weights="none")
     keys = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     plain_keys = {k: (tuple(v.shape), v.dtype) for k, v in plain.state_dict().items()}
     from moetrain.checkpoint.storage import load_checkpoint, save_checkpoint
@@ -134,24 +147,26 @@ def sharded(state, data, recipe: str, param_dtype: str, checkpoint_dir: str):
                    on_end=lambda m, opt: saved.append(save_checkpoint(checkpoint_dir, STEPS, m, opt, {}, {}, 1)))
     full = {n: p.full_tensor().detach().float().numpy() for n, p in model.named_parameters()}
     # Resume: a fresh float8 model loading the checkpoint has the same weights and the next step's loss bit for bit.
-    resumed = build_model(CFG, parallel, job, device, weights="none", float8=recipe)
+    resumed = build_model(cfg, parallel, job, device, weights="none", float8=recipe)
     load_checkpoint(saved[0], resumed, torch.optim.SGD(resumed.parameters(), lr=LR))
     same_weights = all(torch.equal(a.full_tensor(), b.full_tensor())
                        for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
     tokens, targets = data[0][rank][0]
     next_losses = [float(token_loss_sum(m(tokens), targets)[0]) for m in (model, resumed)]
-    return losses, gathered_in_float8, keys == plain_keys, full, str(saved[0].path), same_weights, next_losses
+    return (losses, gathered_in_float8, keys == plain_keys, full, str(saved[0].path), same_weights, next_losses,
+            experts_in_float8)
 
 
-@pytest.mark.parametrize("recipe, param_dtype", CASES)
-def test_fsdp2_float8_losses_equal_one_process(recipe, param_dtype, tmp_path):
+@pytest.mark.parametrize("recipe, param_dtype, impl", CASES)
+def test_fsdp2_float8_losses_equal_one_process(recipe, param_dtype, impl, tmp_path):
     from moetrain.checkpoint.layout import CheckpointRef
     from moetrain.checkpoint.storage import load_model_weights
 
     state, data = initial_state(), batches()
-    expected = one_process(state, data, recipe, param_dtype)
-    results = run_on_ranks(sharded, WORLD, state, data, recipe, param_dtype, str(tmp_path))
-    losses, gathered, same_keys, full, checkpoint, resumed_weights, next_losses = results[0]
+    expected = one_process(state, data, recipe, param_dtype, impl)
+    results = run_on_ranks(sharded, WORLD, state, data, recipe, param_dtype, impl, str(tmp_path))
+    losses, gathered, same_keys, full, checkpoint, resumed_weights, next_losses, experts = results[0]
+    assert experts == ["layers.1.moe"]
     assert all(math.isfinite(x) for x in expected)
     assert losses[0] == expected[0], (losses, expected)  # the same float8 weights: the same bits
     for got, want in zip(losses, expected, strict=True):

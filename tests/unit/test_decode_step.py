@@ -136,7 +136,8 @@ def small_model(**overrides):
 
 @pytest.mark.parametrize("table", [True, False], ids=["slot-table", "per-step"])
 @pytest.mark.parametrize("padded", [False, True], ids=["one-length", "left-padded"])
-def test_decode_steps_equal_the_full_forward_of_each_row(table, padded, monkeypatch):
+@pytest.mark.parametrize("step", [1, 2], ids=["one-token", "two-token"])  # two: a verify forward's few tokens
+def test_decode_steps_equal_the_full_forward_of_each_row(table, padded, step, monkeypatch):
     if not table:  # a table over the slots would exceed the budget: the matrices are made per step
         monkeypatch.setattr(layers_module, "ROPE_TABLE_ELEMENTS", 0)
     model = small_model()
@@ -149,9 +150,13 @@ def test_decode_steps_equal_the_full_forward_of_each_row(table, padded, monkeypa
         model(torch.tensor([[p[0]] * (longest - len(p)) + p for p in prompts]), cache=cache)
         assert cache.padded == padded
         steps = []
-        for i in range(4):
-            steps.append(model(extra[:, i:i + 1], cache=cache)[:, 0])
-            assert cache.mask is None if not padded else cache.mask.shape == (2, 1, 1, longest + i + 1)
+        for i in range(0, 4, step):
+            steps += model(extra[:, i:i + step], cache=cache).unbind(1)
+            assert cache.few
+            if step == 1:
+                assert cache.mask is None if not padded else cache.mask.shape == (2, 1, 1, longest + i + 1)
+            else:  # causal within the few tokens: a slice of the cache's table (and the real slots)
+                assert cache.mask.shape == ((2, 1, step, longest + i + step) if padded else (step, longest + i + step))
         assert any(key[0] == "rope" for key in cache._per_cache) == table
         for b, prompt in enumerate(prompts):
             full = model(torch.tensor([prompt + extra[b].tolist()]))[0]
@@ -210,8 +215,8 @@ PROJECTIONS = {
 
 @pytest.mark.parametrize("variant", PROJECTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("batch", [1, 3])
-def test_the_decode_projection_is_bit_identical_to_the_normal_one(variant, dtype, batch, monkeypatch):
+@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 1), (1, 3)])
+def test_the_decode_projection_is_bit_identical_to_the_normal_one(variant, dtype, batch, seq, monkeypatch):
     """One GEMV over wq | wk | wv and one QK-norm over q's and k's heads give exactly `_project`'s q, k, v."""
     model = small_model(**PROJECTIONS[variant]).to(dtype)
     attention = model.layers[0].attention
@@ -226,7 +231,7 @@ def test_the_decode_projection_is_bit_identical_to_the_normal_one(variant, dtype
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _ in range(20):
-            x = torch.randn(batch, 1, 32, generator=gen).to(dtype) * 3
+            x = torch.randn(batch, seq, 32, generator=gen).to(dtype) * 3
             want = original(attention, x)
             got = attention._project_decode(x, fused)
             assert all(torch.equal(w, g) and w.shape == g.shape for w, g in zip(want, got, strict=True))

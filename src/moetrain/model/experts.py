@@ -16,6 +16,10 @@ runs each token's chosen experts one at a time straight from the top-k choice (`
 Optional expert biases (GPT-OSS): b1 [E, width of W1] is added to x_t W1_e and b2 [E, d] to the
 expert's output, before the score weighting: out[t] = sum scores[a] * (phi(x_t W1_e + b1_e) W2_e + b2_e).
 
+Under `float8` (train.float8, set by moetrain.parallel.float8) the grouped and memory-efficient impls run
+their GEMMs in torchao's rowwise float8 grouped recipe (float8_grouped_mm.py), forward and backward; the
+loop stays the high-precision reference.
+
 The grouped GEMMs, their per-device backend choice and the activations live in grouped_mm.py.
 This module makes no routing decisions, holds no parameters of its own and has no distributed code.
 
@@ -30,6 +34,7 @@ import torch
 from torch import Tensor
 
 from moetrain.errors import ModelError
+from moetrain.model.float8_grouped_mm import Float8GroupedMM
 from moetrain.model.grouped_mm import (
     BACKENDS,
     Activation,
@@ -105,16 +110,18 @@ def _experts_loop(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor
 
 
 def _experts_grouped(x_TD: Tensor, routing: Routing, w1_EDN: Tensor, w2_EFD: Tensor, activation: Activation,
-                     backend: Backend, b1_EN: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
+                     backend: Backend, b1_EN: Tensor | None = None, b2_ED: Tensor | None = None,
+                     float8: bool = False) -> Tensor:
     """Gather, two grouped GEMMs, weight by score, scatter back; standard autograd saves the lot."""
     sizes = host_counts(routing.counts, routing.n_assignments) if backend == "segment_loop" else None
+    mm = Float8GroupedMM.apply if float8 else grouped_mm
     gathered_AD = x_TD.index_select(0, routing.token_index)
-    hidden_AN = grouped_mm(gathered_AD, w1_EDN, routing.counts, backend, sizes)
+    hidden_AN = mm(gathered_AD, w1_EDN, routing.counts, backend, sizes)
     experts_A = expert_of_rows(routing.counts, routing.n_assignments) if b1_EN is not None or b2_ED is not None \
         else None
     if b1_EN is not None:
         hidden_AN = hidden_AN + b1_EN.index_select(0, experts_A)
-    expert_out_AD = grouped_mm(activation_forward(hidden_AN, activation), w2_EFD, routing.counts, backend, sizes)
+    expert_out_AD = mm(activation_forward(hidden_AN, activation), w2_EFD, routing.counts, backend, sizes)
     if b2_ED is not None:
         expert_out_AD = expert_out_AD + b2_ED.index_select(0, experts_A)
     weighted_AD = expert_out_AD * routing.scores.unsqueeze(1).to(expert_out_AD.dtype)
@@ -163,15 +170,17 @@ def few_token_experts(x_TD: Tensor, topk_idx_TK: Tensor, gates_TK: Tensor, w1_ED
 
 def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation = "swiglu",
                    impl: str = "memory_efficient", backend: Backend | None = None, b1: Tensor | None = None,
-                   b2: Tensor | None = None) -> Tensor:
+                   b2: Tensor | None = None, float8: bool = False) -> Tensor:
     """out[t] = sum over assignments a of token t: scores[a] * (phi(x_t W1_e + b1_e) W2_e + b2_e), shape [T,d].
 
     x [T,d]; w1 [E,d,2n] (gated: swiglu, ClampedSwiGLU) or [E,d,n] (gelu); w2 [E,n,d]; optional
     biases b1 [E, width of w1], b2 [E,d]. `backend` overrides the per-device grouped GEMM choice
-    (the benchmark measures both).
+    (the benchmark measures both). `float8`: the GEMMs in torchao's rowwise float8 grouped recipe (not the loop's).
     """
     if impl not in IMPLS:
         raise ModelError(f"moe impl = {impl!r} is invalid: valid impls are {', '.join(IMPLS)}")
+    if float8 and impl == "loop":
+        raise ModelError("float8 routed experts need moe impl = grouped or memory_efficient: the loop is the reference")
     if backend is not None and backend not in BACKENDS:
         raise ModelError(f"grouped GEMM backend = {backend!r} is invalid: valid backends are {', '.join(BACKENDS)}")
     check_expert_shapes(x, routing, w1, w2, activation, b1, b2)
@@ -183,5 +192,5 @@ def routed_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activati
     if impl == "loop":
         return _experts_loop(x, routing, w1_EDN, w2_EFD, activation, b1_EN, b2_ED)
     if impl == "grouped":
-        return _experts_grouped(x, routing, w1_EDN, w2_EFD, activation, chosen, b1_EN, b2_ED)
-    return memory_efficient_experts(x, routing, w1_EDN, w2_EFD, activation, chosen, b1=b1_EN, b2=b2_ED)
+        return _experts_grouped(x, routing, w1_EDN, w2_EFD, activation, chosen, b1_EN, b2_ED, float8)
+    return memory_efficient_experts(x, routing, w1_EDN, w2_EFD, activation, chosen, b1=b1_EN, b2=b2_ED, float8=float8)

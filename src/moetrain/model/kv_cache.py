@@ -19,6 +19,10 @@ in place, head-major ([B, H_kv, capacity, D], so attention reads each head's key
 one-token step builds no causal mask (its query sees every earlier real slot: no mask at all
 without padding, a slice of the per-row real-slot mask made once per batch with it); and
 `per_forward` lets every layer share what depends only on the step (RoPE's rotation matrices).
+A forward of a few tokens after the prompt (`FEW_TOKENS`: speculative decoding's verify forward of the
+newest token and its drafts, the MTP modules' catch-up) is a decode step too (`KVCache.few`): its causal
+mask is a slice of a slot-by-slot table made once per cache, and the attention modules give it the
+one-token step's specialisations (layers.Attention).
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moetrain.errors import ModelError
+
+# A forward of at most this many new tokens, every one a real (not padding) slot, is a decode step.
+FEW_TOKENS = 8
+# The causal table of a few-token step holds capacity^2 bools; above this many (16 MiB) the mask is built per step.
+CAUSAL_TABLE_ELEMENTS = 1 << 24
 
 
 def accepts_cache(attention: torch.nn.Module) -> bool:
@@ -64,6 +73,7 @@ class KVCache:
         self.length = 0  # slots written by every layer so far
         self.start = 0  # the slot range [start, length) the current forward writes
         self.mask: Tensor | None = None  # [B, 1, S_new, length] bool for the current forward; None: every key
+        self.few = False  # whether the current forward is a decode step (`FEW_TOKENS`)
         self._set_rows()
         self._per_forward: dict = {}
         self._per_cache: dict = {}
@@ -86,10 +96,17 @@ class KVCache:
         device = self.pad_B.device
         self.start, self.length = self.length, self.length + new_tokens
         self._per_forward = {}
-        if new_tokens == 1 and self.start >= self.most_padding:  # a decode step: one real query per row
-            # It sees every earlier slot of its row except the padding: no causal mask to build.
-            self.mask = None if not self.padded else self.real_slot_BC[:, None, None, :self.length]
-            return (self.start - self.pad_B).unsqueeze(1)
+        few = new_tokens <= FEW_TOKENS and self.start >= self.most_padding  # real queries only
+        self.few = few and (new_tokens == 1 or self.capacity ** 2 <= CAUSAL_TABLE_ELEMENTS)
+        if self.few:
+            # One query sees every earlier slot of its row except the padding: no causal mask to build; a few
+            # queries see those up to their own, a slice of the causal table.
+            real = None if not self.padded else self.real_slot_BC[:, None, None, :self.length]
+            causal = None if new_tokens == 1 else self.per_cache("causal", self._causal_table)[self.start:self.length,
+                                                                                               :self.length]
+            self.mask = causal if real is None else real if causal is None else causal & real
+            slots = self.per_cache("slots", lambda: torch.arange(self.capacity, device=device))
+            return slots[self.start:self.length].unsqueeze(0) - self.pad_B.unsqueeze(1)
         query_slot = torch.arange(self.start, self.length, device=device)
         key_slot = torch.arange(self.length, device=device)
         causal = key_slot <= query_slot.unsqueeze(1)  # [S_new, L]
@@ -99,6 +116,11 @@ class KVCache:
         itself = key_slot == query_slot.unsqueeze(1)
         self.mask = ((causal & real_key.unsqueeze(1)) | itself).unsqueeze(1)
         return (query_slot - self.pad_B.unsqueeze(1)).clamp(min=0)
+
+    def _causal_table(self) -> Tensor:
+        """[capacity, capacity] bool: slot j (column) is at or before slot i (row)."""
+        slots = torch.arange(self.capacity, device=self.pad_B.device)
+        return slots <= slots.unsqueeze(1)
 
     def rewind(self, length: int) -> None:
         """Forget every slot from `length` on (speculative decoding's rejected drafts); later forwards write them."""
@@ -155,6 +177,11 @@ class LayerCache:
     @property
     def capacity(self) -> int:
         return self.cache.capacity
+
+    @property
+    def few(self) -> bool:
+        """`KVCache.few`: whether this forward is a decode step of one or a few real tokens."""
+        return self.cache.few
 
     @property
     def copy_weights(self) -> bool:

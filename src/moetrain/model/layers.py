@@ -144,7 +144,8 @@ ROPE_TABLE_ELEMENTS = 1 << 22
 
 def decode_rope_rotation(cache: LayerCache, positions: Tensor, head_dim: int, rotary_dim: int, theta: float,
                          cfg: ModelConfig | None, layout: str, dtype: torch.dtype) -> Tensor:
-    """`rope_rotation` at a decode step's `positions` [B, 1], shared by every layer of equal RoPE settings."""
+    """`rope_rotation` at a decode step's `positions` [B, S] (one or a few tokens), shared by every layer of equal
+    RoPE settings."""
     key = ("rope", head_dim, rotary_dim, theta, layout, id(cfg), dtype)
 
     def at_positions() -> Tensor:  # the first layer of a forward asks; the others reuse its answer
@@ -235,7 +236,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def _project_decode(self, x: Tensor, cache: LayerCache) -> tuple[Tensor, Tensor, Tensor]:
-        """`_project` of a decode step (x [B, 1, d]) in fewer calls, bit for bit the same (tested).
+        """`_project` of a decode step (x [B, S, d], one or a few tokens) in fewer calls, bit for bit the same (tested).
 
         On CPU in float32/64 with `cache.copy_weights` the three projections are one GEMV over
         wq | wk | wv, concatenated once per generation (each output is the same dot product; in
@@ -247,7 +248,7 @@ class Attention(nn.Module):
             return self._project(x)
         if any(type(p) is not nn.Linear for p in (self.wq, self.wk, self.wv)):  # LoRA: more than the weights
             return self._project(x)
-        batch = x.shape[0]
+        batch, seq, _ = x.shape
         heads, kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
 
         def fused() -> tuple[Tensor, Tensor | None]:
@@ -260,10 +261,10 @@ class Attention(nn.Module):
         if self.qk_norm == "full":
             q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
             q, k = self.q_norm(q), self.k_norm(k)
-            q, k = q.view(batch, 1, heads, head_dim), k.view(batch, 1, kv_heads, head_dim)
-            v = v.view(batch, 1, kv_heads, head_dim)
+            q, k = q.view(batch, seq, heads, head_dim), k.view(batch, seq, kv_heads, head_dim)
+            v = v.view(batch, seq, kv_heads, head_dim)
         elif self.qk_norm == "per_head" and self.q_norm.eps is not None and self.q_norm.eps == self.k_norm.eps:
-            qkv = qkv.view(batch, 1, heads + 2 * kv_heads, head_dim)
+            qkv = qkv.view(batch, seq, heads + 2 * kv_heads, head_dim)
             qk, v = qkv.narrow(2, 0, heads + kv_heads), qkv.narrow(2, heads + kv_heads, kv_heads)
             norm_weight = cache.per_cache(("qk_norm", id(self)), lambda: torch.cat(
                 (self.q_norm.weight.expand(heads, head_dim), self.k_norm.weight.expand(kv_heads, head_dim))).detach())
@@ -271,7 +272,7 @@ class Attention(nn.Module):
             qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True).add_(self.q_norm.eps)) * norm_weight
             q, k = qk.split((heads, kv_heads), dim=2)
         else:
-            q, k, v = qkv.view(batch, 1, heads + 2 * kv_heads, head_dim).split((heads, kv_heads, kv_heads), dim=2)
+            q, k, v = qkv.view(batch, seq, heads + 2 * kv_heads, head_dim).split((heads, kv_heads, kv_heads), dim=2)
             if self.qk_norm == "per_head":
                 q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -282,21 +283,22 @@ class Attention(nn.Module):
                 cache: LayerCache | None = None) -> Tensor:
         """`cache` (generation): store this forward's k/v and attend over every cached token instead of `plan`."""
         batch, seq, _ = x.shape
-        q, k, v = self._project(x) if cache is None or seq > 1 else self._project_decode(x, cache)
-        if cache is None or seq > 1:
+        decode = cache is not None and cache.few  # one token, or a few (speculative decoding's verify forward)
+        q, k, v = self._project_decode(x, cache) if decode else self._project(x)
+        if not decode:
             cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta, self.rope_cfg)
             q, k = (apply_partial_rope(t, cos, sin, self.rope_layout) for t in (q, k))
-        else:  # a decode step: RoPE as one matrix per row, applied to q's and k's heads by one bmm
+        else:  # a decode step: RoPE as one matrix per token, applied to its q's and k's heads by one bmm
             rotation = decode_rope_rotation(cache, positions, self.head_dim, self.rotary_dim, self.rope_theta,
                                             self.rope_cfg, self.rope_layout,
                                             torch.promote_types(q.dtype, torch.float32))  # as apply_rope computes
-            qk = torch.cat((q, k), dim=2).view(batch, -1, self.head_dim)
+            qk = torch.cat((q, k), dim=2).view(batch * seq, -1, self.head_dim)
             if qk.dtype != rotation.dtype:
                 qk = qk.to(rotation.dtype)
-            qk = torch.bmm(qk, rotation.view(batch, self.head_dim, self.head_dim))
+            qk = torch.bmm(qk, rotation.view(batch * seq, self.head_dim, self.head_dim))
             if qk.dtype != q.dtype:
                 qk = qk.to(q.dtype)
-            q, k = qk.view(batch, 1, -1, self.head_dim).split((self.n_heads, self.n_kv_heads), dim=2)
+            q, k = qk.view(batch, seq, -1, self.head_dim).split((self.n_heads, self.n_kv_heads), dim=2)
         with profiler_label("attention"):  # a label in profiler traces
             if cache is None:
                 if self.max_logits is not None:

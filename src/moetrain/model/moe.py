@@ -111,9 +111,11 @@ class MoE(nn.Module):
         # Loads accumulated since the last bias update (one optimizer step spans several microbatches).
         self.register_buffer("load_since_update", torch.zeros(cfg.n_experts, dtype=torch.float32),
                              persistent=False)
-        # (x, routing, w1, w2, activation, impl[, b1=, b2=]) -> out, the contract of `routed_experts`. A
+        # (x, routing, w1, w2, activation, impl[, b1=, b2=, float8=]) -> out, the contract of `routed_experts`. A
         # plain attribute, not a submodule: it holds no parameters or state.
         self.expert_compute: Callable[..., Tensor] = routed_experts
+        # train.float8 (set by moetrain.parallel.float8): the routed experts' GEMMs in float8, passed on as `float8=`.
+        self.expert_float8: bool = False
         self.aux_loss: Tensor | None = None
         self.router_z: Tensor | None = None
         self.tokens_per_expert: Tensor | None = None
@@ -186,8 +188,9 @@ class MoE(nn.Module):
                     out_TD = few_token_experts(x_TD, topk_idx_TK, gates_TK.to(x_TD.dtype), w1, w2, self.activation,
                                                **self.experts.biases())
                 else:
+                    float8 = {"float8": True} if self.expert_float8 else {}  # the contract's optional keyword
                     out_TD = self.expert_compute(x_TD, routing, w1, w2, self.activation, self.cfg.impl,
-                                                 **self.experts.biases())
+                                                 **self.experts.biases(), **float8)
         with profiler_label("combine"):  # the routed experts' output joined with the shared expert's
             if self.shared_expert is not None:
                 shared_TD = self.shared_expert(x_TD)

@@ -27,7 +27,7 @@ computation as a plain autograd Function, kept as the pre-operator form that tes
 benchmark compare against.
 This module holds no parameters, makes no routing decisions and has no distributed code; the
 caller's weights may be FSDP-unsharded tensors. It is called by `experts.routed_experts` and imports
-only the kernels (grouped_mm.py) and the routing record (routing.py), never experts.py.
+only the kernels (grouped_mm.py, float8_grouped_mm.py) and the routing record (routing.py), never experts.py.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from moetrain.model.float8_grouped_mm import float8_grouped_mm, float8_grouped_mm_weight_grad
 from moetrain.model.grouped_mm import (
     Activation,
     Backend,
@@ -145,6 +146,12 @@ def expert_of_rows(counts: Tensor, n_rows: int) -> Tensor:
     return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=n_rows)
 
 
+def gemms(float8: bool):
+    """(product, weight gradient) kernels: `grouped_mm`'s pair, or their float8 forms (train.float8's routed
+    experts, torchao's rowwise grouped recipe: float8_grouped_mm.py); chunking and all else stay the same."""
+    return (float8_grouped_mm, float8_grouped_mm_weight_grad) if float8 else (grouped_mm, grouped_mm_weight_grad)
+
+
 def _chunk_slices(chunk: ExpertChunk, counts: Tensor, counts_host: list[int] | None
                   ) -> tuple[slice, slice, Tensor, list[int] | None]:
     """(its rows, its experts, their counts, their host counts) of one chunk of the plan."""
@@ -160,7 +167,7 @@ def _bias_rows(counts: Tensor, token_index: Tensor, b1: Tensor | None, b2: Tenso
 
 def _forward(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
              b1: Tensor | None, b2: Tensor | None, activation: Activation, backend: Backend,
-             chunk_rows: int) -> tuple[Tensor, Tensor, list[int] | None, list[ExpertChunk]]:
+             chunk_rows: int, float8: bool = False) -> tuple[Tensor, Tensor, list[int] | None, list[ExpertChunk]]:
     """The forward pass: (out in x's dtype, H (with b1 added), the host counts, the chunk plan) for the backward."""
     # The segment loop needs the counts on the host: read them once, reuse them in backward.
     counts_host = counts.tolist() if backend == "segment_loop" else None
@@ -170,17 +177,18 @@ def _forward(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Ten
     # One chunk writes H directly; several fill row slices of one preallocated H.
     hidden = x.new_empty(token_index.numel(), w1.shape[2]) if len(chunks) > 1 else None
     experts_of_rows = _bias_rows(counts, token_index, b1, b2)
+    mm, _ = gemms(float8)
     for chunk in chunks:
         rows, experts, counts_c, counts_host_c = _chunk_slices(chunk, counts, counts_host)
         tokens = token_index[rows]
         # Gathered rows are a chunk-sized temporary; backward gathers X again rather than keep them.
-        hidden_c = grouped_mm(x.index_select(0, tokens), w1[experts], counts_c, backend, counts_host_c,
-                              out=None if hidden is None else hidden[rows])
+        hidden_c = mm(x.index_select(0, tokens), w1[experts], counts_c, backend, counts_host_c,
+                      out=None if hidden is None else hidden[rows])
         if b1 is not None:  # in place: H is saved with its bias
             hidden_c += b1.index_select(0, experts_of_rows[rows])
         # Scaling A (rows x n) by S before W2 is cheaper than scaling Y (rows x d), equal by linearity.
         weighted_act = _weighted_activation(hidden_c, scores[rows], activation)
-        out_rows = grouped_mm(weighted_act, w2[experts], counts_c, backend, counts_host_c).to(acc)
+        out_rows = mm(weighted_act, w2[experts], counts_c, backend, counts_host_c).to(acc)
         if b2 is not None:  # S · b2_e per row
             out_rows += _scale_rows(b2.index_select(0, experts_of_rows[rows]), scores[rows]).to(acc)
         out.index_add_(0, tokens, out_rows)
@@ -191,7 +199,7 @@ def _forward(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Ten
 def _backward(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token_index: Tensor, counts: Tensor,
               w1: Tensor, w2: Tensor, b1: Tensor | None, b2: Tensor | None, activation: Activation,
               backend: Backend, counts_host: list[int] | None, chunks: list[ExpertChunk],
-              needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+              needs: tuple[bool, ...], float8: bool = False) -> tuple[Tensor | None, ...]:
     """The backward pass: (dX, dS, dW1, dW2, db1, db2), None where `needs` says that input takes no gradient."""
     need_x, need_scores, need_w1, need_w2, need_b1, need_b2 = needs
     need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
@@ -206,13 +214,13 @@ def _backward(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token
     grad_b1 = torch.zeros(b1.shape, dtype=acc, device=b1.device) if need_b1 else None
     grad_b2 = torch.zeros(b2.shape, dtype=acc, device=b2.device) if need_b2 else None
     experts_of_rows = _bias_rows(counts, token_index, b1, b2)
+    mm, weight_grad = gemms(float8)
     for chunk in chunks:
         rows, experts, counts_c, counts_host_c = _chunk_slices(chunk, counts, counts_host)
         tokens, scores_c, hidden_c = token_index[rows], scores[rows], hidden[rows]
         grad_out_rows = grad_out.index_select(0, tokens)  # dO[token] per assignment
         # dA' = dO W2^T (a transposed view of W2, no copy)
-        grad_act_unscaled = grouped_mm(grad_out_rows, w2[experts].transpose(1, 2), counts_c, backend,
-                                       counts_host_c)
+        grad_act_unscaled = mm(grad_out_rows, w2[experts].transpose(1, 2), counts_c, backend, counts_host_c)
         expert_rows = None if experts_of_rows is None else experts_of_rows[rows]
         need_hidden = need_x or need_w1 or need_b1
         if activation == "swiglu":  # A recomputed from H (never saved), one float32 sigmoid for everything
@@ -231,8 +239,7 @@ def _backward(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token
                 grad_s += (grad_out_rows.to(acc) * b2.index_select(0, expert_rows).to(acc)).sum(dim=1)
             grad_scores[rows] = grad_s.to(scores.dtype)
         if need_w2:  # dW2_e = (S A)^T dO
-            grouped_mm_weight_grad(weighted_act, grad_out_rows, counts_c, backend, counts_host_c,
-                                   out=grad_w2[experts])
+            weight_grad(weighted_act, grad_out_rows, counts_c, backend, counts_host_c, out=grad_w2[experts])
         if need_b2:  # db2_e = sum over the expert's rows of S dO
             grad_b2.index_add_(0, expert_rows, _scale_rows(grad_out_rows, scores_c).to(acc))
         del grad_out_rows, weighted_act
@@ -240,10 +247,10 @@ def _backward(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token
             if need_b1:  # db1_e = sum over the expert's rows of dH
                 grad_b1.index_add_(0, expert_rows, grad_hidden.to(acc))
             if need_w1:  # dW1_e = X[token]^T dH, X gathered again
-                grouped_mm_weight_grad(x.index_select(0, tokens), grad_hidden, counts_c, backend, counts_host_c,
-                                       out=grad_w1[experts])
+                weight_grad(x.index_select(0, tokens), grad_hidden, counts_c, backend, counts_host_c,
+                            out=grad_w1[experts])
             if need_x:  # dX = scatter-add of dH W1^T
-                grad_rows = grouped_mm(grad_hidden, w1[experts].transpose(1, 2), counts_c, backend, counts_host_c)
+                grad_rows = mm(grad_hidden, w1[experts].transpose(1, 2), counts_c, backend, counts_host_c)
                 grad_x.index_add_(0, tokens, grad_rows.to(acc))
     if need_x:
         grad_x = grad_x.to(x.dtype)
@@ -298,15 +305,15 @@ def _activation_of(name: str, alpha: float, limit: float) -> Activation:
 @torch.library.custom_op("moetrain::memory_efficient_experts", mutates_args=())
 def _experts_op(x: Tensor, scores: Tensor, w1: Tensor, w2: Tensor, token_index: Tensor, counts: Tensor,
                 b1: Tensor | None, b2: Tensor | None, activation: str, alpha: float, limit: float, backend: str,
-                chunk_rows: int) -> tuple[Tensor, Tensor]:
+                chunk_rows: int, float8: bool) -> tuple[Tensor, Tensor]:
     out, hidden, _, _ = _forward(x, scores, w1, w2, token_index, counts, b1, b2,
-                                 _activation_of(activation, alpha, limit), backend, chunk_rows)
+                                 _activation_of(activation, alpha, limit), backend, chunk_rows, float8)
     return out, hidden
 
 
 @_experts_op.register_fake
 def _experts_op_fake(x, scores, w1, w2, token_index, counts, b1, b2, activation, alpha, limit, backend,
-                     chunk_rows):
+                     chunk_rows, float8):
     return x.new_empty(x.shape), x.new_empty(token_index.shape[0], w1.shape[2])
 
 
@@ -314,29 +321,30 @@ def _experts_op_fake(x, scores, w1, w2, token_index, counts, b1, b2, activation,
 def _experts_backward_op(grad_out: Tensor, x: Tensor, hidden: Tensor, scores: Tensor, token_index: Tensor,
                          counts: Tensor, w1: Tensor, w2: Tensor, b1: Tensor | None, b2: Tensor | None,
                          activation: str, alpha: float, limit: float, backend: str, chunk_rows: int,
-                         needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         needs: list[bool], float8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     counts_host = counts.tolist() if backend == "segment_loop" else None
     chunks = plan_chunks(counts_host, counts.numel(), token_index.numel(), chunk_rows)
     grads = _backward(grad_out, x, hidden, scores, token_index, counts, w1, w2, b1, b2,
-                      _activation_of(activation, alpha, limit), backend, counts_host, chunks, tuple(needs))
+                      _activation_of(activation, alpha, limit), backend, counts_host, chunks, tuple(needs), float8)
     # An operator returns tensors only: an input that takes no gradient gets an empty one, dropped below.
     return tuple(x.new_empty(0) if grad is None else grad for grad in grads)
 
 
 @_experts_backward_op.register_fake
 def _experts_backward_op_fake(grad_out, x, hidden, scores, token_index, counts, w1, w2, b1, b2, activation, alpha,
-                              limit, backend, chunk_rows, needs):
+                              limit, backend, chunk_rows, needs, float8):
     return tuple(torch.empty_like(t) if need and t is not None else x.new_empty(0)
                  for t, need in zip((x, scores, w1, w2, b1, b2), needs, strict=True))
 
 
 def _experts_op_setup_context(ctx, inputs, output):
-    x, scores, w1, w2, token_index, counts, b1, b2, activation, alpha, limit, backend, chunk_rows = inputs
+    x, scores, w1, w2, token_index, counts, b1, b2, activation, alpha, limit, backend, chunk_rows, float8 = inputs
     # H is an output only so that it can be saved; nothing downstream uses it, so its gradient is
     # None. Materialised, it would be a zero tokens*top_k x width tensor written every backward.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, output[1], scores, token_index, counts, w1, w2, b1, b2)
     ctx.args = (activation, alpha, limit, backend, chunk_rows)
+    ctx.float8 = float8
 
 
 def _experts_op_backward(ctx, grad_out, grad_hidden):
@@ -347,9 +355,10 @@ def _experts_op_backward(ctx, grad_out, grad_hidden):
     inputs_need = ctx.needs_input_grad
     needs = [inputs_need[0], inputs_need[1], inputs_need[2], inputs_need[3], inputs_need[6] and b1 is not None,
              inputs_need[7] and b2 is not None]
-    grads = _experts_backward_op(grad_out, x, hidden, scores, token_index, counts, w1, w2, b1, b2, *ctx.args, needs)
+    grads = _experts_backward_op(grad_out, x, hidden, scores, token_index, counts, w1, w2, b1, b2, *ctx.args, needs,
+                                 ctx.float8)
     gx, gs, gw1, gw2, gb1, gb2 = (grad if need else None for grad, need in zip(grads, needs, strict=True))
-    return gx, gs, gw1, gw2, None, None, gb1, gb2, None, None, None, None, None
+    return gx, gs, gw1, gw2, None, None, gb1, gb2, None, None, None, None, None, None
 
 
 _experts_op.register_autograd(_experts_op_backward, setup_context=_experts_op_setup_context)
@@ -358,11 +367,13 @@ EXPERTS_OP = torch.ops.moetrain.memory_efficient_experts.default  # what selecti
 
 def memory_efficient_experts(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: Activation,
                              backend: Backend, chunk_rows: int | None = None, b1: Tensor | None = None,
-                             b2: Tensor | None = None) -> Tensor:
-    """Entry point used by `experts.routed_experts(impl="memory_efficient")` (shapes already checked)."""
+                             b2: Tensor | None = None, float8: bool = False) -> Tensor:
+    """Entry point used by `experts.routed_experts(impl="memory_efficient")` (shapes already checked); `float8`: the
+    GEMMs in torchao's rowwise float8 grouped recipe (`gemms`)."""
     # Integer metadata must be contiguous int64 for index_select/index_add and the offsets cumsum.
     token_index = routing.token_index.to(torch.long).contiguous()
     counts = routing.counts.to(torch.long).contiguous()
     out, _ = _experts_op(x.contiguous(), routing.scores.contiguous(), w1, w2, token_index, counts, b1, b2,
-                         *_activation_args(activation), backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows)
+                         *_activation_args(activation), backend, CPU_CHUNK_ROWS if chunk_rows is None else chunk_rows,
+                         float8)
     return out

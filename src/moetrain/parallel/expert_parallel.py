@@ -144,7 +144,8 @@ class ExpertParallelCompute:
         self.stats = stats
 
     def __call__(self, x_TD: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str = "swiglu",
-                 impl: str = "memory_efficient", b1: Tensor | None = None, b2: Tensor | None = None) -> Tensor:
+                 impl: str = "memory_efficient", b1: Tensor | None = None, b2: Tensor | None = None,
+                 float8: bool = False) -> Tensor:
         w1_JDN, w2_JFD, b1_JN, b2_JD = (t.to_local() if isinstance(t, DTensor) else t for t in (w1, w2, b1, b2))
         n_local = w1_JDN.shape[0]
         if n_local * self.ep != routing.n_experts:
@@ -167,7 +168,7 @@ class ExpertParallelCompute:
         order_R = expert_major_order(recv_counts_SJ)
         local = Routing(token_index=order_R, scores=recv_scores_R.index_select(0, order_R),
                         counts=recv_counts_SJ.sum(0))
-        out_RD = routed_experts(recv_RD, local, w1_JDN, w2_JFD, activation, impl, b1=b1_JN, b2=b2_JD)
+        out_RD = routed_experts(recv_RD, local, w1_JDN, w2_JFD, activation, impl, b1=b1_JN, b2=b2_JD, float8=float8)
         # 4. combine: back to the senders, summed per token in float32 (expert order, as without EP).
         with record_function("combine"):
             back_AD = _AllToAll.apply(out_RD, send_splits, recv_splits, self.group, stats)

@@ -9,8 +9,15 @@ torchao's recipes) and multiply them with `torch._scaled_mm`. So the optimizer, 
 resume and the Hugging Face export see exactly the parameters they see without float8.
 
 What runs in float8: the attention projections (wq, wk, wv, wo; MLA's wq / wq_b and wo), the
-dense blocks' SwiGLU (w1, w2, w3) and the shared experts' SwiGLU. What stays in
-`parallel.param_dtype`, by name (`HIGH_PRECISION`):
+dense blocks' SwiGLU (w1, w2, w3), the shared experts' SwiGLU, and the routed experts' grouped GEMMs
+(forward and backward) in torchao's rowwise float8 grouped recipe whatever the linears' recipe (the one
+float8 grouped recipe torchao 0.18 has: `torchao.prototype.moe_training`, `Float8TrainingOpConfig`):
+`MoE.expert_float8` hands the layer's expert computation `float8=True` (moetrain.model.float8_grouped_mm:
+torchao's casts everywhere, torchao's kernels and `torch._scaled_grouped_mm` on CUDA, the scaled product
+emulated elsewhere). The expert weights stay plain parameters (torchao's wrapper tensor intercepts
+`torch._grouped_mm`, which the memory-efficient layer, one opaque operator, never hands its weights to) and
+are gathered in `param_dtype`, as torchao's wrapper gathers them. What stays in `parallel.param_dtype`, by name
+(`HIGH_PRECISION`):
 
 - the router and the shared-expert gate (DeepSeek-V3's report keeps its MoE gating in high
   precision; a rounding of the router logits flips top-k choices), the output head (the same
@@ -19,14 +26,11 @@ dense blocks' SwiGLU (w1, w2, w3) and the shared experts' SwiGLU. What stays in
   filter (`_auto_filter_for_rowwise`) rejects all three (output width <= 2048, or inner width <= 1024),
   so they stay high precision at every size, by name, and a debug preset converts what the full
   model converts;
-- the routed experts: torchao 0.18's float8 grouped GEMM (`torchao.prototype.moe_training`,
-  `_to_fp8_rowwise_then_scaled_grouped_mm`) runs Triton kernels and `torch._scaled_grouped_mm`,
-  which has no CPU kernel, needs token groups padded to multiples of 16, and reaches the weights
-  through a wrapper tensor that intercepts `torch._grouped_mm`, while moetrain's memory-efficient
-  expert layer is one opaque operator. They stay high precision (docs/design/float8.md).
+- the routed experts under `moe.impl = "loop"`, the high-precision reference.
 
-A linear whose width or height is not a multiple of 16 (`_scaled_mm`'s requirement) stays high
-precision too, and one log line lists every such module.
+A linear whose width or height is not a multiple of 16 (`_scaled_mm`'s requirement), or an expert layer whose
+model or hidden width is not (`_scaled_grouped_mm`'s), stays high precision too, and one log line lists
+every such module.
 
 Under FSDP with the tensorwise recipe the weights are all-gathered in float8
 (`enable_fsdp_float8_all_gather`): each rank casts its shard with the scale of the whole weight, so
@@ -50,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.errors import ConfigError
 from moetrain.logging import get_logger
+from moetrain.model.moe import MoE
 
 log = get_logger("float8")
 
@@ -72,7 +77,9 @@ class Float8Plan:
 
     converted: list[str] = field(default_factory=list)
     by_name: list[str] = field(default_factory=list)
-    by_shape: list[str] = field(default_factory=list)  # "name [out x in]"
+    by_shape: list[str] = field(default_factory=list)  # "name [out x in]", or "name [E x d x n]" for experts
+    experts: list[str] = field(default_factory=list)  # MoE layers whose routed experts run in float8
+    experts_by_impl: list[str] = field(default_factory=list)  # ... that stay high precision: moe.impl = "loop"
 
 
 def _torchao_float8() -> ModuleType:
@@ -97,6 +104,8 @@ def plan_float8(model: nn.Module) -> Float8Plan:
     """Sort every `nn.Linear` of `model` into converted / high precision by name / high precision by shape."""
     plan = Float8Plan()
     for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            _plan_experts(plan, name, module)
         if type(module) is not nn.Linear:  # a Float8Linear already converted is an nn.Linear subclass
             continue
         out_features, in_features = module.weight.shape
@@ -107,6 +116,16 @@ def plan_float8(model: nn.Module) -> Float8Plan:
         else:
             plan.converted.append(name)
     return plan
+
+
+def _plan_experts(plan: Float8Plan, name: str, moe: MoE) -> None:
+    n_experts, dim, hidden = moe.experts.w2.shape[0], moe.dim, moe.cfg.expert_hidden
+    if moe.cfg.impl == "loop":
+        plan.experts_by_impl.append(name)
+    elif dim % ALIGNMENT or hidden % ALIGNMENT:
+        plan.by_shape.append(f"{name}.experts [{n_experts}x{dim}x{hidden}]")
+    else:
+        plan.experts.append(name)
 
 
 def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool = False,
@@ -124,12 +143,19 @@ def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool 
                                                  module_filter_fn=lambda _module, name: name in chosen)
     if config.enable_fsdp_float8_all_gather:
         model.register_state_dict_post_hook(_plain_float8_weights)
+    modules = dict(model.named_modules())
+    for name in plan.experts:
+        modules[name].expert_float8 = True
     gather = "float8 all-gather" if config.enable_fsdp_float8_all_gather else "weights gathered in param_dtype"
     kept = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in plan.by_name})) or "no named linear"
-    log.info("float8 %s%s: %d linears in float8 (%s); high precision: %s and the routed experts", recipe,
-             " (torchao's emulation)" if config.emulate else "", len(plan.converted), gather, kept)
+    if plan.experts_by_impl:
+        kept += f", the routed experts of {len(plan.experts_by_impl)} MoE layers (moe.impl = loop)"
+    log.info("float8 %s%s: %d linears in float8 (%s), the routed experts of %d MoE layers in float8 grouped GEMMs "
+             "(torchao's rowwise grouped recipe%s); high precision: %s", recipe,
+             " (torchao's emulation)" if config.emulate else "", len(plan.converted), gather, len(plan.experts),
+             "" if device_type in NATIVE_ON else ", the scaled grouped GEMM emulated", kept)
     if plan.by_shape:
-        log.warning("float8: %d linears stay high precision, a dimension not a multiple of %d: %s",
+        log.warning("float8: %d modules stay high precision, a dimension not a multiple of %d: %s",
                     len(plan.by_shape), ALIGNMENT, ", ".join(plan.by_shape))
     return plan
 
