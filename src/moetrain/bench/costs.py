@@ -46,15 +46,15 @@ class CostSpec:
 
     def validate(self) -> CostSpec:
         if self.distribution not in DISTRIBUTIONS:
-            raise ConfigError(f"cost distribution {self.distribution!r} is invalid: valid are {DISTRIBUTIONS}")
+            raise ConfigError(f"cost.distribution {self.distribution!r} is invalid: valid are {DISTRIBUTIONS}")
         if not (self.short > 0 and math.isfinite(self.short)):
-            raise ConfigError(f"cost short = {self.short!r} is invalid: must be a finite number > 0")
+            raise ConfigError(f"cost.short = {self.short!r} is invalid: must be a finite number > 0")
         if not (self.ratio >= 1 and math.isfinite(self.ratio)):
-            raise ConfigError(f"cost ratio = {self.ratio!r} is invalid: must be a finite number >= 1")
+            raise ConfigError(f"cost.ratio = {self.ratio!r} is invalid: must be a finite number >= 1")
         if not 0 <= self.p_long <= 1:
-            raise ConfigError(f"cost p_long = {self.p_long!r} is invalid: must be in [0, 1]")
+            raise ConfigError(f"cost.p_long = {self.p_long!r} is invalid: must be in [0, 1]")
         if not (self.cv >= 0 and math.isfinite(self.cv)):
-            raise ConfigError(f"cost cv = {self.cv!r} is invalid: must be a finite number >= 0")
+            raise ConfigError(f"cost.cv = {self.cv!r} is invalid: must be a finite number >= 0")
         return self
 
     @property
