@@ -30,6 +30,7 @@ from moetrain.testing.cli_sweep import (
     bad_toml_values,
     bad_values,
     command_options,
+    memoized_source,
     run_case,
     snapshot,
     toml_lines,
@@ -224,16 +225,14 @@ class Command:
 
 
 def _tiny_train(f: dict[str, str]) -> list[str]:
-    return tiny_job_args(Path(f["corpus"]), Path(f["case"]) / "run")
+    """The tiny job as one TOML file (`--config` alone: no override for tyro to parse, milliseconds a case)."""
+    return ["--config", f["tiny_job"]]
 
 
 REPO_CONFIG = str(CONFIGS / "tiny_moe.toml")
 
 COMMANDS = [
-    Command(("train",), _tiny_train, hooks=("moetrain.train.run:Trainer",),
-            inputs=("--config", "--data.path", "--data.tokenizer", "--model.init_from", "--data.chat_template",
-                    "--lora.init_from"),
-            outputs=("--logging.run_dir",)),
+    Command(("train",), _tiny_train, hooks=("moetrain.train.run:Trainer",), inputs=("--config",)),
     Command(("estimate",), lambda f: [*_tiny_train(f), "--skip-data"], owns_job_fields=False,
             hooks=("moetrain.commands.estimate:describe", "moetrain.commands.estimate:proposals")),
     Command(("bench", "train"), _tiny_train, hooks=("moetrain.bench.train:measure",), owns_job_fields=False,
@@ -263,7 +262,11 @@ COMMANDS = [
     Command(("bench", "data"), lambda f: ["--config", REPO_CONFIG], hooks=("moetrain.bench.data:run",),
             inputs=("--config",), outputs=("--work_dir", "--json")),
 ]
-PREFIXED = {"--model.init_from": "hf:"}
+# The job's file fields: the bad files reach them through the TOML job file (the command line hands tyro the
+# same string). The "hf:" form of model.init_from gets its prefix.
+JOB_INPUTS = ("data.path", "data.tokenizer", "model.init_from", "data.chat_template", "lora.init_from")
+JOB_OUTPUTS = ("logging.run_dir",)
+PREFIXED = {"model.init_from": "hf:"}
 
 # (command, option, what is wrong) -> why the command rightly accepts it. Grows with each command.
 TORCH_SEED = "torch generators take any 64-bit seed, negative ones included"
@@ -288,8 +291,8 @@ def _sweep_cases(command: Command, fixtures: dict[str, str]) -> list[tuple[str, 
 
     A file option gets the bad file kinds, not the bad strings. The suite runs each option with one bad value
     of its kind (rotating through the kind's list, so each kind is met), and the job's --section.field options
-    on the command line only for the first field of each section and kind: tyro's conversion is per type, and
-    every field meets every value of its kind through the TOML file (_toml_cases). MOETRAIN_SWEEP=full runs
+    on the command line only for the first field of each kind: tyro's conversion is per type, and every field
+    meets the values of its kind through the TOML file (_toml_cases). MOETRAIN_SWEEP=full runs
     every option with every value (docs/results.md counts that sweep)."""
     words, base = list(command.words), command.base(fixtures)
     cases, seen_job_kinds = [], set()
@@ -298,9 +301,9 @@ def _sweep_cases(command: Command, fixtures: dict[str, str]) -> list[tuple[str, 
             continue
         values = bad_values(option)
         if "." in option.name and not FULL:  # a job field: the TOML sweep meets every value
-            if not command.owns_job_fields or (option.name.split(".")[0], option.kind) in seen_job_kinds:
+            if not command.owns_job_fields or (option.kind, option.many) in seen_job_kinds:
                 continue
-            seen_job_kinds.add((option.name.split(".")[0], option.kind))
+            seen_job_kinds.add((option.kind, option.many))
         if values and not FULL:
             values = [values[index % len(values)]]
         cases += [(option.name, what, value, [*words, *base, option.name, value]) for what, value in values]
@@ -309,28 +312,33 @@ def _sweep_cases(command: Command, fixtures: dict[str, str]) -> list[tuple[str, 
     for name in command.inputs + command.outputs:
         kinds = files["input"] if name in command.inputs else files["output"]
         for what, path in kinds.items():
-            argv = _replaced(file_base, name, PREFIXED.get(name, "") + path)
-            cases.append((name, what, path, [*words, *argv]))
+            cases.append((name, what, path, [*words, *_replaced(file_base, name, path)]))
     return cases
 
 
 def _toml_cases(fixtures: dict[str, str]) -> list[tuple[str, str, str, list[str]]]:
     """Each job field with a bad value of its kind (rotating; MOETRAIN_SWEEP=full: every value) in a TOML job
     file given to `train --config` alone (no command-line override, so no tyro parse: milliseconds a case)."""
-    job = parse_job_args(_tiny_train(fixtures)).to_dict()
-    base = {line.split(" = ")[0]: line for line in toml_lines(job)}
+    base = {line.split(" = ")[0]: line for line in Path(fixtures["tiny_job"]).read_text().splitlines()}
     out = Path(fixtures["root"]) / "toml"
     out.mkdir(exist_ok=True)
     cases = []
+
+    def case(option: str, what: str, field: str, value: str, named: str) -> None:
+        path = out / f"{field}-{len(cases)}.toml"
+        path.write_text("\n".join([*(line for key, line in base.items() if key != field), f"{field} = {value}"]))
+        cases.append((option, f"TOML {what}", named or str(path), ["train", "--config", str(path)]))
+
     for option in command_options(cli.main, ["train"]):
-        if "." not in option.name or option.kind in ("flag", "positional"):
+        if "." not in option.name or option.kind in ("flag", "positional") or option.name[2:] in JOB_INPUTS:
             continue
-        field = option.name[2:]
         values = bad_toml_values(option)
         for what, value in values if FULL else values[len(cases) % len(values):][:1]:
-            path = out / f"{field}-{len(cases)}.toml"
-            path.write_text("\n".join([*(line for key, line in base.items() if key != field), f"{field} = {value}"]))
-            cases.append((option.name, f"TOML {what}", str(path), ["train", "--config", str(path)]))
+            case(option.name, what, option.name[2:], value, "")
+    files = bad_files(Path(fixtures["files"]))
+    for field in JOB_INPUTS + JOB_OUTPUTS:
+        for what, path in files["input" if field in JOB_INPUTS else "output"].items():
+            case(f"--{field}", what, field, json.dumps(PREFIXED.get(field, "") + path), path)
     return cases
 
 
@@ -376,23 +384,30 @@ def sweep_command(command: Command, fixtures: dict[str, str], monkeypatch) -> li
         monkeypatch.setattr(importlib.import_module(module), function, stop)
     options = {name: option for option in command_options(cli.main, list(command.words)) for name in option.names}
     watched = [Path(fixtures["case"]), Path(fixtures["files"])]  # where outputs land, and the bad files
-    results = []
     cases = _sweep_cases(command, fixtures) + (_toml_cases(fixtures) if command.words == ("train",) else [])
-    for name, what, value, argv in cases:
-        before = {path: stat for root in watched for path, stat in snapshot(root).items()}
-        outcome = run_case(cli.main, argv, timeout_s=30.0)
-        after = {path: stat for root in watched for path, stat in snapshot(root).items()}
-        changed = sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
-        verdict = _verdict(outcome, options.get(name), value, changed)
-        if verdict == "accepted" and (" ".join(command.words), name, what) in ACCEPTED:
-            verdict = ""
-        results.append((name, what, verdict))
-    return results
+    with memoized_source():
+        return [_judged(command, options, watched, *case) for case in cases]
+
+
+def _judged(command: Command, options: dict[str, Option], watched: list[Path], name: str, what: str, value: str,
+            argv: list[str]) -> tuple[str, str, str]:
+    before = {path: stat for root in watched for path, stat in snapshot(root).items()}
+    outcome = run_case(cli.main, argv, timeout_s=30.0)
+    after = {path: stat for root in watched for path, stat in snapshot(root).items()}
+    changed = sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
+    verdict = _verdict(outcome, options.get(name), value, changed)
+    if verdict == "accepted" and (" ".join(command.words), name, what) in ACCEPTED:
+        verdict = ""
+    return name, what, verdict
 
 
 @pytest.fixture(scope="module")
 def sweep_fixtures(tmp_path_factory, corpus_dir) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("sweep")
+    return build_sweep_fixtures(tmp_path_factory.mktemp("sweep"), corpus_dir)
+
+
+def build_sweep_fixtures(root: Path, corpus_dir: Path) -> dict[str, str]:
+    """The sweep's files under `root`: the bad files, a run's metrics for `plot`, the tiny job as TOML."""
     (root / "case").mkdir()
     bad_files(root / "files")
     metrics_run = root / "metrics_run"  # what `plot` reads: a run's metrics file, two training records
@@ -400,8 +415,11 @@ def sweep_fixtures(tmp_path_factory, corpus_dir) -> dict[str, str]:
     (metrics_run / "metrics.jsonl").write_text("".join(
         json.dumps({"kind": "train", "step": step, "loss": 5.0 - step, "tokens_per_s": 100.0}) + "\n"
         for step in (1, 2)))
+    tiny_job = root / "tiny_job.toml"
+    job = parse_job_args(tiny_job_args(corpus_dir, root / "case" / "run"))
+    tiny_job.write_text("\n".join(toml_lines(job.to_dict())))
     return {"root": str(root), "case": str(root / "case"), "files": str(root / "files"), "corpus": str(corpus_dir),
-            "metrics_run": str(metrics_run),
+            "metrics_run": str(metrics_run), "tiny_job": str(tiny_job),
             "task": str(Path(__file__).resolve().parents[1] / "data" / "tasks" / "tiny_choice.jsonl")}
 
 

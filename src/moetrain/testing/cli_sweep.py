@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -194,6 +195,29 @@ class Outcome:
         if self.escaped:
             return f"escaped {self.escaped}"
         return f"exit {self.code}{' (accepted)' if self.accepted else ''}: {' | '.join(self.lines)[:300]}"
+
+
+@contextlib.contextmanager
+def memoized_source() -> Iterator[None]:
+    """inspect's source lookups answered once per object for the block. tyro reads each options class's
+    source for its help text on every parse (an ast walk of the whole module: 0.1-0.3 s a command line);
+    the files do not change during a sweep, so the cases pay it once."""
+    saved = {}
+    for name in ("getsource", "getsourcelines", "findsource"):
+        real = saved[name] = getattr(inspect, name)
+        answers: dict[int, tuple[Any, Any]] = {}
+
+        def memoized(obj: Any, _real: Callable[[Any], Any] = real, _answers: dict = answers) -> Any:
+            if id(obj) not in _answers:
+                _answers[id(obj)] = (obj, _real(obj))  # the object kept alive, so its id stays its own
+            return _answers[id(obj)][1]
+
+        setattr(inspect, name, memoized)
+    try:
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(inspect, name, real)
 
 
 _CAPTURE: list[Any] = []
