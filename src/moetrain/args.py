@@ -115,7 +115,7 @@ def check_option_values(obj: Any, prefix: str = "--") -> None:
         name = f"{prefix}{field.name.replace('_', '-') if prefix == '--' else field.name}"
         for item in value if isinstance(value, (list, tuple)) else (value,):
             _check_option_value(name, item)
-        check_option_values(value, f"{name}.")
+        check_option_values(value, f"{name.lstrip('-')}.")  # a nested field as a TOML key: section.field
 
 
 def _check_option_value(name: str, value: Any) -> None:
