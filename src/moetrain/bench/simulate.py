@@ -430,9 +430,8 @@ class SimulateOptions:
 
 def load_trace(path: str, replicate: int) -> np.ndarray:
     """Measured compute seconds [steps, accum, replicate] from a JSON file with a "costs_s" array."""
-    trace = read_input_json(path, "--trace")
     try:
-        costs = np.asarray(trace["costs_s"], dtype=np.float64)
+        costs = np.asarray(read_input_json(path, "--trace")["costs_s"], dtype=np.float64)
     except (KeyError, ValueError, TypeError, IndexError, RecursionError) as err:
         raise ConfigError(f"trace {path!r} has no numeric \"costs_s\" [steps][accum][groups] array ({err})") from None
     if costs.ndim != 3 or costs.shape[2] != replicate:
@@ -441,17 +440,12 @@ def load_trace(path: str, replicate: int) -> np.ndarray:
 
 
 def _validate(opts: SimulateOptions) -> None:
-    for name in ("replicate", "shard", "accum", "samples"):
-        if getattr(opts, name) < 1:
-            raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
-    if opts.seed < 0:  # numpy's generators take seeds >= 0
-        raise ConfigError(f"seed = {opts.seed} is invalid: must be >= 0")
-    if any(cv < 0 for cv in opts.cvs) or any(count < 1 for count in opts.group_counts):
-        raise ConfigError(f"cvs = {list(opts.cvs)} / group_counts = {list(opts.group_counts)} are invalid: "
-                          "coefficients of variation >= 0, group counts >= 1")
-    for name in ("json", "figure"):
-        if getattr(opts, name):
-            check_output_path(getattr(opts, name), f"--{name}")
+    lowest = {"replicate": 1, "shard": 1, "accum": 1, "samples": 1, "seed": 0, "cvs": 0, "group_counts": 1}
+    for name, low in lowest.items():  # seed: numpy's generators take seeds >= 0; cvs, group_counts: each item
+        if np.min(getattr(opts, name), initial=low) < low:
+            raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be >= {low}")
+    for name in [name for name in ("json", "figure") if getattr(opts, name)]:
+        check_output_path(getattr(opts, name), f"--{name}")
     draws = opts.samples * opts.accum * opts.replicate
     if draws > 1 << 28 or opts.shard > 1 << 24:  # one float64 array of the draws, per-shard arrays beside it
         raise ConfigError(f"samples x accum x replicate = {draws} (shard = {opts.shard}) is too large to simulate "
