@@ -5,7 +5,10 @@ Job configs (`train` and friends) take explicit values for booleans
 (`--checkpoint.resume True`), so a TOML field and its override read alike; small
 command option sets (`init-report --json`, `bench moe --sweep`) keep booleans as
 flags. `--help` prints tyro's help; a bad value raises `ConfigError` whose message is
-the one line of tyro's error box. This module knows nothing about what is parsed.
+the one line of tyro's error box; values no command can use (beyond int64, non-finite, not UTF-8)
+are refused for every option. Input files an option names are read, and output places checked, with
+one-line refusals (read_input_text, read_input_json, check_output_path). This module knows nothing
+about what is parsed.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ import contextlib
 import dataclasses
 import difflib
 import io
+import json
+import math
+import os
+import tempfile
 import warnings
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import tyro
@@ -46,7 +54,7 @@ def parse_typed_args(cls: type[T], args: list[str], prog: str, default: T | None
         if message.startswith("Unrecognized options"):
             message = _did_you_mean(cls, args, bool_flags) or message
         raise ConfigError(f"{message} (run `{prog} --help` for options)") from None
-    check_int64(parsed)
+    check_option_values(parsed)
     return parsed
 
 
@@ -95,17 +103,95 @@ def option_help(cls: type, bool_flags: bool = False) -> dict[str, str]:
 INT64_MAX = (1 << 63) - 1
 
 
-def check_int64(obj: Any, prefix: str = "--") -> None:
-    """Refuse (one line) an integer option beyond int64: torch, numpy and the C libraries below them
-    overflow on it ("Python int too large to convert"), far from the option that caused it."""
+def check_option_values(obj: Any, prefix: str = "--") -> None:
+    """Refuse (one line) what tyro parses but no command can use, in every option, so a new option is covered:
+    an integer beyond int64 (torch, numpy and the C libraries below them overflow on it, far from the option),
+    a float that is nan or infinite ("1e999" parses as inf), text that is not UTF-8 (bytes the shell could
+    not decode: the runs write their options to UTF-8 JSON and TOML). Lists and tuples are checked item by item."""
     if not dataclasses.is_dataclass(obj):
         return
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
         name = f"{prefix}{field.name.replace('_', '-') if prefix == '--' else field.name}"
-        if isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX <= value <= INT64_MAX:
-            raise ConfigError(f"{name} = {value} is invalid: beyond the 64-bit integer range")
-        check_int64(value, f"{name}.")
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            _check_option_value(name, item)
+        check_option_values(value, f"{name.lstrip('-')}.")  # a nested field as a TOML key: section.field
+
+
+def _check_option_value(name: str, value: Any) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT64_MAX <= value <= INT64_MAX:
+        raise ConfigError(f"{name} = {value} is invalid: beyond the 64-bit integer range")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name} = {value} is invalid: must be a finite number")
+    if isinstance(value, str) and not is_utf8(value):
+        raise ConfigError(f"{name} = {value!r} is invalid: not UTF-8 text (bytes the shell could not decode)")
+
+
+def is_utf8(text: str) -> bool:
+    """Whether `text` came from UTF-8 bytes (Python hands undecodable argv bytes over as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def read_input_text(path: str | Path, option: str, max_bytes: int = 1 << 30) -> str:
+    """The UTF-8 text of the file an option names, or one ConfigError line naming the option and the file:
+    missing, a directory, not a regular file (a FIFO would block, /dev/zero never ends), larger than
+    `max_bytes`, unreadable or not UTF-8."""
+    path = Path(path)
+    where = f"{option} {str(path)!r}"
+    if not path.exists():
+        raise ConfigError(f"{where} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"{where} is a directory; pass a file")
+    if not path.is_file():
+        raise ConfigError(f"{where} is not a regular file (a FIFO or device); pass a file")
+    if path.stat().st_size > max_bytes:
+        raise ConfigError(f"{where} is larger than {max_bytes} bytes")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{where} is not UTF-8 text (bad byte at offset {err.start})") from None
+    except OSError as err:
+        raise ConfigError(f"{where} is unreadable ({err.strerror or type(err).__name__})") from None
+
+
+def read_input_json(path: str | Path, option: str) -> Any:
+    """The JSON value of the file an option names (read_input_text's refusals, and: not JSON, truncated,
+    nested too deeply to parse, NaN or Infinity), else one ConfigError line naming the option and the file."""
+    text = read_input_text(path, option)
+    where = f"{option} {str(path)!r}"
+
+    def no_constant(name: str) -> Any:
+        raise ConfigError(f"{where} is not valid JSON: it holds {name} (a number must be finite)")
+
+    try:
+        return json.loads(text, parse_constant=no_constant)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} is not valid JSON: nested too deeply to read") from None
+
+
+def check_output_path(path: str | Path, option: str) -> None:
+    """Refuse (one line, before any work) an output place that cannot be written: below a regular file, or in
+    a directory where no file can be made (read-only, /proc). Probes with a file it removes at once."""
+    path = Path(path)
+    where = f"{option} {str(path)!r}"
+    parent = path if path.is_dir() else path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{where} cannot be written: {str(parent)!r} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".moetrain-probe-")
+    except OSError as err:
+        raise ConfigError(f"{where} cannot be written: {err.strerror or type(err).__name__} in {str(parent)!r}") \
+            from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def first_message_line(text: str) -> str:

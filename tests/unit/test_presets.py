@@ -80,3 +80,19 @@ def test_gpt_oss_presets_compute_the_released_yarn_rope(preset):
     inv_freq, factor = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg, torch.device("cpu"))
     torch.testing.assert_close(inv_freq, expected_inv_freq, rtol=0, atol=1e-9)
     assert factor == pytest.approx(expected_factor, rel=1e-12) and cfg.max_seq_len == 131072
+
+
+def test_gpt_oss_120b_preset_has_an_expert_parallel_layout_that_estimate_accepts_and_fits(capsys):
+    """The preset's own layout (EP 8 within each machine, FSDP over the rest) through `moetrain estimate`
+    on 8 x 8 H100: accepted (the experts' biases move with their experts under EP) and within 80 GiB."""
+    import json
+
+    from moetrain import cli
+
+    cfg = load(CONFIGS / "gpt_oss_120b.toml")
+    assert cfg.parallel.ep == 8 and cfg.model.moe.n_experts % cfg.parallel.ep == 0
+    code = cli.main(["estimate", "--config", str(CONFIGS / "gpt_oss_120b.toml"), "--nodes", "8", "--gpus-per-node",
+                     "8", "--device", "H100", "--skip-data", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["world"] == 64 and result["fits"] is True, result
+    assert result["peak_bytes"] < result["available_bytes"]

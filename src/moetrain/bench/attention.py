@@ -28,7 +28,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 import torch
 
-from moetrain.args import parse_typed_args
+from moetrain.args import check_output_path, parse_typed_args
 from moetrain.bench import results_dir
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
@@ -89,6 +89,7 @@ def _validate(opts: AttentionBenchOptions) -> None:
         raise ConfigError(f"--device = {opts.device!r} is invalid: 'cpu' or 'cuda'")
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device = 'cuda' is invalid: no CUDA device is available")
+    check_output_path(opts.out_dir, "--out_dir")
 
 
 def packed_document_ids(rows: int, seq: int, mean_length: float, gen: torch.Generator) -> torch.Tensor:

@@ -18,14 +18,13 @@ JSON's "costs_s"). This module only draws and reads numbers; it must not time, s
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
+from moetrain.args import read_input_json
 from moetrain.errors import ConfigError
 
 Distribution = Literal["bimodal", "lognormal", "constant"]
@@ -49,15 +48,15 @@ class CostSpec:
 
     def validate(self) -> CostSpec:
         if self.distribution not in DISTRIBUTIONS:
-            raise ConfigError(f"cost distribution {self.distribution!r} is invalid: valid are {DISTRIBUTIONS}")
+            raise ConfigError(f"cost.distribution {self.distribution!r} is invalid: valid are {DISTRIBUTIONS}")
         if not (self.short > 0 and math.isfinite(self.short)):
-            raise ConfigError(f"cost short = {self.short!r} is invalid: must be a finite number > 0")
+            raise ConfigError(f"cost.short = {self.short!r} is invalid: must be a finite number > 0")
         if not (self.ratio >= 1 and math.isfinite(self.ratio)):
-            raise ConfigError(f"cost ratio = {self.ratio!r} is invalid: must be a finite number >= 1")
+            raise ConfigError(f"cost.ratio = {self.ratio!r} is invalid: must be a finite number >= 1")
         if not 0 <= self.p_long <= 1:
-            raise ConfigError(f"cost p_long = {self.p_long!r} is invalid: must be in [0, 1]")
+            raise ConfigError(f"cost.p_long = {self.p_long!r} is invalid: must be in [0, 1]")
         if not (self.cv >= 0 and math.isfinite(self.cv)):
-            raise ConfigError(f"cost cv = {self.cv!r} is invalid: must be a finite number >= 0")
+            raise ConfigError(f"cost.cv = {self.cv!r} is invalid: must be a finite number >= 0")
         return self
 
     @property
@@ -136,11 +135,8 @@ def expected_max_of_sum_bimodal(spec: CostSpec, accum: int, groups: int) -> floa
 
 def load_trace(path: str, replicate: int) -> np.ndarray:
     """Measured compute seconds [steps, accum, replicate] from a JSON file with a "costs_s" array."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"trace {path!r} does not exist or is not a regular file")
     try:
-        costs = np.asarray(json.loads(file.read_text())["costs_s"], dtype=np.float64)
+        costs = np.asarray(read_input_json(path, "--trace")["costs_s"], dtype=np.float64)
     except (KeyError, ValueError, TypeError, IndexError, RecursionError) as err:
         raise ConfigError(f"trace {path!r} has no numeric \"costs_s\" [steps][accum][groups] array ({err})") from None
     if costs.ndim != 3 or costs.shape[2] != replicate:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetrain.args import parse_typed_args
+from moetrain.args import check_output_path, parse_typed_args
 from moetrain.bench import results_dir
 from moetrain.config.job import load
 from moetrain.data.batching import build_batching
@@ -303,6 +303,14 @@ def main(argv: list[str]) -> int:
                  "train_repeats"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
+    if opts.seed < 0:  # numpy's generators take seeds >= 0
+        raise ConfigError(f"seed = {opts.seed} is invalid: must be >= 0")
+    if not opts.prepare_shard_mb > 0:
+        raise ConfigError(f"prepare_shard_mb = {opts.prepare_shard_mb!r} is invalid: must be > 0")
+    for name in ("work_dir", "json"):
+        if getattr(opts, name):
+            check_output_path(getattr(opts, name), f"--{name}")
+    load(opts.config)  # the job file, read and checked before any corpus is generated
     if opts.rss_only and not opts.json:
         raise ConfigError("rss_only = True needs --json: it must not replace the full results")
     if opts.train_steps < 4:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moetrain.args import parse_typed_args
+from moetrain.args import check_output_path, parse_typed_args, read_input_json
 from moetrain.bench import results_dir
 from moetrain.bench.simulate import CommModel, Experts, Link, Workload, collective_times, simulate_step_times
 from moetrain.bench.sync_calibration import calibrate_comm
@@ -95,6 +95,10 @@ def validate_options(opts: EpBenchOptions) -> None:
             raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
     if opts.warmup_steps < 0:
         raise ConfigError(f"warmup_steps = {opts.warmup_steps!r} is invalid: must be >= 0")
+    if opts.timeout_s <= 0:
+        raise ConfigError(f"timeout_s = {opts.timeout_s!r} is invalid: must be > 0 seconds")
+    if opts.json:
+        check_output_path(opts.json, "--json")
     if not opts.eps or opts.eps[0] != 1 or len(set(opts.eps)) != len(opts.eps):
         raise ConfigError(f"eps = {list(opts.eps)} is invalid: distinct degrees starting with 1 (FSDP-only)")
     for ep in opts.eps:
@@ -413,7 +417,7 @@ def report(opts: EpBenchOptions, records: dict[int, list], memory: dict[int, lis
 def main(argv: list[str]) -> int:
     opts: EpBenchOptions = parse_typed_args(EpBenchOptions, argv, "moetrain bench ep", bool_flags=True)
     if opts.report:  # re-render a saved run
-        saved = json.loads(Path(opts.report).read_text())
+        saved = read_input_json(opts.report, "--report")
         opts = EpBenchOptions(**{**saved["options"], "eps": tuple(saved["options"]["eps"]), "report": None})
         by_ep = {int(k): v for k, v in saved["per_step"].items()}
         text, _ = report(opts, by_ep, {int(k): v for k, v in saved["memory"].items()}, saved["calibration"],

@@ -30,7 +30,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 import torch
 
-from moetrain.args import parse_typed_args, take_option
+from moetrain.args import check_output_path, parse_typed_args, take_option
 from moetrain.bench import results_dir
 from moetrain.dtypes import DTYPES
 from moetrain.errors import ConfigError
@@ -372,6 +372,9 @@ def bench_config(opts: MoeBenchOptions) -> BenchConfig:
 def main(argv: list[str]) -> int:
     opts = parse_options(argv)
     cfg = bench_config(opts)
+    for name in ("json", "out_dir"):
+        if getattr(opts, name) is not None:
+            check_output_path(getattr(opts, name), f"--{name}")
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

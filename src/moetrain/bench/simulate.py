@@ -45,7 +45,7 @@ from typing import Literal
 
 import numpy as np
 
-from moetrain.args import parse_typed_args
+from moetrain.args import check_output_path, parse_typed_args
 from moetrain.bench import goodput
 from moetrain.bench.costs import (
     CostSpec,
@@ -453,9 +453,13 @@ class SimulateOptions:
 
 
 def _validate(opts: SimulateOptions) -> None:
-    for name in ("replicate", "shard", "accum", "samples", "pp", "pp_stages_per_rank"):
-        if getattr(opts, name) < 1:
-            raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
+    lowest = {"replicate": 1, "shard": 1, "accum": 1, "samples": 1, "pp": 1, "pp_stages_per_rank": 1, "seed": 0,
+              "cvs": 0, "group_counts": 1}
+    for name, low in lowest.items():  # seed: numpy's generators take seeds >= 0; cvs, group_counts: each item
+        if np.min(getattr(opts, name), initial=low) < low:
+            raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be >= {low}")
+    for name in [name for name in ("json", "figure") if getattr(opts, name)]:
+        check_output_path(getattr(opts, name), f"--{name}")
     draws = opts.samples * opts.accum * opts.replicate
     if draws > 1 << 28 or opts.shard > 1 << 24:  # one float64 array of the draws, per-shard arrays beside it
         raise ConfigError(f"samples x accum x replicate = {draws} (shard = {opts.shard}) is too large to simulate "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moetrain.args import check_output_path
 from moetrain.bench.costs import CostSpec
 from moetrain.errors import ConfigError
 
@@ -69,6 +70,13 @@ def validate_options(opts: SyncBenchOptions) -> None:
             raise ConfigError(f"{name} = {getattr(opts, name)!r} is invalid: must be a positive integer")
     if opts.warmup_steps < 0:
         raise ConfigError(f"warmup_steps = {opts.warmup_steps!r} is invalid: must be >= 0")
+    if opts.seed < 0:  # numpy's generators (the drawn costs) take seeds >= 0
+        raise ConfigError(f"seed = {opts.seed} is invalid: must be >= 0")
+    if opts.timeout_s <= 0:
+        raise ConfigError(f"timeout_s = {opts.timeout_s!r} is invalid: must be > 0 seconds")
+    for name in ("json", "figure"):
+        if getattr(opts, name) not in (None, "", "auto", "none"):
+            check_output_path(getattr(opts, name), f"--{name}")
     if opts.cost_model not in ("sleep", "batch", "packed"):
         raise ConfigError(f"cost_model = {opts.cost_model!r} is invalid: valid are ('sleep', 'batch', 'packed')")
     if opts.cost_model == "packed" and (opts.dim % opts.heads or (opts.dim // opts.heads) % 2):

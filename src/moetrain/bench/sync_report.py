@@ -18,12 +18,12 @@ import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 
+from moetrain.args import read_input_json
 from moetrain.bench import results_dir
 from moetrain.bench.simulate import MODES, CommModel, Link, Workload
 from moetrain.bench.sync_calibration import costs_in_seconds, fit_per_call_overhead, step_model
 from moetrain.bench.sync_model import items_per_microbatch
 from moetrain.bench.sync_options import REFERENCE, SyncBenchOptions
-from moetrain.errors import ConfigError
 
 matplotlib.use("Agg")  # charts go to files only; never needs a display
 
@@ -217,13 +217,7 @@ def summarize_runs(paths: tuple[str, ...], figure: str | None) -> str:
     """Markdown table (and chart) of measured vs predicted step-time ratios over several bench runs."""
     results = []
     for path in paths:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"summarize: {path!r} does not exist")
-        try:
-            results.append(json.loads(file.read_text()))
-        except ValueError as err:
-            raise ConfigError(f"summarize: {path!r} is not JSON ({err})") from None
+        results.append(read_input_json(path, "--summarize"))
     lines = ["| setting | mode | measured / hsdp-delayed [95% CI] | simulator | error |",
              "|---|---|---|---|---|"]
     labels, measured, low, high, predicted = [], [], [], [], []

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moetrain.args import take_option
+from moetrain.args import check_output_path, take_option
 from moetrain.config.job import CommandOption, JobConfig, parse_job_args
 from moetrain.data.dataset import load_training_data
 from moetrain.errors import ConfigError
@@ -50,8 +50,8 @@ def _count(value: str | None, name: str, default: int, minimum: int) -> int:
         count = int(value)
     except ValueError:
         count = minimum - 1
-    if count < minimum:
-        raise ConfigError(f"--{name} = {value!r} is invalid: must be an integer >= {minimum}")
+    if not minimum <= count <= 1 << 40:  # more steps than any run takes: a mistyped value, not a benchmark
+        raise ConfigError(f"--{name} = {value!r} is invalid: must be an integer in [{minimum}, 2**40]")
     return count
 
 
@@ -144,6 +144,8 @@ def main(argv: list[str]) -> int:
     steps = _count(steps_arg, "steps", 5, 1)
     warmup = _count(warmup_arg, "warmup", 2, 0)
     cfg = parse_job_args(argv, prog=PROG, description=" ".join(__doc__.split("\n\n")[1].split()), options=OPTIONS)
+    if json_arg:
+        check_output_path(json_arg, "--json")
     setup_logging()
     result = measure(cfg, steps, warmup)
     if result["rank"] != 0:

@@ -41,8 +41,8 @@ OPTIONS = (
 def _positive(value: str | None, name: str) -> int | None:
     if value is None:
         return None
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"--{name.replace('_', '-')} = {value!r} is invalid: must be a positive integer")
+    if not value.isdigit() or not 1 <= int(value) <= 1 << 24:  # 16 Mi ranks: beyond any cluster, a typo
+        raise ConfigError(f"--{name.replace('_', '-')} = {value!r} is invalid: must be a positive integer <= 2**24")
     return int(value)
 
 

@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import torch
 import tyro
 
-from moetrain.args import parse_typed_args
+from moetrain.args import check_output_path, parse_typed_args
 from moetrain.checkpoint.state import stored_config
 from moetrain.commands.export_hf import checkpoint_ref
 from moetrain.config.parallel import ParallelConfig
@@ -138,12 +138,7 @@ def evaluate(args: EvalOptions) -> dict[str, Any] | None:
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import handle_non_serializable
 
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size = {args.batch_size} is invalid: must be >= 1")
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"--limit = {args.limit} is invalid: must be >= 1 (or omitted for all documents)")
-    if args.include is not None and not Path(args.include).is_dir():
-        raise ConfigError(f"--include {args.include!r} is not a directory of task YAML files")
+    check_options(args)
     tasks = resolve_tasks(args.tasks)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         rank, _, device = init_distributed(ParallelConfig())
@@ -187,8 +182,23 @@ def evaluate(args: EvalOptions) -> dict[str, Any] | None:
     return results
 
 
+def check_options(args: EvalOptions) -> EvalOptions:
+    """One line for the first invalid option, before lm-evaluation-harness or a model is loaded."""
+    at_least = {"batch_size": 1, "limit": 1, "max_length": 1, "max_gen_toks": 1, "step": 0, "num_fewshot": 0,
+                "seed": 0}  # numpy's generators, which lm-evaluation-harness seeds, take seeds >= 0
+    for name, low in at_least.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ConfigError(f"--{name.replace('_', '-')} = {value} is invalid: must be >= {low}")
+    if args.include is not None and not (Path(args.include).is_dir() and any(Path(args.include).rglob("*.yaml"))):
+        raise ConfigError(f"--include {args.include!r} is not a directory of task YAML files")
+    if args.out is not None:
+        check_output_path(args.out, "--out")
+    return args
+
+
 def main(argv: list[str]) -> int:
-    args = parse_typed_args(EvalOptions, argv, "moetrain eval")
+    args = check_options(parse_typed_args(EvalOptions, argv, "moetrain eval"))
     with owned_process_group():
         evaluate(args)
     return 0

@@ -171,5 +171,8 @@ def export(args: ExportOptions) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    export(parse_typed_args(ExportOptions, argv, "moetrain export-hf", description=DESCRIPTION))
+    options = parse_typed_args(ExportOptions, argv, "moetrain export-hf", description=DESCRIPTION)
+    if options.step is not None and options.step < 0:
+        raise ConfigError(f"--step = {options.step} is invalid: must be >= 0 (a checkpoint's step)")
+    export(options)
     return 0

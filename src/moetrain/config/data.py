@@ -58,6 +58,8 @@ class DataConfig:
     def validate(self) -> None:
         """Raise ConfigError (one line) at the first invalid [data] field."""
         check_positive(self, "data", ("seq_len",))
+        check(self.chat_template is None or self.source == "tokens", "data.chat_template", self.chat_template,
+              "only conversations prepared as token shards use it (data.source = 'tokens'); leave it unset")
         if self.token_budget is not None:
             check(self.batching == "token_budget", "data.token_budget", self.token_budget,
                   "is only used under data.batching = 'token_budget' (batching is 'packed'); set that, or leave "

@@ -207,19 +207,21 @@ class ModelConfig:
             check(self.rotary_dim() >= 2 and self.rotary_dim() % 2 == 0, "model.partial_rotary_factor",
                   self.partial_rotary_factor,
                   f"must rotate an even number of channels >= 2 (head_dim = {self.attention_head_dim()})")
-        if self.rope_scaling == "yarn":
-            check(self.rope_yarn_factor >= 1, "model.rope_yarn_factor", self.rope_yarn_factor, "must be >= 1")
-            check(self.rope_yarn_original_max_seq_len >= 1, "model.rope_yarn_original_max_seq_len",
-                  self.rope_yarn_original_max_seq_len, "must be a positive integer")
-            check(self.rope_yarn_beta_fast > 0 and self.rope_yarn_beta_slow > 0, "model.rope_yarn_beta_fast",
-                  (self.rope_yarn_beta_fast, self.rope_yarn_beta_slow), "rope_yarn_beta_fast and _slow must be > 0")
+        # The YaRN and MLA widths are checked whether or not they are in use: a value no model can have is a
+        # mistake even where it is ignored today (it would silently apply once rope_scaling or MLA is set).
+        check(self.rope_yarn_factor >= 1, "model.rope_yarn_factor", self.rope_yarn_factor, "must be >= 1")
+        check(self.rope_yarn_original_max_seq_len >= 1, "model.rope_yarn_original_max_seq_len",
+              self.rope_yarn_original_max_seq_len, "must be a positive integer")
+        for name in ("rope_yarn_beta_fast", "rope_yarn_beta_slow"):
+            check(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "must be > 0")
+        check_nonnegative(self, "model", ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"))
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if value is not None:
+                check(value >= 1, f"model.{name}", value, "must be a positive integer")
+        check(self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
+              self.qk_rope_head_dim, "must be a positive even integer (RoPE rotates channel pairs)")
         if self.kv_lora_rank is not None:
-            for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-                value = getattr(self, name)
-                if value is not None:
-                    check(value >= 1, f"model.{name}", value, "must be a positive integer")
-            check(self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
-                  self.qk_rope_head_dim, "must be a positive even integer (RoPE rotates channel pairs)")
             check(self.attention_bias == "none", "model.attention_bias", self.attention_bias,
                   "MLA (model.kv_lora_rank set) has no projection biases")
             check(not self.attention_sinks and self.sliding_window is None, "model.kv_lora_rank", self.kv_lora_rank,

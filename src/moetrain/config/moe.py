@@ -86,8 +86,8 @@ class MoEConfig:
                   self.shared_expert_hidden, "must be >= 1, with model.moe.n_shared_experts >= 1, or None")
         check(not self.shared_expert_gate or self.n_shared_experts >= 1, "model.moe.shared_expert_gate",
               self.shared_expert_gate, "needs a shared expert (model.moe.n_shared_experts >= 1)")
-        if self.activation == "clamped_swiglu":
-            check(self.swiglu_limit > 0, "model.moe.swiglu_limit", self.swiglu_limit, "must be > 0")
+        for name in ("swiglu_alpha", "swiglu_limit"):  # also when unused: no clamped SwiGLU has them <= 0
+            check(getattr(self, name) > 0, f"model.moe.{name}", getattr(self, name), "must be > 0")
         check(self.top_k <= self.n_experts, "model.moe.top_k", self.top_k,
               f"must be <= model.moe.n_experts = {self.n_experts}")
 

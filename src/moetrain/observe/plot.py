@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import tyro
 from matplotlib.figure import Figure
 
-from moetrain.args import parse_typed_args
+from moetrain.args import check_output_path, parse_typed_args
 from moetrain.errors import ConfigError
 from moetrain.runtime.run_dir import METRICS_FILE, RunDir
 
@@ -239,6 +239,8 @@ class PlotOptions:
 
 def main(argv: list[str]) -> int:
     opts = parse_typed_args(PlotOptions, argv, "moetrain plot", bool_flags=True)
+    if opts.out is not None:  # before drawing: a figure takes a second
+        check_output_path(opts.out, "--out")
     for path in plot_run(opts.run_dir, opts.out):
         print(path)
     return 0

@@ -97,6 +97,9 @@ def prepare(args: PrepareArgs) -> dict[str, Any]:
         raise ConfigError(f"--template-time-limit {args.template_time_limit} is invalid: must be a finite number > 0")
     if args.format not in ("text", "chat"):
         raise ConfigError(f"--format {args.format!r} is invalid: 'text' or 'chat'")
+    if args.chat_template is not None and args.format != "chat":
+        raise ConfigError(f"--chat-template {args.chat_template!r} is invalid with --format {args.format}: "
+                          "only conversations (--format chat) are rendered with a template")
     check_output_dir(Path(args.out), list(args.input))
     with writes_to(Path(args.out)):
         return _prepare(args)

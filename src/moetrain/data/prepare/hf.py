@@ -9,6 +9,7 @@ opens datasets; it does not name documents, plan shards or tokenize.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +31,11 @@ def _import_datasets(path: str) -> Any:
     except ImportError:
         raise ConfigError(f"--input {path!r} is read with the `datasets` package; install "
                           "the extra `pip install moetrain[hf]`") from None
+    # An unreadable file is answered in one line (load_dataset's ConfigError): datasets' own log lines about
+    # it would come on top, and its progress bars only help on a terminal.
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL + 1)
+    if not sys.stderr.isatty():
+        datasets.utils.logging.disable_progress_bar()
     return datasets
 
 
