@@ -58,7 +58,7 @@ def test_a_non_utf8_template_file_is_one_line(directory, tmp_path, capsys):
     source = _conversations(tmp_path / "chats.jsonl", [[{"role": "assistant", "content": "yo"}]])
     assert _prepare(directory, source, tmp_path / "out", "--chat-template", str(template)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"chat template {template} is not UTF-8" in err[0], err
+    assert len(err) == 1 and f"chat template '{template}' is not UTF-8" in err[0], err
 
 
 def test_a_long_conversation_renders_a_constant_number_of_times(directory, tmp_path, monkeypatch):

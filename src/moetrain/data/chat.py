@@ -44,6 +44,7 @@ import jinja2.nodes
 import jinja2.utils
 import numpy as np
 
+from moetrain.args import read_input_text
 from moetrain.data.chat_sandbox import BoundedSandbox, RenderBudget, TemplateBudgetError, budget, render_bounded
 from moetrain.errors import ConfigError
 
@@ -200,29 +201,20 @@ def special_tokens(directory: Path) -> dict[str, str]:
     return found
 
 
-def _template_file_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"chat template {path} is not UTF-8 text (bad byte at offset {err.start})") from None
-    except OSError as err:
-        raise ConfigError(f"chat template {path} is unreadable ({err.strerror or type(err).__name__})") from None
-
-
 def find_chat_template(tokenizer_spec: str, override: str | None = None) -> tuple[str, str]:
     """(template text, where it came from) for a tokenizer directory, or the file `override` names."""
     if override:
         path = Path(override)
         if not path.is_file():
             raise ConfigError(f"--chat-template {override!r} is not a file")
-        return _template_file_text(path), str(path)
+        return read_input_text(path, "chat template"), str(path)
     directory = Path(tokenizer_spec)
     if tokenizer_spec == "byte" or not directory.is_dir():
         raise ConfigError(f"--format chat needs a tokenizer directory with a chat template, not --tokenizer "
                           f"{tokenizer_spec!r} (or give --chat-template FILE)")
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
-        return _template_file_text(jinja_file), str(jinja_file)
+        return read_input_text(jinja_file, "chat template"), str(jinja_file)
     template = tokenizer_config(directory).get("chat_template")
     if isinstance(template, list):  # named templates: transformers uses 'default'
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
