@@ -22,6 +22,7 @@ Rows (the default MoE: first layer dense FFN 512, three MoE layers of 16 experts
                                               "muon" (Muon on attention, dense FFN and expert matrices, AdamW
                                               on the rest, the default lr and weight decay carried over)
   moe_muon_router_lr0.3                       moe_muon with the router's learning rate at 0.3x (train.lr_scale)
+  moe_experts_lr2, moe_muon_experts_lr2       the MoE with its experts' learning rate at 2x, AdamW and Muon
 
   mtp_1_l0.3                                  the default plus one multi-token-prediction module, λ = 0.3
   gran_8x1x256_renorm (diagnostic)            top-1 with renormalized gates: every gate is 1, so the router
@@ -133,6 +134,11 @@ def rows(base: JobConfig) -> list[Row]:
             dense + ("--model.ffn_hidden", str(dense_width(base, "active_matmul"))) + MUON),
         Row("moe_muon_router_lr0.3", "optimizer", "MoE default, Muon, router lr 0.3x",
             MUON + ("--train.lr_scale.router", "0.3")),
+        # Each expert sees about top_k / n_experts of the tokens, so its weights get fewer updates with signal
+        # than a dense layer's: a larger rate for the expert group is the per-group lever to try first.
+        Row("moe_experts_lr2", "optimizer", "MoE default, experts lr 2x", ("--train.lr_scale.experts", "2")),
+        Row("moe_muon_experts_lr2", "optimizer", "MoE default, Muon, experts lr 2x",
+            MUON + ("--train.lr_scale.experts", "2")),
 
         # Multi-token prediction (DeepSeek-V3): one MTP module trained at λ = 0.3 beside the default model; held-out
         # bits/byte is the main head's, so the row asks whether the extra objective helps next-token prediction.
