@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -39,7 +38,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
-from moetrain.data.corpus import stdlib_root
 from moetrain.data.packing import IGNORE_INDEX
 from moetrain.model.moe import MoE
 from moetrain.model.transformer import Transformer
@@ -47,6 +45,7 @@ from moetrain.testing import run_on_ranks
 from moetrain.train import run
 from moetrain.train.build import build_model
 from moetrain.train.loss import microbatch_loss, token_loss_sum
+from stdlib_corpus import copy_stdlib_modules
 
 BOUND = 1e-5
 # (name, (dp_replicate, dp_shard), ep, sync policy)
@@ -359,9 +358,7 @@ def _job(run_dir: str, corpus: str, ep: int, steps: int, resume: bool = False):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    corpus = tmp_path_factory.mktemp("corpus")
-    for name in CORPUS:
-        shutil.copyfile(stdlib_root() / name, corpus / name)
+    corpus = copy_stdlib_modules(tmp_path_factory.mktemp("corpus"), CORPUS)
     run_dir = tmp_path_factory.mktemp("ep_run") / "run"
     state, batches = initial_state(0), make_batches(0)
     results = run_on_ranks(_worker, 4, state, batches, str(run_dir), str(corpus), timeout=600)

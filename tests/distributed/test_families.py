@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,6 @@ from moetrain.commands.export_hf import ExportOptions, export
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX, Batch
 from moetrain.interop import hf_job_config, load_hf_weights
@@ -50,6 +48,7 @@ from moetrain.train.build import build_for_job
 from moetrain.train.global_balance import prepare_global_balance
 from moetrain.train.loss import microbatch_loss, router_loss_terms, token_loss_sum
 from moetrain.train.trainer import Trainer
+from stdlib_corpus import copy_stdlib_modules
 
 BALANCE_CFG = ModelConfig(
     vocab_size=19, dim=16, n_layers=3, n_heads=2, n_dense_layers=1, ffn_hidden=12, qk_norm="per_head",
@@ -200,10 +199,7 @@ def read_dir(directory: Path) -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory):
     """(variant -> (transformers model, directory), logits tokens, 4-rank results, 1-rank results, tmp)."""
     tmp = tmp_path_factory.mktemp("families")
-    corpus = tmp / "corpus"
-    corpus.mkdir()
-    for name in ("bisect.py", "colorsys.py", "keyword.py"):
-        shutil.copyfile(stdlib_root() / name, corpus / name)
+    corpus = copy_stdlib_modules(tmp / "corpus", ("bisect.py", "colorsys.py", "keyword.py"))
     models = {}
     for variant in dict.fromkeys(v for v, _, _ in FOUR_RANK_RUNS.values()):
         model = hf_tiny.build_variant(variant)

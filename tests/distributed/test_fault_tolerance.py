@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,7 +29,6 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.train import TrainConfig
-from moetrain.data.corpus import stdlib_root
 from moetrain.errors import ConfigError
 from moetrain.parallel.fault_tolerance import data_position, load_recovery_state, recovery_state
 from moetrain.parallel.mesh import JobMesh
@@ -39,6 +37,7 @@ from moetrain.testing.replica_groups import TORCHRUN, Lighthouse, ReplicaGroupJo
 from moetrain.train import run
 from moetrain.train.build import build_model
 from moetrain.train.optim import build_optimizer
+from stdlib_corpus import copy_stdlib_modules, tiny_moe_args
 
 CORPUS = ["bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py", "glob.py", "fnmatch.py", "genericpath.py"]
 MICRO, ACCUM, GROUP_RANKS = 2, 2, 2
@@ -47,10 +46,7 @@ needs_torchrun = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchru
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ft_corpus")
-    for name in CORPUS:
-        shutil.copyfile(stdlib_root() / name, root / name)
-    return root
+    return copy_stdlib_modules(tmp_path_factory.mktemp("ft_corpus"), CORPUS)
 
 
 def job_args(corpus: Path, run_dir: Path, **fields: object) -> list[str]:
@@ -66,10 +62,7 @@ def job_args(corpus: Path, run_dir: Path, **fields: object) -> list[str]:
         "logging.progress_bar": False,
     }
     values.update({k.replace("__", "."): v for k, v in fields.items()})
-    args = ["--config", str(Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.toml")]
-    for key, value in values.items():
-        args += [f"--{key}", str(value)]
-    return args
+    return tiny_moe_args(values)
 
 
 def group_args(corpus: Path, root: Path, lighthouse: str, replica_id: int, steps: int, **fields: object) -> list[str]:

@@ -18,18 +18,17 @@ planted (every microbatch's logits kept) and must exceed the bound.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from moetrain.config.job import parse_job_args
-from moetrain.data.corpus import stdlib_root
 from moetrain.observe.peak_memory import growth_per_step
 from moetrain.runtime.allocator import rank_environment
 from moetrain.testing import run_on_ranks
 from moetrain.train import trainer as trainer_module
 from moetrain.train.run import run
+from stdlib_corpus import copy_stdlib_modules
 
 WARMUP, STEPS = 50, 75
 TOLERANCE = 128 * 1024  # bytes per step, see the module docstring
@@ -66,11 +65,7 @@ def rss_slopes(run_dir: Path) -> list[float]:
 
 @pytest.fixture
 def corpus(tmp_path) -> Path:
-    root = tmp_path / "corpus"
-    root.mkdir()
-    for name in MODULES:
-        shutil.copyfile(stdlib_root() / name, root / name)
-    return root
+    return copy_stdlib_modules(tmp_path / "corpus", MODULES)
 
 
 def test_four_rank_run_is_memory_flat_after_warmup(corpus, tmp_path):

@@ -23,7 +23,6 @@ import hf_tiny
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.data.corpus import stdlib_root
 from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX, Batch
 from moetrain.interop import hf_job_config
@@ -33,6 +32,7 @@ from moetrain.testing.multirank import run_on_ranks
 from moetrain.train import run
 from moetrain.train.build import build_model, build_pipeline
 from moetrain.train.trainer import Trainer
+from stdlib_corpus import copy_stdlib_modules
 
 SEQ, MICRO, STEPS = 8, 2, 2
 
@@ -274,10 +274,8 @@ def resume_worker(tmp, corpus, hf_dir) -> dict:
 def cli_runs(tmp_path_factory):
     """(tmp dir, each rank's imported weights, the HF directory)."""
     tmp = tmp_path_factory.mktemp("pp_cli")
-    corpus = tmp / "corpus"
-    corpus.mkdir()
-    for name in ("bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py", "glob.py"):
-        shutil.copyfile(stdlib_root() / name, corpus / name)
+    corpus = copy_stdlib_modules(tmp / "corpus", ("bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py",
+                                                   "glob.py"))
     hf_dir = hf_tiny.save(hf_tiny.build("deepseek_v3"), tmp / "deepseek_v3")
     imported = run_on_ranks(resume_worker, 4, str(tmp), str(corpus), str(hf_dir), timeout=600)
     run_on_ranks(run.main, 1, _cli_args(tmp / "one", corpus, 3, 4, resume=True), timeout=600)

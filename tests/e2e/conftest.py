@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from moetrain.data.corpus import stdlib_root
+from stdlib_corpus import copy_stdlib_modules, tiny_moe_args
 
 # Small, stable standard-library modules: real Python text, a few KB each.
 CORPUS_MODULES = ["bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py", "glob.py", "fnmatch.py",
@@ -17,10 +16,7 @@ CORPUS_MODULES = ["bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py"
 
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    for name in CORPUS_MODULES:
-        shutil.copyfile(stdlib_root() / name, root / name)
-    return root
+    return copy_stdlib_modules(tmp_path_factory.mktemp("corpus"), CORPUS_MODULES)
 
 
 def tiny_job_args(corpus: Path, run_dir: Path, **overrides: object) -> list[str]:
@@ -38,10 +34,7 @@ def tiny_job_args(corpus: Path, run_dir: Path, **overrides: object) -> list[str]
     fields.update({k.replace("__", "."): v for k, v in overrides.items()})
     if "train__warmup_steps" not in overrides:  # warm-up must end before the run does
         fields["train.warmup_steps"] = min(2, int(fields["train.steps"]) - 1)  # type: ignore[call-overload]
-    args = ["--config", str(Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.toml")]
-    for key, value in fields.items():
-        args += [f"--{key}", str(value)]
-    return args
+    return tiny_moe_args(fields)
 
 
 def train_records(run_dir: Path) -> dict[int, dict]:

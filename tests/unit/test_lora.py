@@ -33,7 +33,6 @@ from moetrain.config.lora import LoraConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.config.train import TrainConfig
-from moetrain.data.corpus import stdlib_root
 from moetrain.errors import ConfigError
 from moetrain.model.experts import routed_experts
 from moetrain.model.lora import adapter_parameters, fold
@@ -41,6 +40,7 @@ from moetrain.model.routing import routing_from_topk
 from moetrain.train.build import build_model
 from moetrain.train.loss import microbatch_loss, token_loss_sum
 from moetrain.train.optim import build_optimizer
+from stdlib_corpus import copy_stdlib_modules
 
 ALL_TARGETS = ["attention", "ffn", "shared_experts", "experts", "router"]
 
@@ -134,10 +134,7 @@ def test_bad_lora_options_fail_in_one_line(changes, expected):
 @pytest.fixture(scope="module")
 def base_and_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_cli")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name in ("bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py"):
-        shutil.copyfile(stdlib_root() / name, corpus / name)
+    corpus = copy_stdlib_modules(root / "corpus", ("bisect.py", "colorsys.py", "keyword.py", "this.py", "stat.py"))
     return hf_tiny.save(hf_tiny.build_variant("qwen3_moe"), root / "base"), corpus
 
 
