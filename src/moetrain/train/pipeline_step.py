@@ -132,6 +132,11 @@ class PipelineStep:
         """The elementwise maximum over the ranks holding the same stages, in place (QK-clip's per-head maxima)."""
         return self.stage_all_reduce(tensor, dist.ReduceOp.MAX)
 
+    def pipeline_max(self, tensor: Tensor) -> Tensor:
+        """The elementwise maximum over the pipeline ranks, in place (the stages' QK-clip maxima, for the log)."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.pipeline_group)
+        return tensor
+
     def count_global_tokens(self, microbatches: list[Batch]) -> int:
         """The step's valid targets over the data-parallel ranks (every stage sees the same microbatches, and
         the context and tensor ranks of a data coordinate count the same ones: divided back)."""

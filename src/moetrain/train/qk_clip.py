@@ -5,7 +5,8 @@ pre-softmax logit over the step's microbatches (`model.attention.max_logit_per_h
 layer's `max_logits`). After the optimizer step `clip()` takes the maximum over all ranks and, for
 every head h whose maximum S_h exceeds τ, scales its weights so that its logits shrink by η = τ / S_h
 (under pipeline parallelism each stage clips its own layers: the maximum is taken over the ranks that hold
-the same layers, `reduce_max`, as the stages' layer counts differ):
+the same layers, `reduce_max`, as the stages' layer counts differ; the maxima it returns for the log are then
+gathered over the stages, so they cover every layer):
 
 - grouped-query attention with one key head per query head (MHA): the head's query rows and its key
   rows (weights and biases) each by √η, Kimi K2's balanced split;
@@ -57,6 +58,12 @@ def _per_head_rows(values: list[Tensor]) -> Tensor:
     return torch.cat(values, dim=1).reshape(-1)
 
 
+def _model_row(name: str, n_layers: int) -> int:
+    """The row of the attention module `name` ("layers.<i>.attention" or "mtp.<k>.block.attention")."""
+    kind, index = name.split(".")[:2]
+    return int(index) + (n_layers if kind == "mtp" else 0)
+
+
 def _world_max(maxima: Tensor) -> Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
@@ -66,14 +73,21 @@ def _world_max(maxima: Tensor) -> Tensor:
 class QKClip:
     """Records the largest logit per head during a step and clips the heads above τ after it (module docstring)."""
 
-    def __init__(self, model: nn.Module, tau: float, reduce_max: Callable[[Tensor], Tensor] | None = None):
+    def __init__(self, model: nn.Module, tau: float, reduce_max: Callable[[Tensor], Tensor] | None = None,
+                 across_stages: Callable[[Tensor], Tensor] | None = None):
         """`reduce_max` takes the elementwise maximum in place over the ranks holding `model`'s attention layers
-        (default: every rank of the default process group, each holding every layer)."""
+        (default: every rank of the default process group, each holding every layer). Under pipeline parallelism
+        `across_stages` takes it over the pipeline ranks, so the maxima `clip` returns cover the whole model."""
         if not tau > 0:
             raise ConfigError(f"train.qk_clip_tau = {tau!r} is invalid: must be > 0 (0 turns QK-clip off)")
         self.tau = tau
         self.reduce_max = reduce_max or _world_max
-        self.layers = [m for m in model.modules() if isinstance(m, ATTENTION_LAYERS)]
+        self.across_stages = across_stages
+        named = [(name, m) for name, m in model.named_modules() if isinstance(m, ATTENTION_LAYERS)]
+        self.layers = [m for _, m in named]
+        if across_stages is not None:  # `model` is a stage's Transformer: its layers' rows in the whole model's
+            self.rows = [_model_row(name, model.cfg.n_layers) for name, _ in named]  # [blocks, MTP modules]
+            self.n_rows = model.cfg.n_layers + model.cfg.mtp_depth
         for layer in self.layers:
             if isinstance(layer, Attention) and layer.qk_norm != "none":
                 raise ConfigError(f"train.qk_clip_tau = {tau!r} is invalid with model.qk_norm = {layer.qk_norm!r}: "
@@ -98,7 +112,12 @@ class QKClip:
             if bool(over.any()):
                 eta = torch.where(over, self.tau / head_max, torch.ones_like(head_max))
                 self._scale(layer, eta)
-        return maxima.cpu()
+        if self.across_stages is None:
+            return maxima.cpu()
+        # Each stage fills its own layers' rows; the other rows stay -inf until the maximum over the stages.
+        whole = torch.full((self.n_rows, maxima.shape[1]), float("-inf"), device=maxima.device)
+        whole[self.rows] = maxima
+        return self.across_stages(whole).cpu()
 
     @staticmethod
     def _scale(layer: nn.Module, eta: Tensor) -> None:
