@@ -1,6 +1,9 @@
-"""Training options that must not change the numbers: activation checkpointing; aux-free balancing runs."""
+"""Training options that must not change the numbers: activation checkpointing, how often the held-out
+evaluation runs; aux-free balancing runs."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -24,3 +27,20 @@ def test_aux_free_balancing_trains_and_logs_expert_load(job_args, read_train_rec
     records = read_train_records(tmp_path / "aux_free")
     assert records[2]["aux_loss"] == 0.0  # no aux loss term in the objective
     assert records[2]["expert_load_max_over_mean"] >= 1.0
+
+
+def test_evaluation_between_steps_changes_no_training_number(job_args, tmp_path):
+    # The default job's eval_every trades held-out curve points for time on the premise that an evaluation
+    # touches no training state (the loader's position, the weights, the optimizer).
+    common = {"train__steps": 3, "checkpoint__enabled": False}
+    assert cli.main(["train", *job_args(tmp_path / "none", train__eval_every=0, **common)]) == 0
+    assert cli.main(["train", *job_args(tmp_path / "each", train__eval_every=1, **common)]) == 0
+    runs = {}
+    for name in ("none", "each"):
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = {"evals": sum(r["kind"] == "eval" for r in records),
+                      "train": [(r["loss"], r["grad_norm"]) for r in records if r["kind"] == "train"],
+                      "final": next(r["heldout_bpb"] for r in records if r["kind"] == "final")}
+    assert (runs["none"]["evals"], runs["each"]["evals"]) == (1, 3)
+    assert runs["each"]["train"] == runs["none"]["train"]  # bit for bit
+    assert runs["each"]["final"] == runs["none"]["final"]
