@@ -1,0 +1,153 @@
+"""LoRA under tensor and context parallelism on gloo ranks against one float64 process.
+
+The split parity models (split_parity_support: grouped-query attention, a shared expert, a dense and an MoE
+block; and the DeepSeek-V3-shaped one, whose MLA low-rank projections stay whole under TP) with adapters on
+every target (attention, dense feed-forward, shared expert, per-expert routed adapters, router), each adapter
+random (B too, so every gradient is non-zero). Each mesh trains two AdamW steps on the adapters the way the
+trainer does (`SequenceSplit`: the vocabulary-parallel loss, token counts once per TP/CP group, the
+global-batch balance loss, the z-loss). The gathered step-0 adapter gradients must equal the float64
+process's over the whole global batch to 1e-5 relative, the base must take no gradient, and after the steps
+the frozen base (split by TP, FSDP and over the experts' mesh) must be bitwise what it was.
+A column-wise adapter that TP split like its weight (lora_A's rank dimension) or a row-wise one left whole
+beside an input-split weight fails the gradient check, or the build.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from split_parity_support import MODELS, initial_state, make_batches, relative_error
+
+from moetrain.config.lora import LoraConfig
+from moetrain.data.packing import IGNORE_INDEX, Batch
+from moetrain.model.lora import adapter_parameters, apply_lora
+from moetrain.model.transformer import Transformer
+from moetrain.testing import run_on_ranks
+from moetrain.train.global_balance import prepare_global_balance
+from moetrain.train.loss import microbatch_loss, token_loss_sum
+
+BOUND = 1e-5
+LORA = LoraConfig(rank=2, alpha=3.0, targets=["attention", "ffn", "shared_experts", "experts", "router"])
+
+# world size -> the cases one run of that many ranks trains: (model, parallel fields)
+CASES = {
+    2: [("tiny_moe", {"tp": 2})],
+    4: [("tiny_moe", {"tp": 2}), ("deepseek_like", {"tp": 2}), ("tiny_moe", {"tp": 2, "cp": 2})],
+}
+
+
+def lora_state(model_name: str) -> dict[str, torch.Tensor]:
+    """The split parity base weights and random adapters, all float32."""
+    model = Transformer(MODELS[model_name])
+    apply_lora(model, LORA)
+    base, gen = initial_state(MODELS[model_name]), torch.Generator().manual_seed(11)
+    return {name: (0.3 * torch.randn(t.shape, generator=gen) if ".lora_" in name else base[name]).float()
+            for name, t in model.state_dict().items()}
+
+
+def _objective(model, mb: Batch, global_tokens: int, split=None) -> torch.Tensor:
+    """The trainer's microbatch loss (one process: `split` None), inside the vocabulary-parallel context."""
+    inputs = split.model_inputs(mb) if split else {"tokens": mb.tokens, "positions": mb.positions,
+                                                   "document_ids": mb.document_ids}
+    logits = model(**inputs)
+    targets = split.shard(mb.targets) if split else mb.targets
+    loss_sum, n_valid = token_loss_sum(logits, targets)
+    loss_sum = split.local_loss(loss_sum) if split else loss_sum
+    routed = targets != IGNORE_INDEX if split is None else split.routed_mask(mb.targets != IGNORE_INDEX)
+    return microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss(), model.z_loss_sum(routed),
+                           aux_is_share=True)
+
+
+def reference_grads(model_name: str, state, batches) -> dict[str, torch.Tensor]:
+    """Step 0's adapter gradients in one float64 process over the whole global batch."""
+    model = Transformer(MODELS[model_name])
+    apply_lora(model, LORA)
+    model.load_state_dict(state)
+    model.double().train()
+    microbatches = [mb for rank in batches[0] for mb in rank]
+    global_tokens = sum(mb.n_valid_targets for mb in microbatches)
+    prepare_global_balance(model, microbatches)
+    for mb in microbatches:
+        _objective(model, mb, global_tokens).backward()
+    return {name: p.grad.detach().clone() for name, p in adapter_parameters(model).items()}
+
+
+def worker(cases, states, batches_by_case) -> list | None:
+    """On every rank: each case built with adapters, two AdamW steps on them; rank 0 returns what it checks."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from moetrain.config.parallel import ParallelConfig
+    from moetrain.parallel.context_parallel import SequenceSplit
+    from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
+    from moetrain.parallel.mesh import JobMesh
+    from moetrain.parallel.process_group import init_distributed
+    from moetrain.train.build import build_model
+    from split_parity_support import N_MICRO, load_full_state
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().numpy().copy()
+
+    rank, world, device = init_distributed(ParallelConfig())
+    results = []
+    for (model_name, fields), steps in zip(cases, batches_by_case, strict=True):
+        pcfg = ParallelConfig(**fields)
+        mesh = JobMesh.from_config(pcfg, world, device)
+        model = build_model(MODELS[model_name], pcfg, mesh, device, weights="none", lora=LORA)
+        load_full_state(model, {n: torch.from_numpy(t) for n, t in states[model_name].items()})
+        model.train()
+        adapters = adapter_parameters(model)
+        optimizer = torch.optim.AdamW(adapters.values(), lr=1e-2)
+        policy, split = resolve_sync_policy(pcfg, mesh.dims, N_MICRO), SequenceSplit.of(mesh)
+        for step, ranks in enumerate(steps):
+            microbatches = [Batch(*(torch.from_numpy(t) for t in mb)) for mb in ranks[mesh.data_rank]]
+            global_tokens = count_global_tokens(sum(mb.n_valid_targets for mb in microbatches)) // split.replicas
+            prepare_global_balance(model, microbatches, split.model_inputs, split.tp)
+            for mb, _is_last in accumulation(model, microbatches, policy):
+                with split.loss_context():
+                    _objective(model, mb, global_tokens, split).backward()
+            if step == 0:
+                grads = {name: full(p.grad) for name, p in adapters.items()}
+                base_grads = [n for n, p in model.named_parameters() if n not in adapters and p.grad is not None]
+            optimizer.step()
+            optimizer.zero_grad()
+        base = {n: full(p) for n, p in model.named_parameters() if n not in adapters}
+        if rank == 0:  # numpy: torch pickles tensors as shared-memory handles that die with the rank
+            results.append({"grads": grads, "base_grads": base_grads, "base": base})
+        dist.barrier()
+    return results if rank == 0 else None
+
+
+def _case_id(world: int, model_name: str, fields: dict) -> str:
+    return f"{model_name}-" + "-".join(f"{k}{v}" for k, v in fields.items()) + f"-world{world}"
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, tuple[dict, dict, dict]]:
+    """{case id: (rank 0's result, reference gradients, the initial state)} for every case of every world."""
+    states = {name: lora_state(name) for name in {model for cases in CASES.values() for model, _ in cases}}
+    states_np = {name: {n: t.numpy() for n, t in state.items()} for name, state in states.items()}
+    out = {}
+    for world, cases in CASES.items():
+        batches = [make_batches(MODELS[model], world // (fields.get("tp", 1) * fields.get("cp", 1)), seed=3)
+                   for model, fields in cases]
+        batches_np = [[[[tuple(t.numpy() for t in (mb.tokens, mb.positions, mb.document_ids, mb.targets)) for mb in rank] for rank in step] for step in steps]
+                      for steps in batches]
+        ranks = run_on_ranks(worker, world, cases, states_np, batches_np, timeout=600)[0]
+        for (model, fields), steps, result in zip(cases, batches, ranks, strict=True):
+            out[_case_id(world, model, fields)] = (result, reference_grads(model, states[model], steps), states[model])
+    return out
+
+
+@pytest.mark.parametrize("case", [_case_id(w, m, f) for w, cases in CASES.items() for m, f in cases])
+def test_adapter_gradients_under_tp_and_cp_equal_float64_and_the_base_stays_unchanged(results, case):
+    result, want, state = results[case]
+    assert set(result["grads"]) == set(want) and result["base_grads"] == []
+    got = {name: torch.from_numpy(g).double() for name, g in result["grads"].items()}
+    error, where = relative_error(got, want)
+    print(f"{case}: {len(got)} adapter gradients, max relative error {error:.2e} at {where}")
+    assert error < BOUND, (error, where)
+    assert all(float(w.abs().max()) > 0 for w in want.values())  # every adapter takes a gradient
+    for name, value in result["base"].items():
+        assert np.array_equal(value, state[name].numpy()), name
