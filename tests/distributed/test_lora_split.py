@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from split_parity_support import MODELS, initial_state, make_batches, relative_error
+from split_parity_support import MODELS, N_MICRO, initial_state, load_full_state, make_batches, relative_error
 
 from moetrain.config.lora import LoraConfig
 from moetrain.data.packing import IGNORE_INDEX, Batch
@@ -30,11 +30,10 @@ from moetrain.train.loss import microbatch_loss, token_loss_sum
 BOUND = 1e-5
 LORA = LoraConfig(rank=2, alpha=3.0, targets=["attention", "ffn", "shared_experts", "experts", "router"])
 
-# world size -> the cases one run of that many ranks trains: (model, parallel fields)
-CASES = {
-    2: [("tiny_moe", {"tp": 2})],
-    4: [("tiny_moe", {"tp": 2}), ("deepseek_like", {"tp": 2}), ("tiny_moe", {"tp": 2, "cp": 2})],
-}
+# (model, parallel fields) on 4 ranks: FSDP 2 x TP 2 (MLA too), FSDP 2 x CP 2, TP 2 x CP 2
+CASES = [("tiny_moe", {"tp": 2}), ("deepseek_like", {"tp": 2}), ("tiny_moe", {"cp": 2}),
+         ("tiny_moe", {"tp": 2, "cp": 2})]
+WORLD = 4
 
 
 def lora_state(model_name: str) -> dict[str, torch.Tensor]:
@@ -73,6 +72,28 @@ def reference_grads(model_name: str, state, batches) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in adapter_parameters(model).items()}
 
 
+def activation_collectives(model_name: str, pcfg, mesh, mb: Batch) -> dict[str, tuple[int, int]]:
+    """{"lora", "base"}: (all-gathers, reduce-scatters) one microbatch's forward and backward issue, with adapters on
+    every target and without: the adapter path must add none (its gradients' sums are all-reduces of [r, in] or
+    [out, r]); torch's own styles, which split lora_A's rank, issue one more pair per adapted layer."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from moetrain.parallel.context_parallel import SequenceSplit
+    from moetrain.train.build import build_model
+
+    counts = {}
+    for what, lora in (("lora", LORA), ("base", None)):
+        model = build_model(MODELS[model_name], pcfg, mesh, mesh.device, weights="init", lora=lora)
+        split = SequenceSplit.of(mesh)
+        prepare_global_balance(model, [mb], split.model_inputs, split.tp)
+        with CommDebugMode() as comm, split.loss_context():
+            _objective(model, mb, mb.n_valid_targets, split).backward()
+        kinds = {str(op): n for op, n in comm.get_comm_counts().items()}
+        counts[what] = tuple(sum(n for op, n in kinds.items() if kind in op)
+                             for kind in ("all_gather", "reduce_scatter"))
+    return counts
+
+
 def worker(cases, states, batches_by_case) -> list | None:
     """On every rank: each case built with adapters, two AdamW steps on them; rank 0 returns what it checks."""
     import torch.distributed as dist
@@ -84,7 +105,6 @@ def worker(cases, states, batches_by_case) -> list | None:
     from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
     from moetrain.train.build import build_model
-    from split_parity_support import N_MICRO, load_full_state
 
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().numpy().copy()
@@ -113,34 +133,32 @@ def worker(cases, states, batches_by_case) -> list | None:
             optimizer.step()
             optimizer.zero_grad()
         base = {n: full(p) for n, p in model.named_parameters() if n not in adapters}
+        collectives = activation_collectives(model_name, pcfg, mesh, microbatches[0]) if "tp" in fields else None
         if rank == 0:  # numpy: torch pickles tensors as shared-memory handles that die with the rank
-            results.append({"grads": grads, "base_grads": base_grads, "base": base})
+            results.append({"grads": grads, "base_grads": base_grads, "base": base, "collectives": collectives})
         dist.barrier()
     return results if rank == 0 else None
 
 
-def _case_id(world: int, model_name: str, fields: dict) -> str:
-    return f"{model_name}-" + "-".join(f"{k}{v}" for k, v in fields.items()) + f"-world{world}"
+def _case_id(model_name: str, fields: dict) -> str:
+    return f"{model_name}-" + "-".join(f"{k}{v}" for k, v in fields.items())
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, tuple[dict, dict, dict]]:
-    """{case id: (rank 0's result, reference gradients, the initial state)} for every case of every world."""
-    states = {name: lora_state(name) for name in {model for cases in CASES.values() for model, _ in cases}}
+    """{case id: (rank 0's result, reference gradients, the initial state)} for every case, one 4-rank run."""
+    states = {name: lora_state(name) for name in {model for model, _ in CASES}}
     states_np = {name: {n: t.numpy() for n, t in state.items()} for name, state in states.items()}
-    out = {}
-    for world, cases in CASES.items():
-        batches = [make_batches(MODELS[model], world // (fields.get("tp", 1) * fields.get("cp", 1)), seed=3)
-                   for model, fields in cases]
-        batches_np = [[[[tuple(t.numpy() for t in (mb.tokens, mb.positions, mb.document_ids, mb.targets)) for mb in rank] for rank in step] for step in steps]
-                      for steps in batches]
-        ranks = run_on_ranks(worker, world, cases, states_np, batches_np, timeout=600)[0]
-        for (model, fields), steps, result in zip(cases, batches, ranks, strict=True):
-            out[_case_id(world, model, fields)] = (result, reference_grads(model, states[model], steps), states[model])
-    return out
+    batches = [make_batches(MODELS[model], WORLD // (fields.get("tp", 1) * fields.get("cp", 1)), seed=3)
+               for model, fields in CASES]
+    batches_np = [[[[tuple(t.numpy() for t in (mb.tokens, mb.positions, mb.document_ids, mb.targets))
+                     for mb in rank] for rank in step] for step in steps] for steps in batches]
+    ranks = run_on_ranks(worker, WORLD, CASES, states_np, batches_np, timeout=600)[0]
+    return {_case_id(model, fields): (result, reference_grads(model, states[model], steps), states[model])
+            for (model, fields), steps, result in zip(CASES, batches, ranks, strict=True)}
 
 
-@pytest.mark.parametrize("case", [_case_id(w, m, f) for w, cases in CASES.items() for m, f in cases])
+@pytest.mark.parametrize("case", [_case_id(m, f) for m, f in CASES])
 def test_adapter_gradients_under_tp_and_cp_equal_float64_and_the_base_stays_unchanged(results, case):
     result, want, state = results[case]
     assert set(result["grads"]) == set(want) and result["base_grads"] == []
@@ -151,3 +169,10 @@ def test_adapter_gradients_under_tp_and_cp_equal_float64_and_the_base_stays_unch
     assert all(float(w.abs().max()) > 0 for w in want.values())  # every adapter takes a gradient
     for name, value in result["base"].items():
         assert np.array_equal(value, state[name].numpy()), name
+
+
+@pytest.mark.parametrize("case", [_case_id(m, f) for m, f in CASES if "tp" in f])
+def test_tensor_parallel_adapters_add_no_activation_collective(results, case):
+    counts = results[case][0]["collectives"]
+    print(f"{case}: (all-gathers, reduce-scatters) with adapters {counts['lora']}, without {counts['base']}")
+    assert all(lora <= base for lora, base in zip(counts["lora"], counts["base"], strict=True)), counts
