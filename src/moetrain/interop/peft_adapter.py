@@ -237,6 +237,7 @@ def _whole_model(cfg: JobConfig) -> nn.Module:
     return whole
 
 
+@torch.no_grad()  # writes into the adapters' (sharded) parameters in place
 def load_peft_adapter(model: nn.Module, cfg: JobConfig, directory: str | Path) -> None:
     """Fill `model`'s adapters from a PEFT adapter directory (collective when sharded); one ConfigError line
     when the directory is not exactly the whole model's adapters. A pipeline rank's part (its own layers, by
