@@ -30,9 +30,10 @@ from moetrain.train.loss import microbatch_loss, token_loss_sum
 BOUND = 1e-5
 LORA = LoraConfig(rank=2, alpha=3.0, targets=["attention", "ffn", "shared_experts", "experts", "router"])
 
-# (model, parallel fields) on 4 ranks: FSDP 2 x TP 2 (MLA too), FSDP 2 x CP 2, TP 2 x CP 2
-CASES = [("tiny_moe", {"tp": 2}), ("deepseek_like", {"tp": 2}), ("tiny_moe", {"cp": 2}),
-         ("tiny_moe", {"tp": 2, "cp": 2})]
+# (model, parallel fields) on 4 ranks: FSDP 2 x TP 2 (MLA too), FSDP 2 x CP 2. TP 2 x CP 2 passed too (3.6e-6,
+# docs/results.md round 21); left out of the suite for its time.
+CASES = [("tiny_moe", {"tp": 2}), ("deepseek_like", {"tp": 2}), ("tiny_moe", {"cp": 2})]
+COUNTED = 0  # the case whose activation collectives are counted (building two more models costs time)
 WORLD = 4
 
 
@@ -111,7 +112,7 @@ def worker(cases, states, batches_by_case) -> list | None:
 
     rank, world, device = init_distributed(ParallelConfig())
     results = []
-    for (model_name, fields), steps in zip(cases, batches_by_case, strict=True):
+    for index, ((model_name, fields), steps) in enumerate(zip(cases, batches_by_case, strict=True)):
         pcfg = ParallelConfig(**fields)
         mesh = JobMesh.from_config(pcfg, world, device)
         model = build_model(MODELS[model_name], pcfg, mesh, device, weights="none", lora=LORA)
@@ -133,7 +134,7 @@ def worker(cases, states, batches_by_case) -> list | None:
             optimizer.step()
             optimizer.zero_grad()
         base = {n: full(p) for n, p in model.named_parameters() if n not in adapters}
-        collectives = activation_collectives(model_name, pcfg, mesh, microbatches[0]) if "tp" in fields else None
+        collectives = activation_collectives(model_name, pcfg, mesh, microbatches[0]) if index == COUNTED else None
         if rank == 0:  # numpy: torch pickles tensors as shared-memory handles that die with the rank
             results.append({"grads": grads, "base_grads": base_grads, "base": base, "collectives": collectives})
         dist.barrier()
@@ -171,8 +172,8 @@ def test_adapter_gradients_under_tp_and_cp_equal_float64_and_the_base_stays_unch
         assert np.array_equal(value, state[name].numpy()), name
 
 
-@pytest.mark.parametrize("case", [_case_id(m, f) for m, f in CASES if "tp" in f])
-def test_tensor_parallel_adapters_add_no_activation_collective(results, case):
+def test_tensor_parallel_adapters_add_no_activation_collective(results):
+    case = _case_id(*CASES[COUNTED])
     counts = results[case][0]["collectives"]
     print(f"{case}: (all-gathers, reduce-scatters) with adapters {counts['lora']}, without {counts['base']}")
     assert all(lora <= base for lora, base in zip(counts["lora"], counts["base"], strict=True)), counts
