@@ -8,8 +8,10 @@ trainer does (`SequenceSplit`: the vocabulary-parallel loss, token counts once p
 global-batch balance loss, the z-loss). The gathered step-0 adapter gradients must equal the float64
 process's over the whole global batch to 1e-5 relative, the base must take no gradient, and after the step
 the frozen base (split by TP, FSDP and over the experts' mesh) must be bitwise what it was.
-A column-wise adapter that TP split like its weight (lora_A's rank dimension) or a row-wise one left whole
-beside an input-split weight fails the gradient check, or the build.
+Without the plan keeping frozen parameters frozen, the norms and router take gradients (base check fails).
+torch's own Colwise/RowwiseParallel on an adapted linear (lora_A split on its rank, a row-wise A left whole)
+give the same gradients, DTensor redistributing, but move activations around every adapter: the collective
+count test fails on them (33 all-gathers and 25 reduce-scatters against 10 and 8 without adapters).
 """
 
 from __future__ import annotations
