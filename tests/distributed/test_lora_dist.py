@@ -220,3 +220,39 @@ def test_adapter_gradients_under_pp2_equal_float64_and_the_checkpoint_gathers_th
     model = model_of_run(_pp_job(4), latest_complete(tmp_path))
     for name, param in adapter_parameters(model).items():
         assert np.array_equal(param.detach().numpy(), trained[name]), name
+
+
+# ---- lora.init_from under pipeline parallelism: each stage reads its own layers' adapters
+
+def pp_init_worker(cfg: JobConfig) -> dict:
+    from moetrain.parallel.mesh import JobMesh
+    from moetrain.train.build import build_pipeline
+
+    pipeline = build_pipeline(cfg, JobMesh.from_config(cfg.parallel, dist_world(), "cpu"))
+    return {name: full(p).numpy() for name, p in adapter_parameters(pipeline.model).items()}
+
+
+def _exportable_pp_job(**parallel) -> JobConfig:
+    """`_pp_job` shaped as Qwen3-MoE (per-head QK-norm, no shared expert): a PEFT directory names a family's modules."""
+    qwen3_moe = dataclasses.replace(PP_CFG, qk_norm="per_head", moe=dataclasses.replace(PP_CFG.moe, n_shared_experts=0))
+    cfg = job_config(qwen3_moe, 2, **parallel)
+    cfg.lora = LoraConfig(rank=2, alpha=3.0, targets=["attention", "ffn", "experts", "router"])
+    return cfg.validate()
+
+
+def test_a_pipeline_started_from_a_peft_directory_holds_one_process_adapters(tmp_path):
+    from moetrain.interop.peft_adapter import save_peft_adapter
+
+    cfg = _exportable_pp_job()
+    model = build_model(cfg.model, weights="init", seed=cfg.train.seed, lora=cfg.lora)
+    _randomize_adapters(model)  # not PEFT's start (B zero): every value read must come from the directory
+    directory = save_peft_adapter(model, cfg, tmp_path / "adapter")
+    pp_cfg = _exportable_pp_job(pp=2)  # 2 stages x 2 FSDP ranks
+    pp_cfg.lora.init_from = str(directory)
+    read: dict = {}
+    for stage in run_on_ranks(pp_init_worker, 4, pp_cfg.validate(), timeout=300):
+        read.update(stage)
+    want = adapter_parameters(model)
+    assert set(read) == set(want)  # the stages together hold every adapter
+    for name, param in want.items():
+        assert np.array_equal(read[name], param.detach().double().numpy()), name

@@ -236,16 +236,16 @@ def test_features_not_checked_under_a_model_dimension_are_refused_and_the_rest_a
         cfg.validate()
 
 
-# LoRA: each pipeline stage holds its layers' adapters; tensor and context parallelism are refused with the reason.
-@pytest.mark.parametrize("dimension,refusal", [("pp", None), ("tp", "the tensor-parallel plans split the base"),
-                                               ("cp", "not yet checked against one process")])
-def test_lora_runs_under_a_pipeline_and_is_refused_under_tp_and_cp(dimension, refusal):
-    cfg = _composed_job((dimension,))
-    cfg.lora.rank = 4
-    if refusal is None:
+# LoRA: each pipeline stage holds (and reads from lora.init_from) its layers' adapters, TP splits them with their
+# layers, CP changes no module (tests/distributed/test_lora_*.py); dropout is refused under TP only.
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lora_runs_under_every_model_dimension_and_dropout_is_refused_under_tp(layout):
+    cfg = _composed_job(layout)
+    cfg.lora.rank, cfg.lora.init_from = 4, "adapter_dir"
+    cfg.validate()
+    cfg.lora.dropout, cfg.lora.targets = 0.1, ["attention"]  # PEFT applies dropout to module targets only
+    if "tp" not in layout:
         cfg.validate()
-        cfg.lora.init_from = "adapter_dir"
-        refusal = "lora.init_from = .* not supported yet with parallel.pp = 2: the adapter directory"
-    with pytest.raises(ConfigError, match=f"lora.rank = 4 .*not supported yet with parallel.{dimension} = 2: .*"
-                       f"{refusal}" if dimension != "pp" else refusal):
+        return
+    with pytest.raises(ConfigError, match=r"^lora.dropout = 0.1 is invalid: must be 0 with parallel.tp = 2: "):
         cfg.validate()

@@ -133,17 +133,11 @@ def _check_lora(lora: LoraConfig, model: ModelConfig, parallel: ParallelConfig) 
     narrowest = min(lora.targets, key=widths.__getitem__)
     check(lora.rank <= widths[narrowest], "lora.rank", lora.rank,
           f"must be <= {widths[narrowest]}, the smallest dimension of the {narrowest} matrices")
-    # Under a pipeline each stage holds its layers' adapters (gradients checked against float64). torch's
-    # tensor-parallel styles partition a Linear's parameters without knowing adapters (ColwiseParallel shards
-    # all of them on dim 0, RowwiseParallel only weight and bias), and context parallelism is unchecked.
-    for name, degree in (("parallel.tp", parallel.tp), ("parallel.cp", parallel.cp)):
-        check(degree == 1, "lora.rank", lora.rank, f"not supported yet with {name} = {degree}: "
-              + ("the tensor-parallel plans split the base weights, not yet the adapters (torch's ColwiseParallel "
-                 "shards every parameter of a Linear on dim 0, lora_A's rank too; RowwiseParallel only weight and "
-                 "bias, leaving lora_A and lora_B plain beside a DTensor weight)" if name == "parallel.tp" else
-                 "adapters under context parallelism are not yet checked against one process"))
-    check(not (parallel.pp > 1 and lora.init_from), "lora.init_from", lora.init_from,
-          f"not supported yet with parallel.pp = {parallel.pp}: the adapter directory is read into a whole model")
+    # Under pipeline, tensor and context parallelism the adapters live with their layers (gradients checked
+    # against float64). Dropout on a column-wise adapter's gathered input would need the same mask on every
+    # TP rank, which nothing here arranges: refused rather than unchecked.
+    check(not (parallel.tp > 1 and lora.dropout > 0), "lora.dropout", lora.dropout,
+          f"must be 0 with parallel.tp = {parallel.tp}: the TP ranks would drop different inputs of one adapter")
     moe = model.moe
     check(not (moe.load_balance == "aux_free" and moe.bias_update_rate > 0 and model.n_dense_layers < model.n_layers),
           "model.moe.bias_update_rate", moe.bias_update_rate, "must be 0 with lora.rank > 0: the aux-free balancing "

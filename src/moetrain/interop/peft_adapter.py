@@ -49,7 +49,8 @@ from moetrain.interop.layouts import fused_expert_names
 from moetrain.interop.sharded_tensors import copy_full_into, full, rope_reorder
 from moetrain.model.init import canonical_name
 from moetrain.model.layers import rope_permutation
-from moetrain.model.lora import LoRAExpertWeights, LoRALinear
+from moetrain.model.lora import LoRAExpertWeights, LoRALinear, apply_lora
+from moetrain.model.transformer import Transformer
 from moetrain.parallel.collectives import barrier, rank_and_world
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -228,14 +229,25 @@ def check_adapter_config(config: dict, cfg: JobConfig, where: str) -> None:
 
 
 @torch.no_grad()
+def _whole_model(cfg: JobConfig) -> nn.Module:
+    """The job's whole model with its adapters, on the meta device: the targets and tensors its directory holds."""
+    with torch.device("meta"):
+        whole = Transformer(cfg.model)
+    apply_lora(whole, cfg.lora)
+    return whole
+
+
+@torch.no_grad()  # writes into the adapters' (sharded) parameters in place
 def load_peft_adapter(model: nn.Module, cfg: JobConfig, directory: str | Path) -> None:
     """Fill `model`'s adapters from a PEFT adapter directory (collective when sharded); one ConfigError line
-    when the directory is not exactly this model's adapters."""
+    when the directory is not exactly the whole model's adapters. A pipeline rank's part (its own layers, by
+    the whole model's names) reads only its layers' tensors."""
     directory = Path(directory)
     config = _read_config(directory)
     where = str(directory / CONFIG_FILE)
     check_adapter_config(config, cfg, where)
-    entries, modules, parameters = adapter_entries(model, cfg)
+    entries = adapter_entries(model, cfg)[0]  # this model's (a pipeline stage: its own layers')
+    whole_entries, modules, parameters = adapter_entries(_whole_model(cfg), cfg)  # what the directory must hold
     theirs_modules, theirs_params = sorted(config.get("target_modules") or []), sorted(config.get("target_parameters")
                                                                                       or [])
     if (theirs_modules, theirs_params) != (sorted(modules), sorted(parameters)):
@@ -245,7 +257,7 @@ def load_peft_adapter(model: nn.Module, cfg: JobConfig, directory: str | Path) -
                           f"model (another base, family or targets?): missing {missing[:3]}, extra {extra[:3]}")
     with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
         keys = set(f.keys())
-        wanted = {e.key for e in entries}
+        wanted = {e.key for e in whole_entries}
         if keys != wanted:
             odd = sorted(keys ^ wanted)[:3]
             raise ConfigError(f"lora.init_from: {directory / WEIGHTS_FILE} does not hold exactly this model's "

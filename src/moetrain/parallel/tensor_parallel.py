@@ -32,12 +32,13 @@ moetrain.parallel.shard, runs after it) nor compute losses.
 
 from __future__ import annotations
 
+import copy
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -47,6 +48,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from moetrain.model.lora import LoRALinear
 from moetrain.model.mla import MultiHeadLatentAttention
 
 
@@ -139,6 +141,65 @@ def _split_sinks(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
     attention.register_forward_hook(hooks.after)
 
 
+# ---- LoRA: adapter-aware column- and row-wise styles -------------------------------------------------------
+
+def _distribute_linear(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement],
+                       src_data_rank: int | None) -> None:
+    """Each of the module's own parameters a DTensor over `mesh` with its placement in `placements`."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, nn.Parameter(
+            distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad))
+
+
+class AdapterColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for a `LoRALinear`: W, its bias and lora_B split on their output rows (Shard(0)), lora_A
+    whole (Replicate). The gathered input x gives every rank the same A x [.., r], its B rows make its own
+    output columns; A's gradient (Partial: each rank's columns contribute) is summed over the ranks by DTensor."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _distribute_linear(module, device_mesh, {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(),
+                                                 "lora_B": Shard(0)}, self.src_data_rank)
+
+
+class AdapterRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel for a `LoRALinear`: W and lora_A split on their input columns (Shard(1)), the bias and
+    lora_B whole. Each rank's A x is a partial sum over its input slice, B of it is too (B is linear), so the
+    layer's output stays one Partial sum that the output layout reduces; B's gradient is summed by DTensor."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _distribute_linear(module, device_mesh, {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1),
+                                                 "lora_B": Replicate()}, self.src_data_rank)
+
+
+_ADAPTER_STYLES = {ColwiseParallel: AdapterColwiseParallel, RowwiseParallel: AdapterRowwiseParallel}
+
+
+def parallelize_keeping_frozen(module: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> None:
+    """`parallelize_module` with adapter-aware styles (`with_adapter_styles`) that leaves frozen parameters
+    frozen: `SequenceParallel` re-registers every parameter it replicates as trainable (the norms, the router,
+    QK-norm), which under LoRA would train (and keep optimizer state for) a base that must not move."""
+    frozen = [name for name, param in module.named_parameters() if not param.requires_grad]
+    parallelize_module(module, tp_mesh, with_adapter_styles(module, plan))
+    for name in frozen:
+        module.get_parameter(name).requires_grad_(False)
+
+
+def with_adapter_styles(module: nn.Module, plan: dict) -> dict:
+    """`plan` with each column- or row-wise style of an adapted linear (`LoRALinear` applied to activations)
+    swapped for its adapter-aware twin, the same input and output layouts kept. A folded adapter (the router,
+    replicated by `SequenceParallel`) and unadapted linears keep their style."""
+    adapted = {}
+    for name, style in plan.items():
+        layer = module.get_submodule(name) if name else module
+        twin = _ADAPTER_STYLES.get(type(style))
+        if twin is not None and isinstance(layer, LoRALinear) and not layer.lora_folded:
+            style = copy.copy(style)
+            style.__class__ = twin
+        adapted[name] = style
+    return adapted
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split `model` (a moetrain Transformer, on any device, meta included) over `tp_mesh` in place.
 
@@ -153,9 +214,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     }
     held = {name: style for name, style in ends.items() if getattr(model, name, None) is not None}
     if held:
-        parallelize_module(model, tp_mesh, held)
+        parallelize_keeping_frozen(model, tp_mesh, held)
     for block in model.layers:
-        parallelize_module(block, tp_mesh, _block_plan(block))
+        parallelize_keeping_frozen(block, tp_mesh, _block_plan(block))
         if getattr(block.attention, "sinks", None) is not None:
             _split_sinks(block.attention, tp_mesh)
         if isinstance(block.attention, MultiHeadLatentAttention):

@@ -107,6 +107,8 @@ def build_pipeline(cfg: JobConfig, job: JobMesh, *, weights: str | None = None) 
                           device_type=job.device.type)
         part.to_empty(device=job.device)
     _fill_weights(pipeline.model, weights, cfg.train.seed, None)
+    if cfg.lora.init_from is not None:  # each stage reads its own layers' adapters
+        load_peft_adapter(pipeline.model, cfg, cfg.lora.init_from)
     pipeline.model.train()
     return pipeline
 
