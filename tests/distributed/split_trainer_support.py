@@ -1,8 +1,8 @@
-"""Shared pieces of the MTP and float8 parity tests under TP / CP / PP / EP (no tests here).
+"""Shared pieces of the parity tests that run the Trainer's own step under TP / CP / PP (no tests here).
 
 The Trainer's own step on 4 gloo ranks (`trainer_worker`, fed fixed packed microbatches through a stand-in
-loader, SGD at a constant rate) against one process over the same global batch (`reference_run`: the plain
-accumulation loop, no parallel code; float64 for MTP, or a float8-converted float32 model for float8), with
+loader, SGD at a constant rate) against one float64 process over the same global batch (`reference_run`: the
+plain accumulation loop, no parallel code, with the MTP loss when the model has MTP modules), with
 packed rows whose documents cross every CP chunk boundary (split_parity_support's). Spawned ranks import this
 module by name.
 """
@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from split_parity_support import LR, MODELS, SEQ, packed_batch
+from split_parity_support import LR, MODELS, SEQ, load_full_state, packed_batch
 from test_pipeline import FixedLoader, full
 
 from moetrain.config.job import JobConfig
@@ -39,7 +39,7 @@ def data_ranks(parallel: dict) -> int:
     return WORLD // (parallel.get("pp", 1) * parallel.get("tp", 1) * parallel.get("cp", 1))
 
 
-def job_config(cfg: ModelConfig, parallel: dict, **train) -> JobConfig:
+def job_config(cfg: ModelConfig, parallel: dict) -> JobConfig:
     job = JobConfig(model=cfg)
     for key, value in parallel.items():
         setattr(job.parallel, key, value)
@@ -47,8 +47,6 @@ def job_config(cfg: ModelConfig, parallel: dict, **train) -> JobConfig:
     job.train.microbatch_size, job.train.grad_accum, job.train.steps = ROWS, MICRO, STEPS
     job.train.warmup_steps, job.train.lr, job.train.schedule, job.train.grad_clip = 0, LR, "constant", 0.0
     job.train.sample_tokens, job.logging.progress_bar, job.train.mtp_loss_weight = 0, False, LAMBDA
-    for key, value in train.items():
-        setattr(job.train, key, value)
     return job.validate()
 
 
@@ -61,14 +59,12 @@ def make_batches(cfg: ModelConfig, n_data_ranks: int, seed: int) -> list[list[li
     return steps
 
 
-def reference_run(cfg: ModelConfig, state: dict, batches, model: Transformer | None = None) -> dict:
-    """One process over each step's whole global batch, each microbatch its own forward: per step the loss and the
-    logged MTP loss (with model.mtp_depth > 0); step-0 gradients; final parameters. `model`: one built already
-    (float8-converted, float32); by default a float64 `Transformer(cfg)`."""
-    if model is None:
-        model = Transformer(cfg).double()
-    model.load_state_dict({name: value.to(model.state_dict()[name].dtype) for name, value in state.items()})
-    model.train()
+def reference_run(cfg: ModelConfig, state: dict, batches) -> dict:
+    """One float64 process over each step's whole global batch, each microbatch its own forward: per step the loss
+    and the logged MTP loss (with model.mtp_depth > 0); step-0 gradients; final parameters."""
+    model = Transformer(cfg)
+    model.load_state_dict(state)
+    model.double().train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     out: dict = {"losses": [], "mtp_losses": []}
     for step, ranks in enumerate(batches):
@@ -101,16 +97,12 @@ def reference_run(cfg: ModelConfig, state: dict, batches, model: Transformer | N
 
 def trainer_worker(runs: list[tuple[JobConfig, dict, list]]) -> list[dict]:
     """Each run's Trainer steps on this rank from the given weights with SGD: losses, logged MTP losses, step-0
-    gradients and final parameters (full tensors of what the rank holds), and which modules run in float8."""
+    gradients and final parameters (full tensors of what the rank holds)."""
     results = []
     for cfg, state, batches in runs:
         job = JobMesh.from_config(cfg.parallel, dist.get_world_size(), "cpu")
         trainer = Trainer(cfg, load_training_data(cfg), job)
-        with torch.no_grad():  # split_parity_support.load_full_state, for float8-gathered weights too
-            for name, param in trainer.model.named_parameters():
-                _load(param, torch.from_numpy(state[name]))
-            for name, buffer in trainer.model.named_buffers():
-                buffer.copy_(torch.from_numpy(state[name]).to(buffer.dtype)) if name in state else buffer.zero_()
+        load_full_state(trainer.model, {name: torch.from_numpy(value) for name, value in state.items()})
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=LR)
         trainer.loader = FixedLoader([step[job.data_rank] for step in batches])
         grads: list[dict] = []
@@ -125,33 +117,10 @@ def trainer_worker(runs: list[tuple[JobConfig, dict, list]]) -> list[dict]:
         first = trainer.pipeline is None or trainer.pipeline.pipeline.holds_first
         if not first:  # a pipeline's last stage's copy of the embedding: its gradient went to the first stage's
             grads[0].pop("tok_embeddings.weight", None)
-        params = {name: full(_plain(p)).numpy() for name, p in trainer.model.named_parameters()}
-        float8 = sorted(type(m).__name__ + ":" + n for n, m in trainer.model.named_modules()
-                        if type(m).__name__ == "Float8Linear" or getattr(m, "expert_float8", False))
+        params = {name: full(p).numpy() for name, p in trainer.model.named_parameters()}
         results.append({"losses": [r.loss for r in records], "mtp_losses": [r.mtp_loss for r in records],
-                        "grads": grads[0], "params": params, "first": first, "float8": float8})
+                        "grads": grads[0], "params": params, "first": first})
     return results
-
-
-def _plain(param: torch.Tensor) -> torch.Tensor:
-    """A parameter without torchao's float8 all-gather wrapper (the float32 shard it wraps)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor) and hasattr(param._local_tensor, "_tensor"):
-        return DTensor.from_local(param._local_tensor._tensor, param.device_mesh, param.placements,
-                                  run_check=False, shape=param.shape, stride=param.stride())
-    return param
-
-
-def _load(param: torch.Tensor, value: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    param = _plain(param)
-    if isinstance(param, DTensor):
-        param.to_local().copy_(distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
-                                                 src_data_rank=None).to_local())
-    else:
-        param.copy_(value.to(param.dtype))
 
 
 def run_layouts(jobs: list[tuple[JobConfig, dict, list]]) -> list[dict]:
@@ -160,7 +129,7 @@ def run_layouts(jobs: list[tuple[JobConfig, dict, list]]) -> list[dict]:
                                                     for cfg, state, batches in jobs], timeout=600)
     merged_all = []
     for index in range(len(jobs)):
-        merged: dict = {what: per_rank[0][index][what] for what in ("losses", "mtp_losses", "float8")}
+        merged: dict = {what: per_rank[0][index][what] for what in ("losses", "mtp_losses")}
         merged["grads"], merged["params"] = {}, {}
         for rank in sorted(per_rank, key=lambda r: r[index]["first"]):  # the first stage's embedding last
             for what in ("grads", "params"):

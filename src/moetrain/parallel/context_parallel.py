@@ -16,8 +16,9 @@ ring attention serves plain causal SDPA only, without document masks, windows or
 
 `SequenceSplit` is what a training loop needs of both CP and tensor parallelism: the rank's model
 inputs (the CP slice and the attention plan over the whole rows), its targets, the mask of the tokens
-its MoE layers route (TP's sequence parallelism cuts the CP slice once more), and how many ranks hold
-the same microbatches (their token counts and losses must not be summed twice). This module neither
+its MoE layers route (TP's sequence parallelism cuts the CP slice once more), how many ranks hold
+the same microbatches (their token counts and losses must not be summed twice), and for multi-token
+prediction the tokens ahead of the rank's positions, read from the whole rows before the cut. This module neither
 changes a model's layers (moetrain.parallel.tensor_parallel) nor computes losses.
 """
 

@@ -141,10 +141,9 @@ def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool 
     chosen = set(plan.converted)
     _torchao_float8().convert_to_float8_training(model, config=config,
                                                  module_filter_fn=lambda _module, name: name in chosen)
+    if config.enable_fsdp_float8_all_gather:
+        model.register_state_dict_post_hook(_plain_float8_weights)
     modules = dict(model.named_modules())
-    if config.enable_fsdp_float8_all_gather:  # on each linear: a pipeline stage's part is not the module saved
-        for name in plan.converted:
-            modules[name].register_state_dict_post_hook(_plain_float8_weights)
     for name in plan.experts:
         modules[name].expert_float8 = True
     gather = "float8 all-gather" if config.enable_fsdp_float8_all_gather else "weights gathered in param_dtype"
@@ -161,9 +160,8 @@ def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool 
     return plan
 
 
-def _plain_float8_weights(module: nn.Module, state_dict: dict, prefix: str, _local_metadata: dict) -> None:
-    """A converted linear's state-dict post hook: its float8-gathered weight as the plain float32 tensor it wraps
-    (the same storage).
+def _plain_float8_weights(_module: nn.Module, state_dict: dict, _prefix: str, _local_metadata: dict) -> None:
+    """State-dict post hook: each float8-gathered weight as the plain float32 tensor it wraps (the same storage).
 
     Under float8 all-gather a sharded weight is a DTensor over torchao's `WeightWithDynamicFloat8CastTensor`, a
     wrapper without storage of its own, which the safetensors checkpoint writer cannot read. Its `_tensor` is the
@@ -171,8 +169,7 @@ def _plain_float8_weights(module: nn.Module, state_dict: dict, prefix: str, _loc
     """
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # the optional extra
 
-    for key in (prefix + name for name, _ in module.named_parameters(recurse=False)):
-        value = state_dict.get(key)
+    for key, value in state_dict.items():
         local = value._local_tensor if isinstance(value, DTensor) else value
         if not isinstance(local, WeightWithDynamicFloat8CastTensor):
             continue

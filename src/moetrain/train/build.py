@@ -85,8 +85,8 @@ def _fill_weights(model: Transformer, weights: str, seed: int, init_scheme: str 
 
 
 def build_pipeline(cfg: JobConfig, job: JobMesh, *, weights: str | None = None) -> PipelineModel:
-    """This pipeline rank's stages (`moetrain.parallel.pipeline`), each parallelized as its own model (float8-converted,
-    TP/CP-split on the job's tp and cp sub-meshes as a whole model is, then FSDP), with
+    """This pipeline rank's stages (`moetrain.parallel.pipeline`), each parallelized as its own model (TP/CP-split
+    on the job's tp and cp sub-meshes as a whole model is, then FSDP), with
     `weights` (default `model.init_from` or "init") drawn or read through the rank's whole part, so by the
     names the whole model has: the same weights as one process builds (from "hf:DIR" each rank reads its
     own layers' tensors only). In train mode. Collective."""
@@ -104,7 +104,7 @@ def build_pipeline(cfg: JobConfig, job: JobMesh, *, weights: str | None = None) 
         parallelize_model(part, job, parallel, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile,
                           activation_checkpointing_every=cfg.train.activation_checkpointing_every,
-                          device_type=job.device.type, float8=cfg.train.float8)
+                          device_type=job.device.type)
         part.to_empty(device=job.device)
     _fill_weights(pipeline.model, weights, cfg.train.seed, None)
     pipeline.model.train()
