@@ -13,9 +13,13 @@ writes the concatenation as [h; Emb]; the released DeepSeek-V3 and GLM-4.5 weigh
 engines that run them, put the embedding first, which is the order kept here so imported weights
 mean what they were trained to mean.
 
-This module holds one MTP module's own parameters and its combine step; the transformer
-(`model.transformer`) builds the block, owns the embedding and head and runs the depths. It computes
-no loss (train.loss) and knows nothing about distribution or generation.
+The token k ahead is read from the token ids (`tokens_ahead`, computed on the whole rows), not by shifting
+embedded rows: a rank that holds a slice of the sequence (context parallelism's chunks, tensor parallelism's
+sequence slices) then gets each of its positions' token ahead from the whole row, and embeds it itself.
+
+This module holds one MTP module's own parameters and its step; the transformer (`model.transformer`)
+builds the block, owns the embedding and head and runs the depths. It computes no loss (train.loss) and
+knows nothing about distribution or generation.
 """
 
 from __future__ import annotations
@@ -41,13 +45,23 @@ class MTPModule(nn.Module):
         """h'^k = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)]), [B, S, dim]."""
         return self.eh_proj(torch.cat([self.enorm(embedded_ahead), self.hnorm(hidden)], dim=-1))
 
+    def forward(self, hidden: Tensor, embedded_ahead: Tensor, ids_ahead: Tensor, positions: Tensor,
+                plan) -> Tensor:
+        """h^k [B, S, dim] of a training forward: `embedded_ahead` is Emb of `ids_ahead` [B, S] (`tokens_ahead`'s
+        column, -1 past the sequence's end), whose rows past the end become zeros here.
 
-def shifted_ahead(embedded: Tensor, depth: int) -> Tensor:
-    """Emb(t_{i+depth}) at every position i of [B, S, dim] input embeddings; zeros past the sequence's end.
+        The zero rows only feed positions whose targets lie past the sequence (never counted): attention is
+        causal, so they change no earlier position. (Under tensor parallelism the ids arrive here cut to the
+        rank's sequence slice, like the hidden states.)
+        """
+        embedded_ahead = torch.where((ids_ahead >= 0).unsqueeze(-1), embedded_ahead, 0)
+        return self.block(self.combine(hidden, embedded_ahead), positions, plan)
 
-    The zero rows only feed positions whose targets lie past the sequence (never counted): attention
-    is causal, so they change no earlier position.
-    """
-    batch, seq, dim = embedded.shape
-    tail = embedded.new_zeros(batch, min(depth, seq), dim)
-    return torch.cat([embedded[:, depth:], tail], dim=1)
+
+def tokens_ahead(tokens: Tensor, depth: int) -> Tensor:
+    """[B, S, depth] token ids: column k - 1 holds t_{i+k} at position i, -1 past the row's end."""
+    batch, seq = tokens.shape
+    out = tokens.new_full((batch, seq, depth), -1)
+    for k in range(1, min(depth, seq - 1) + 1):
+        out[:, :seq - k, k - 1] = tokens[:, k:]
+    return out

@@ -45,7 +45,7 @@ from moetrain.model.kv_cache import KVCache
 from moetrain.model.layers import Attention, FeedForward, positions_from_documents
 from moetrain.model.mla import MultiHeadLatentAttention
 from moetrain.model.moe import MoE
-from moetrain.model.mtp import MTPModule, shifted_ahead
+from moetrain.model.mtp import MTPModule, tokens_ahead
 
 
 class TransformerBlock(nn.Module):
@@ -148,7 +148,7 @@ class Transformer(nn.Module):
                 document_ids: Tensor | None = None, until_last_moe: bool = False,
                 cache: KVCache | None = None, mtp: bool = False,
                 attention_plan: AttentionPlan | None = None,
-                mtp_tokens: Tensor | None = None) -> Tensor | tuple[Tensor, list[Tensor]] | None:
+                mtp_ahead: Tensor | None = None) -> Tensor | tuple[Tensor, list[Tensor]] | None:
         """tokens [B, S] -> logits [B, S, V]; in a part, hidden states [B, S, D] in or out where it lacks the ends.
 
         `document_ids` [B, S] (contiguous runs of equal ids) restricts attention to earlier tokens of
@@ -165,8 +165,10 @@ class Transformer(nn.Module):
         `attention_plan`: a plan the caller built (context parallelism's: these tokens are a slice of longer
         rows and attend over keys other ranks hold); `document_ids` is then not planned here and `positions`
         must be given.
-        `mtp_tokens` (a pipeline's last stage, whose input is hidden states): the microbatch's tokens, embedded
-        by `mtp_embeddings` for the MTP modules.
+        `mtp_ahead` ([B, S, D], `model.mtp.tokens_ahead` of the whole rows, then cut like the tokens): the tokens
+        ahead of each position, for the MTP modules; computed from `tokens` when omitted. A rank holding a slice
+        of the rows (context parallelism) or hidden states (a pipeline's last stage, which embeds them with
+        `mtp_embeddings`) must pass them.
         """
         batch, seq = tokens.shape[:2]
         if self.tok_embeddings is None and positions is not None:
@@ -191,8 +193,7 @@ class Transformer(nn.Module):
                 positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
         elif positions.shape != (batch, seq):
             raise ValueError(f"positions shape {tuple(positions.shape)} != tokens shape {(batch, seq)}")
-        embedded = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        h = embedded
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         last_moe = max((layer.layer_id for layer in self.layers if layer.is_moe), default=-1)
         for layer in self.layers:
             h = layer(h, positions, plan)
@@ -207,10 +208,11 @@ class Transformer(nn.Module):
         if not self.mtp:
             raise ValueError("a forward with mtp=True needs model.mtp_depth > 0")
         normed = [self.norm(h)]
-        if self.mtp_embeddings is not None:
-            embedded = self.mtp_embeddings(mtp_tokens)
+        embedding = self.mtp_embeddings if self.mtp_embeddings is not None else self.tok_embeddings
+        ahead = tokens_ahead(tokens, len(self.mtp)) if mtp_ahead is None else mtp_ahead
         for depth, module in enumerate(self.mtp, start=1):
-            h = module.block(module.combine(h, shifted_ahead(embedded, depth)), positions, plan)
+            ids = ahead[..., depth - 1]
+            h = module(h, embedding(ids.clamp(min=0)), ids, positions, plan)
             normed.append(module.norm(h))
         # One call of the head for every depth: under FSDP it is one unit, gathered once per forward.
         logits = self.output(torch.cat(normed, dim=1)).split(seq, dim=1)

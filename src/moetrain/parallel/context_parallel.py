@@ -16,8 +16,9 @@ ring attention serves plain causal SDPA only, without document masks, windows or
 
 `SequenceSplit` is what a training loop needs of both CP and tensor parallelism: the rank's model
 inputs (the CP slice and the attention plan over the whole rows), its targets, the mask of the tokens
-its MoE layers route (TP's sequence parallelism cuts the CP slice once more), and how many ranks hold
-the same microbatches (their token counts and losses must not be summed twice). This module neither
+its MoE layers route (TP's sequence parallelism cuts the CP slice once more), how many ranks hold
+the same microbatches (their token counts and losses must not be summed twice), and for multi-token
+prediction the tokens ahead of the rank's positions, read from the whole rows before the cut. This module neither
 changes a model's layers (moetrain.parallel.tensor_parallel) nor computes losses.
 """
 
@@ -33,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.data.packing import Batch
 from moetrain.model.attention import AttentionPlan
+from moetrain.model.mtp import tokens_ahead
 from moetrain.model.tiled_attention import KeyValueExchange, TiledAttention, TilePlan, plan_tiles
 from moetrain.parallel.mesh import JobMesh
 from moetrain.parallel.tensor_parallel import local_loss, vocab_parallel_loss
@@ -104,12 +106,15 @@ class SequenceSplit:
             return tensor
         return tensor.index_select(1, self._query_index(tensor.shape[1], tensor.device))
 
-    def model_inputs(self, batch: Batch) -> dict:
-        """Keyword arguments of the model's forward for this rank's share of `batch`."""
+    def model_inputs(self, batch: Batch, mtp_depth: int = 0) -> dict:
+        """Keyword arguments of the model's forward for this rank's share of `batch`; with `mtp_depth` > 0 also
+        the multi-token-prediction forward's (`mtp=True` and the tokens ahead of the rank's positions, taken
+        from the whole rows before the CP cut: a slice's last tokens look ahead into other ranks' chunks)."""
+        mtp = {"mtp": True, "mtp_ahead": self.shard(tokens_ahead(batch.tokens, mtp_depth))} if mtp_depth else {}
         if self.context is None:
-            return {"tokens": batch.tokens, "positions": batch.positions, "document_ids": batch.document_ids}
+            return {"tokens": batch.tokens, "positions": batch.positions, "document_ids": batch.document_ids, **mtp}
         return {"tokens": self.shard(batch.tokens), "positions": self.shard(batch.positions),
-                "attention_plan": self.attention_plan(batch.document_ids)}
+                "attention_plan": self.attention_plan(batch.document_ids), **mtp}
 
     def attention_plan(self, document_ids: Tensor) -> AttentionPlan:
         """Under CP: the plan of this rank's queries over the keys of the whole rows `document_ids` [B, S]."""

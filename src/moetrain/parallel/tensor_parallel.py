@@ -52,6 +52,11 @@ from moetrain.model.lora import LoRALinear
 from moetrain.model.mla import MultiHeadLatentAttention
 
 
+def _vocab_embedding() -> RowwiseParallel:
+    """The token embedding split over the vocabulary, its output reduce-scattered to the sequence slices."""
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+
+
 def _ffn_plan(tokens_dim: int, prefix: str = "") -> dict:
     """SwiGLU w1, w3 colwise and w2 rowwise, its input gathered along `tokens_dim` and its output scattered back."""
     return {
@@ -208,7 +213,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     each TP rank, what the blocks take and return), so a stage sends and receives only its rank's slice.
     """
     ends = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": _vocab_embedding(),
         "norm": SequenceParallel(use_local_output=False),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
@@ -216,11 +221,42 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if held:
         parallelize_keeping_frozen(model, tp_mesh, held)
     for block in model.layers:
-        parallelize_keeping_frozen(block, tp_mesh, _block_plan(block))
-        if getattr(block.attention, "sinks", None) is not None:
-            _split_sinks(block.attention, tp_mesh)
-        if isinstance(block.attention, MultiHeadLatentAttention):
-            _shared_rope_key_grad(block.attention, tp_mesh)
+        _parallelize_block(block, tp_mesh)
+    _parallelize_mtp(model, tp_mesh)
+
+
+def _parallelize_block(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """One transformer block (a main one or a multi-token-prediction module's) split over `tp_mesh`."""
+    parallelize_keeping_frozen(block, tp_mesh, _block_plan(block))
+    if getattr(block.attention, "sinks", None) is not None:
+        _split_sinks(block.attention, tp_mesh)
+    if isinstance(block.attention, MultiHeadLatentAttention):
+        _shared_rope_key_grad(block.attention, tp_mesh)
+
+
+def _parallelize_mtp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The multi-token-prediction modules (`model.mtp`) under TP, laid out like the main path around them.
+
+    Each module takes its inputs sequence-sharded like a block (h^{k-1} and the embedded tokens ahead, the
+    latter from the vocabulary-parallel embedding's reduce-scatter), and the [B, S] ids ahead whole: they
+    are cut to the rank's slice (Replicate -> Shard(1), no communication) for the zero rows past the end.
+    enorm, hnorm and eh_proj are per-token maps on the slice with replicated weights whose gradients DTensor
+    sums over the ranks (`SequenceParallel`), the block gets a main block's plan, and the output norm hands
+    the head a sequence-sharded DTensor as the final norm does. A pipeline's last stage embeds the tokens
+    ahead with its copy of the embedding (`mtp_embeddings`), split over the vocabulary as the first stage's.
+    """
+    if getattr(model, "mtp_embeddings", None) is not None:
+        parallelize_keeping_frozen(model, tp_mesh, {"mtp_embeddings": _vocab_embedding()})
+    inputs = PrepareModuleInput(input_layouts=(Shard(1), Shard(1), Replicate(), None, None),
+                                desired_input_layouts=(Shard(1), Shard(1), Shard(1), None, None),
+                                use_local_output=True)
+    for module in getattr(model, "mtp", ()):
+        parallelize_module(module, tp_mesh, inputs)
+        parallelize_keeping_frozen(module, tp_mesh, {"enorm": SequenceParallel(use_local_output=True),
+                                             "hnorm": SequenceParallel(use_local_output=True),
+                                             "eh_proj": SequenceParallel(use_local_output=True),
+                                             "norm": SequenceParallel(use_local_output=False)})
+        _parallelize_block(module.block, tp_mesh)
 
 
 def vocab_parallel_loss(tensor_parallel: bool) -> AbstractContextManager:

@@ -104,16 +104,20 @@ def mtp_valid_counts(targets: torch.Tensor, document_ids: torch.Tensor, mtp_dept
 
 
 def mtp_loss_term(mtp_logits: list[torch.Tensor], targets: torch.Tensor, document_ids: torch.Tensor,
-                  global_counts: list[int], weight: float) -> tuple[torch.Tensor, float]:
+                  global_counts: list[int], weight: float, split=None) -> tuple[torch.Tensor, float]:
     """(the microbatch's part of λ/D · Σ_k CE_k, for backward; its part of the unweighted (1/D) Σ_k CE_k, to log).
 
     `global_counts[k - 1]` is the step's valid depth-k targets over every rank and microbatch, so the
-    parts of all microbatches and ranks sum to the step's token-weighted MTP loss.
+    parts of all microbatches and ranks sum to the step's token-weighted MTP loss. `targets` and
+    `document_ids` are the whole rows: the depth-k targets are made from them, then cut to this rank's
+    positions by `split` (a `moetrain.parallel.context_parallel.SequenceSplit`, under context or tensor
+    parallelism), whose TP ranks each hold the whole loss of their slice (the logged part is divided by tp).
     """
     depth = len(mtp_logits)
     mean_part = torch.zeros((), device=mtp_logits[0].device)
     for k, (logits, count) in enumerate(zip(mtp_logits, global_counts, strict=True), start=1):
-        loss_sum, _ = token_loss_sum(logits, mtp_targets(targets, document_ids, k))
-        mean_part = mean_part + loss_sum / max(int(count), 1)
+        targets_k = mtp_targets(targets, document_ids, k)
+        loss_sum, _ = token_loss_sum(logits, targets_k if split is None else split.shard(targets_k))
+        mean_part = mean_part + (loss_sum if split is None else split.local_loss(loss_sum)) / max(int(count), 1)
     mean_part = mean_part / depth
-    return weight * mean_part, float(mean_part.detach())
+    return weight * mean_part, float(mean_part.detach()) / (1 if split is None else split.tp)

@@ -27,7 +27,8 @@ the aux-free bias sums its loads over the same ranks.
 
 Multi-token prediction (`model.mtp_depth`, docs/design/mtp.md) runs in the last stage, whose part holds the
 MTP modules and a copy of the first stage's token embedding (`mtp_embeddings`) for the tokens ahead: the
-part gets the microbatch's tokens as a keyword and `mtp=True`, and its MTP loss term (the step's MTP targets
+part gets the ids of the tokens ahead of its positions (from the whole rows, cut to the rank's CP slice) as a
+keyword and `mtp=True`, and its MTP loss term (the step's MTP targets
 counted over the data-parallel ranks first, like the main loss's) is tied to its output as the router
 terms are. After the schedule the copy's gradient is summed into the first stage's (a reduce over the two
 ranks) and dropped, so only the first stage's embedding is stepped and clipped; after the optimizer step
@@ -55,6 +56,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.data.packing import IGNORE_INDEX, Batch
 from moetrain.dtypes import DTYPES
+from moetrain.model.mtp import tokens_ahead
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.collectives import collective_device
 from moetrain.parallel.context_parallel import SequenceSplit
@@ -150,10 +152,10 @@ class PipelineStep:
         """The whole rows' targets are kept for the router terms; under CP the whole rows' document ids become
         the attention plan of this rank's slice."""
         self._targets = kwargs.pop("targets", None)
-        mtp_tokens = kwargs.pop("mtp_tokens", None)
+        mtp_ahead = kwargs.pop("mtp_ahead", None)
         self._document_ids = kwargs.get("document_ids")
         if len(part.mtp) and self.totals.mtp_counts is not None and torch.is_grad_enabled():
-            kwargs.update(mtp=True, mtp_tokens=mtp_tokens)
+            kwargs.update(mtp=True, mtp_ahead=mtp_ahead)
         if self.split.context is not None and "document_ids" in kwargs:
             kwargs["attention_plan"] = self.split.attention_plan(kwargs.pop("document_ids"))
         return args, kwargs
@@ -170,7 +172,7 @@ class PipelineStep:
         self.totals.z_loss += float(torch.as_tensor(z_term).detach())
         if mtp_logits is not None:  # + λ/D Σ_k CE_k of this microbatch (moetrain.train.loss)
             mtp_term, mtp_part = mtp_loss_term(mtp_logits, self._targets, self._document_ids,
-                                               self.totals.mtp_counts, self.mtp_weight)
+                                               self.totals.mtp_counts, self.mtp_weight, self.split)
             term = term + mtp_term
             self.totals.mtp_loss += mtp_part
         return AddLossGradient.apply(output, term) if term.requires_grad else output
@@ -197,7 +199,8 @@ class PipelineStep:
                                                     ("tokens", "positions", "document_ids", "targets"))
         shard = self.split.shard  # this CP rank's tokens of every row (all of them without CP)
         args = (shard(tokens),) if self.pipeline.holds_first else ()
-        mtp = {"mtp_tokens": tokens} if self.totals.mtp_counts is not None else {}  # refused under CP
+        # The tokens ahead of each position, from the whole rows, cut to this CP rank's positions (model.mtp).
+        mtp = {"mtp_ahead": shard(tokens_ahead(tokens, self.cfg.model.mtp_depth))} if self.totals.mtp_counts else {}
         losses: list[Tensor] = []
         with self.split.loss_context():  # the last stage's loss and its backward, inside the schedule
             self.schedule.step(*args, target=shard(targets), losses=losses, positions=shard(positions),

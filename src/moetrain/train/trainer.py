@@ -370,7 +370,7 @@ class Trainer:
             with phases.phase("collectives"):
                 local_counts = torch.tensor([mtp_valid_counts(b.targets, b.document_ids, self.cfg.model.mtp_depth)
                                              for b in microbatches], dtype=torch.int64).sum(dim=0)
-                mtp_counts = all_reduce_sum(local_counts.to(self.device)).tolist()
+                mtp_counts = (all_reduce_sum(local_counts.to(self.device)) // self.split.replicas).tolist()
         with self._compute_dtype():
             with phases.phase("forward"):
                 prepare_global_balance(self.model, microbatches, self.split.model_inputs, self.split.tp)
@@ -381,7 +381,7 @@ class Trainer:
                 steps = self.replicas.accumulation(self.model, steps)
             for batch, _is_last in steps:
                 with phases.phase("forward"), self.split.loss_context():
-                    outputs = self.model(**self.split.model_inputs(batch), mtp=mtp_counts is not None)
+                    outputs = self.model(**self.split.model_inputs(batch, mtp_depth=len(mtp_counts or ())))
                     logits = outputs[0] if mtp_counts is not None else outputs
                     mb_loss_sum, n_valid = token_loss_sum(logits, self.split.shard(batch.targets))
                     mb_loss_sum = self.split.local_loss(mb_loss_sum)
@@ -390,7 +390,7 @@ class Trainer:
                     objective = microbatch_loss(mb_loss_sum, n_valid, global_tokens, aux, z, aux_is_share)
                     if mtp_counts is not None:  # + λ/D Σ_k CE_k (moetrain.train.loss)
                         mtp_objective, mtp_part = mtp_loss_term(outputs[1], batch.targets, batch.document_ids,
-                                                                mtp_counts, mtp_weight)
+                                                                mtp_counts, mtp_weight, self.split)
                         objective = objective + mtp_objective
                         mtp_sum += mtp_part
                 with phases.phase("backward"), self.split.loss_context():
