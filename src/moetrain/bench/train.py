@@ -70,7 +70,7 @@ def measure(cfg: JobConfig, steps: int, warmup: int) -> dict[str, Any]:
     data = load_training_data(cfg)
     set_intra_op_threads(cfg.train.num_threads)  # as `moetrain train` does
     with distributed_job(cfg.parallel) as job:
-        reuse_freed_host_memory(job.world)  # as `moetrain train` does
+        reuse_freed_host_memory(job.world, cfg.lora.enabled)  # as `moetrain train` does
         return _measure(Trainer(cfg, data, job), steps, warmup)
 
 

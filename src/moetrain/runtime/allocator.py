@@ -56,9 +56,13 @@ def huge_pages_for_large_tensors(environ: MutableMapping[str, str] = os.environ)
     return environ.get(TORCH_THP_VARIABLE) == "1"
 
 
-def reuse_freed_host_memory(world_size: int) -> bool:
-    """Apply the glibc options above to a one-process job; return whether they took effect."""
-    if world_size != 1:
+def reuse_freed_host_memory(world_size: int, frozen_base: bool = False) -> bool:
+    """Apply the glibc options above to a one-process job; return whether they took effect.
+
+    Not for LoRA (`frozen_base`): its largest per-step tensors, the experts' folded weights, already reuse one
+    buffer each (moetrain.model.lora), so the heap's kept high-water mark is mostly slack between the adapters'
+    small tensors (docs/results.md, "LoRA: memory ... (round 20)" and "(round 21)")."""
+    if world_size != 1 or frozen_base:
         return False
     mallopt = glibc_mallopt()
     if mallopt is None:

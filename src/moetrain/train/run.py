@@ -88,7 +88,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     # The group goes also when the Trainer could not be built (e.g. a mesh that does not fit the world).
     with distributed_job(cfg.parallel) as job:
         try:
-            reuse_freed_host_memory(job.world)  # one process: large CPU tensors without fresh pages every step
+            reuse_freed_host_memory(job.world, cfg.lora.enabled)  # one process: large tensors reuse the heap
             run_dir = RunDir(Path(cfg.logging.run_dir))
             lock = WriterLock(run_dir)
             lock.acquire()  # before the checkpoint check: a concurrent run could be writing one
