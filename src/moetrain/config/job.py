@@ -101,12 +101,11 @@ def _check_composed_features(cfg: JobConfig) -> None:
     for name, degree in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
         if degree == 1:
             continue
-        # Muon, QK-clip and MTP are checked under pipeline parallelism (tests/distributed): refused under tp/cp only.
+        # MTP is checked under pipeline parallelism (tests/distributed): refused under tp/cp only. Muon and
+        # QK-clip are checked under all three (tests/distributed/test_muon_dist.py, test_muon_split.py).
         under_split = name != "parallel.pp"
         for feature, used in (("model.mtp_depth", under_split and cfg.model.mtp_depth > 0),
-                              ("train.float8", t.float8 != "none"),
-                              ("train.optimizer", under_split and t.optimizer != "adamw"),
-                              ("train.qk_clip_tau", under_split and t.qk_clip_tau > 0)):
+                              ("train.float8", t.float8 != "none")):
             check(not used, feature, getattr(_section(cfg, feature), feature.split(".")[1]),
                   f"is not supported yet with {name} = {degree}")
 

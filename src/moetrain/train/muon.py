@@ -104,16 +104,19 @@ def _stack_layout(param: Tensor) -> tuple[DeviceMesh | None, tuple[Placement, ..
     if not isinstance(param, DTensor):
         return None, ()
     mesh, kept_dims, placements = param.device_mesh, [], []
+    shift = 1 if param.ndim == 2 else 0
     for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, _StridedShard) and (param.ndim == 2 or placement.dim != 0):
-            # FSDP over a tensor-parallel split of the same dimension: not gathered yet (torchtitan's DistMuon
-            # refuses tensor parallelism too).
-            raise ConfigError(f"train.optimizer = 'muon' is invalid for a matrix sharded as {param.placements} "
-                              "(FSDP over a tensor-parallel dimension): use train.optimizer = 'adamw'")
         if param.ndim == 3 and isinstance(placement, Shard | _StridedShard) and placement.dim == 0:
             continue  # splits the experts: whole matrices on each rank
-        if isinstance(placement, Shard):
-            placements.append(Shard(placement.dim + (1 if param.ndim == 2 else 0)))
+        if isinstance(placement, _StridedShard) and param.ndim == 2:
+            # FSDP over a tensor-parallel split of the same dimension (right-to-left sharding): DTensor
+            # redistributes from it as it is, so the stack keeps it, one dimension right.
+            placements.append(_StridedShard(placement.dim + shift, split_factor=placement.split_factor))
+        elif isinstance(placement, _StridedShard):
+            raise ConfigError(f"train.optimizer = 'muon' is invalid for an expert stack sharded as {param.placements} "
+                              "(its matrices split by tensor parallelism): use train.optimizer = 'adamw'")
+        elif isinstance(placement, Shard):
+            placements.append(Shard(placement.dim + shift))
         elif isinstance(placement, Replicate):
             placements.append(Replicate())
         else:
