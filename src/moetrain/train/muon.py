@@ -21,8 +21,9 @@ projection are separate linear maps, as a model with separate gate_proj / up_pro
 Distributed (docs/design/optimizers.md): momentum stays sharded like the parameter and is updated
 locally. Matrices of the same shape and layout are stacked into one [n, A, B] DTensor whose
 placements are the parameter's, shifted one dimension right; redistributing it to Shard(0) on every
-mesh dimension that holds pieces of the matrices (the FSDP dimension, the HSDP replicate one) moves
-whole matrices to ranks, n / ranks each (torch.chunk's split; DTensor runs the all-to-alls). Each rank
+mesh dimension that holds pieces of the matrices (the FSDP dimension, the HSDP replicate one, "tp" for a
+tensor-parallel matrix, whose FSDP split is then `_StridedShard`, kept as it is: DTensor redistributes from
+it) moves whole matrices to ranks, n / ranks each (torch.chunk's split; DTensor runs the all-to-alls). Each rank
 orthogonalizes the matrices it received, once in the whole job, and the reverse redistribution hands
 every rank the update of its own shard. Mesh dimensions that shard a stack of experts on its expert
 dimension (EP, and FSDP's dim-0 split of an EP rank's experts) already give each rank whole experts:
