@@ -65,11 +65,11 @@ def packed_batch(gen: torch.Generator, batch: int, cfg: ModelConfig) -> Batch:
     return Batch(tokens, positions_from_documents(ids), ids, targets)
 
 
-def make_batches(cfg: ModelConfig, data_ranks: int, seed: int = 0) -> list[list[list[Batch]]]:
+def make_batches(cfg: ModelConfig, data_ranks: int, seed: int = 0, steps: int = N_STEPS) -> list[list[list[Batch]]]:
     """[step][data rank][microbatch] packed microbatches of 1 or 2 rows."""
     gen = torch.Generator().manual_seed(seed)
     return [[[packed_batch(gen, 1 + (rank + micro) % 2, cfg) for micro in range(N_MICRO)]
-             for rank in range(data_ranks)] for _ in range(N_STEPS)]
+             for rank in range(data_ranks)] for _ in range(steps)]
 
 
 def initial_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -91,6 +91,42 @@ def _valid(batches: list[Batch]) -> int:
     return sum(b.n_valid_targets for b in batches)
 
 
+def reference_step(model: Transformer, microbatches: list[Batch]) -> float:
+    """One process's forwards and backwards over a step's whole global batch; the step's mean loss."""
+    global_tokens = _valid(microbatches)
+    prepare_global_balance(model, microbatches)
+    loss_total = 0.0
+    for mb in microbatches:
+        logits = model(mb.tokens, positions=mb.positions, document_ids=mb.document_ids)
+        loss_sum, n_valid = token_loss_sum(logits, mb.targets)
+        z = model.z_loss_sum(mb.targets != IGNORE_INDEX)
+        microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss(), z, aux_is_share=True).backward()
+        loss_total += float(loss_sum.detach())
+    return loss_total / global_tokens
+
+
+def split_step(model, split, policy, microbatches: list[Batch]) -> float:
+    """A rank's forwards and backwards over its data rank's `microbatches` through `split` (SequenceSplit), the way
+    the trainer runs them; the step's mean loss over the whole global batch."""
+    import torch.distributed as dist
+
+    from moetrain.parallel.grad_sync import accumulation, count_global_tokens
+
+    global_tokens = count_global_tokens(_valid(microbatches)) // split.replicas
+    prepare_global_balance(model, microbatches, split.model_inputs, split.tp)
+    loss_total = torch.zeros((), dtype=torch.float64)
+    for mb, _is_last in accumulation(model, microbatches, policy):
+        logits = model(**split.model_inputs(mb))
+        with split.loss_context():
+            loss_sum, n_valid = token_loss_sum(logits, split.shard(mb.targets))
+            loss_sum = split.local_loss(loss_sum)
+            z = model.z_loss_sum(split.routed_mask(mb.targets != IGNORE_INDEX))
+            microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss(), z, aux_is_share=True).backward()
+        loss_total += loss_sum.detach().double() / split.tp  # every TP rank holds the whole loss
+    dist.all_reduce(loss_total)
+    return float(loss_total) / global_tokens
+
+
 def reference_run(cfg: ModelConfig, state, batches) -> dict:
     """One float64 process over each step's whole global batch: losses, step-0 grads, final params."""
     model = Transformer(cfg)
@@ -99,17 +135,7 @@ def reference_run(cfg: ModelConfig, state, batches) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     out: dict = {"losses": []}
     for step, ranks in enumerate(batches):
-        microbatches = [mb for rank in ranks for mb in rank]
-        global_tokens = _valid(microbatches)
-        prepare_global_balance(model, microbatches)
-        loss_total = 0.0
-        for mb in microbatches:
-            logits = model(mb.tokens, positions=mb.positions, document_ids=mb.document_ids)
-            loss_sum, n_valid = token_loss_sum(logits, mb.targets)
-            z = model.z_loss_sum(mb.targets != IGNORE_INDEX)
-            microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss(), z, aux_is_share=True).backward()
-            loss_total += float(loss_sum.detach())
-        out["losses"].append(loss_total / global_tokens)
+        out["losses"].append(reference_step(model, [mb for rank in ranks for mb in rank]))
         if step == 0:
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
@@ -139,7 +165,7 @@ def split_worker(cases: list[tuple[str, dict]], states: dict, batches_by_case: d
     import torch.distributed as dist
 
     from moetrain.parallel.context_parallel import SequenceSplit
-    from moetrain.parallel.grad_sync import accumulation, count_global_tokens, resolve_sync_policy
+    from moetrain.parallel.grad_sync import resolve_sync_policy
     from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
 
@@ -160,21 +186,7 @@ def split_worker(cases: list[tuple[str, dict]], states: dict, batches_by_case: d
         split = SequenceSplit.of(mesh)
         losses = []
         for step, ranks in enumerate(batches_by_case[(model_name, tuple(sorted(fields.items())))]):
-            microbatches = ranks[mesh.data_rank]
-            global_tokens = count_global_tokens(_valid(microbatches)) // split.replicas
-            prepare_global_balance(model, microbatches, split.model_inputs, split.tp)
-            loss_total = torch.zeros((), dtype=torch.float64)
-            for mb, _is_last in accumulation(model, microbatches, policy):
-                logits = model(**split.model_inputs(mb))
-                with split.loss_context():
-                    loss_sum, n_valid = token_loss_sum(logits, split.shard(mb.targets))
-                    loss_sum = split.local_loss(loss_sum)
-                    z = model.z_loss_sum(split.routed_mask(mb.targets != IGNORE_INDEX))
-                    microbatch_loss(loss_sum, n_valid, global_tokens, model.aux_loss(), z,
-                                    aux_is_share=True).backward()
-                loss_total += loss_sum.detach().double() / split.tp  # every TP rank holds the whole loss
-            dist.all_reduce(loss_total)
-            losses.append(float(loss_total) / global_tokens)
+            losses.append(split_step(model, split, policy, ranks[mesh.data_rank]))
             if step == 0:
                 missing = [n for n, p in model.named_parameters() if p.grad is None]
                 assert not missing, missing

@@ -101,14 +101,9 @@ def _check_composed_features(cfg: JobConfig) -> None:
     for name, degree in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
         if degree == 1:
             continue
-        # Muon and QK-clip are checked under pipeline parallelism (tests/distributed): refused under tp/cp only.
-        # MTP is checked under every dimension (tests/distributed/test_mtp_split.py).
-        under_split = name != "parallel.pp"
-        for feature, used in (("train.float8", t.float8 != "none"),
-                              ("train.optimizer", under_split and t.optimizer != "adamw"),
-                              ("train.qk_clip_tau", under_split and t.qk_clip_tau > 0)):
-            check(not used, feature, getattr(_section(cfg, feature), feature.split(".")[1]),
-                  f"is not supported yet with {name} = {degree}")
+        # MTP, Muon and QK-clip are checked under every dimension (tests/distributed: test_mtp_split.py,
+        # test_muon_dist.py, test_muon_split.py); float8 under FSDP/HSDP and EP only.
+        check(t.float8 == "none", "train.float8", t.float8, f"is not supported yet with {name} = {degree}")
 
 
 def _check_mtp_pipeline(cfg: JobConfig) -> None:
@@ -118,10 +113,6 @@ def _check_mtp_pipeline(cfg: JobConfig) -> None:
     check(not (cfg.model.mtp_depth > 0 and p.pp > 1 and p.pp_schedule == "ZBVZeroBubble"), "model.mtp_depth",
           cfg.model.mtp_depth, "must be 0 with parallel.pp_schedule = 'ZBVZeroBubble' (the first and last stages "
           "on one rank): use 1F1B or Interleaved1F1B")
-
-
-def _section(cfg: JobConfig, field: str):
-    return getattr(cfg, field.split(".")[0])
 
 
 def _check_lora(lora: LoraConfig, model: ModelConfig, parallel: ParallelConfig) -> None:

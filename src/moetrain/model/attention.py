@@ -447,15 +447,25 @@ def max_logit_per_head(q: Tensor, k: Tensor, plan: AttentionPlan | None, window:
     """[H] in float32 (float64 for float64 inputs): each query head's largest q·k/√D over the keys `attend`
     lets it see (sinks are not q·k logits).
 
-    q [B, S, H, D], k [B, S, H_kv, D] as `attend` gets them (so the scale is its SDPA scale).
+    q [B, S, H, D], k [B, S, H_kv, D] as `attend` gets them (so the scale is its SDPA scale). A plan whose
+    attention is external (context parallelism: the keys of the rows live on other ranks too) brings its own.
     """
+    if plan is not None and plan.external is not None:
+        return plan.external.max_logit_per_head(q, k, window)
+    allowed = (plan or AttentionPlan("causal")).mask_for(q.shape[1], q.device, window)  # [B or 1, 1, S, S]
+    return masked_max_logit_per_head(q, k, allowed)
+
+
+@torch.no_grad()
+def masked_max_logit_per_head(q: Tensor, k: Tensor, allowed: Tensor) -> Tensor:
+    """[H]: each query head's largest q·k/√D over the keys `allowed` [B or 1, 1, S_q, S_k] (bool) lets it see,
+    for q [B, S_q, H, D] and k [B, S_k, H_kv, D]."""
     batch, seq, heads, head_dim = q.shape
     groups = k.shape[2]
-    allowed = (plan or AttentionPlan("causal")).mask_for(seq, q.device, window)  # [B or 1, 1, S, S]
     dtype = torch.promote_types(q.dtype, torch.float32)
     q_g = q.to(dtype).view(batch, seq, groups, heads // groups, head_dim)
     scores = torch.einsum("bsgrd,btgd->bgrst", q_g, k.to(dtype)) * head_dim ** -0.5
-    scores = scores.masked_fill(~allowed.view(allowed.shape[0], 1, 1, seq, seq), float("-inf"))
+    scores = scores.masked_fill(~allowed.view(allowed.shape[0], 1, 1, seq, k.shape[1]), float("-inf"))
     return scores.amax(dim=(0, 3, 4)).reshape(heads)  # query head h = g·r + i, as attend pairs them
 
 

@@ -33,7 +33,7 @@ from torch.distributed._functional_collectives import all_gather_single, reduce_
 from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.data.packing import Batch
-from moetrain.model.attention import AttentionPlan
+from moetrain.model.attention import AttentionPlan, masked_max_logit_per_head
 from moetrain.model.mtp import tokens_ahead
 from moetrain.model.tiled_attention import KeyValueExchange, TiledAttention, TilePlan, plan_tiles
 from moetrain.parallel.mesh import JobMesh
@@ -71,6 +71,21 @@ class ContextAttention:
         if key not in self.plans:
             self.plans[key] = plan_tiles(self.query_index, self.key_index, self.document_ids, window, key[1])
         return TiledAttention.apply(q, k, v, sinks, self.plans[key], self.exchange)
+
+    @torch.no_grad()
+    def max_logit_per_head(self, q: Tensor, k: Tensor, window: int | None) -> Tensor:
+        """[H]: each of the rank's query heads' largest logit over the keys of the whole rows its queries may see
+        (QK-clip's record): the keys gathered over the CP group, masked by document, causality and window."""
+        batch, local, groups, head_dim = k.shape
+        keys = self.exchange.gather(k.reshape(batch, local, -1).transpose(0, 1).contiguous())  # [S, B, G·D]
+        keys = keys.transpose(0, 1).reshape(batch, -1, groups, head_dim)  # the ranks' tokens in key_index order
+        queries, keys_at = self.query_index.view(-1, 1), self.key_index.view(1, -1)
+        allowed = keys_at <= queries
+        if window is not None:
+            allowed = allowed & (queries - keys_at < window)
+        documents = self.document_ids
+        same_document = documents[:, self.query_index].unsqueeze(-1) == documents[:, self.key_index].unsqueeze(-2)
+        return masked_max_logit_per_head(q, keys, (allowed & same_document).unsqueeze(1))
 
 
 @dataclass(frozen=True)

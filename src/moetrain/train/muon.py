@@ -21,8 +21,9 @@ projection are separate linear maps, as a model with separate gate_proj / up_pro
 Distributed (docs/design/optimizers.md): momentum stays sharded like the parameter and is updated
 locally. Matrices of the same shape and layout are stacked into one [n, A, B] DTensor whose
 placements are the parameter's, shifted one dimension right; redistributing it to Shard(0) on every
-mesh dimension that holds pieces of the matrices (the FSDP dimension, the HSDP replicate one) moves
-whole matrices to ranks, n / ranks each (torch.chunk's split; DTensor runs the all-to-alls). Each rank
+mesh dimension that holds pieces of the matrices (the FSDP dimension, the HSDP replicate one, "tp" for a
+tensor-parallel matrix, whose FSDP split is then `_StridedShard`, kept as it is: DTensor redistributes from
+it) moves whole matrices to ranks, n / ranks each (torch.chunk's split; DTensor runs the all-to-alls). Each rank
 orthogonalizes the matrices it received, once in the whole job, and the reverse redistribution hands
 every rank the update of its own shard. Mesh dimensions that shard a stack of experts on its expert
 dimension (EP, and FSDP's dim-0 split of an EP rank's experts) already give each rank whole experts:
@@ -104,16 +105,19 @@ def _stack_layout(param: Tensor) -> tuple[DeviceMesh | None, tuple[Placement, ..
     if not isinstance(param, DTensor):
         return None, ()
     mesh, kept_dims, placements = param.device_mesh, [], []
+    shift = 1 if param.ndim == 2 else 0
     for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, _StridedShard) and (param.ndim == 2 or placement.dim != 0):
-            # FSDP over a tensor-parallel split of the same dimension: not gathered yet (torchtitan's DistMuon
-            # refuses tensor parallelism too).
-            raise ConfigError(f"train.optimizer = 'muon' is invalid for a matrix sharded as {param.placements} "
-                              "(FSDP over a tensor-parallel dimension): use train.optimizer = 'adamw'")
         if param.ndim == 3 and isinstance(placement, Shard | _StridedShard) and placement.dim == 0:
             continue  # splits the experts: whole matrices on each rank
-        if isinstance(placement, Shard):
-            placements.append(Shard(placement.dim + (1 if param.ndim == 2 else 0)))
+        if isinstance(placement, _StridedShard) and param.ndim == 2:
+            # FSDP over a tensor-parallel split of the same dimension (right-to-left sharding): DTensor
+            # redistributes from it as it is, so the stack keeps it, one dimension right.
+            placements.append(_StridedShard(placement.dim + shift, split_factor=placement.split_factor))
+        elif isinstance(placement, _StridedShard):
+            raise ConfigError(f"train.optimizer = 'muon' is invalid for an expert stack sharded as {param.placements} "
+                              "(its matrices split by tensor parallelism): use train.optimizer = 'adamw'")
+        elif isinstance(placement, Shard):
+            placements.append(Shard(placement.dim + shift))
         elif isinstance(placement, Replicate):
             placements.append(Replicate())
         else:

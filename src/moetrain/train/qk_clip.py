@@ -6,7 +6,11 @@ layer's `max_logits`). After the optimizer step `clip()` takes the maximum over 
 every head h whose maximum S_h exceeds τ, scales its weights so that its logits shrink by η = τ / S_h
 (under pipeline parallelism each stage clips its own layers: the maximum is taken over the ranks that hold
 the same layers, `reduce_max`, as the stages' layer counts differ; the maxima it returns for the log are then
-gathered over the stages, so they cover every layer):
+gathered over the stages, so they cover every layer). Under tensor parallelism a rank computes its own heads
+only (a contiguous 1 / tp of them, the colwise split of the projections): it records those, writes them into
+its columns of a [layers, all heads] tensor left at -inf elsewhere, and the maximum over the ranks then takes
+each head's maximum over the ranks that computed it (data and context ranks: other tokens) while the tensor
+ranks fill in each other's heads, so every rank ends with every head's maximum, for the clip and the log:
 
 - grouped-query attention with one key head per query head (MHA): the head's query rows and its key
   rows (weights and biases) each by √η, Kimi K2's balanced split;
@@ -18,8 +22,9 @@ gathered over the stages, so they cover every layer):
 
 RoPE is a rotation within a head's channels, so scaling the rows scales the rotated q and k alike.
 QK-norm (per head or over all heads) undoes any scaling of the projections, so it is refused. Under
-FSDP the scale is applied to each rank's shard of the rows. Optimizer state is left as it is. This
-module changes weights after a step; it takes no part in the step itself.
+FSDP and tensor parallelism the scale is applied to each rank's shard of the rows (its own heads' rows under
+TP). Optimizer state is left as it is. This module changes weights after a step; it takes no part in the step
+itself.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moetrain.errors import ConfigError
 from moetrain.model.layers import Attention
 from moetrain.model.mla import MultiHeadLatentAttention
+from moetrain.parallel.mesh import JobMesh
 
 ATTENTION_LAYERS = (Attention, MultiHeadLatentAttention)
 
@@ -74,15 +81,17 @@ class QKClip:
     """Records the largest logit per head during a step and clips the heads above τ after it (module docstring)."""
 
     def __init__(self, model: nn.Module, tau: float, reduce_max: Callable[[Tensor], Tensor] | None = None,
-                 across_stages: Callable[[Tensor], Tensor] | None = None):
+                 across_stages: Callable[[Tensor], Tensor] | None = None, tensor: DeviceMesh | None = None):
         """`reduce_max` takes the elementwise maximum in place over the ranks holding `model`'s attention layers
-        (default: every rank of the default process group, each holding every layer). Under pipeline parallelism
-        `across_stages` takes it over the pipeline ranks, so the maxima `clip` returns cover the whole model."""
+        (default: every rank of the default process group, each holding every layer; the tensor-parallel ranks
+        among them). Under pipeline parallelism `across_stages` takes it over the pipeline ranks, so the maxima
+        `clip` returns cover the whole model. `tensor`: the tensor-parallel mesh, whose ranks split the heads."""
         if not tau > 0:
             raise ConfigError(f"train.qk_clip_tau = {tau!r} is invalid: must be > 0 (0 turns QK-clip off)")
         self.tau = tau
         self.reduce_max = reduce_max or _world_max
         self.across_stages = across_stages
+        self.tp, self.tp_rank = (1, 0) if tensor is None else (tensor.size(), tensor.get_local_rank())
         named = [(name, m) for name, m in model.named_modules() if isinstance(m, ATTENTION_LAYERS)]
         self.layers = [m for _, m in named]
         if across_stages is not None:  # `model` is a stage's Transformer: its layers' rows in the whole model's
@@ -95,8 +104,8 @@ class QKClip:
 
     def arm(self) -> None:
         """Start recording: every layer's maximum starts at -inf."""
-        for layer in self.layers:
-            layer.max_logits = torch.full((layer.n_heads,), float("-inf"), device=layer.wo.weight.device)
+        for layer in self.layers:  # the rank's own heads under tensor parallelism
+            layer.max_logits = torch.full((layer.n_heads // self.tp,), float("-inf"), device=layer.wo.weight.device)
 
     def disarm(self) -> None:
         for layer in self.layers:
@@ -105,7 +114,7 @@ class QKClip:
     @torch.no_grad()
     def clip(self) -> Tensor:
         """Clip the heads whose maximum over all ranks exceeded τ; stop recording; return the maxima [layers, heads]."""
-        maxima = self.reduce_max(torch.stack([layer.max_logits for layer in self.layers]))  # each rank: its batches
+        maxima = self.reduce_max(self._all_heads(torch.stack([layer.max_logits for layer in self.layers])))
         self.disarm()
         for layer, head_max in zip(self.layers, maxima, strict=True):
             over = head_max > self.tau
@@ -118,6 +127,16 @@ class QKClip:
         whole = torch.full((self.n_rows, maxima.shape[1]), float("-inf"), device=maxima.device)
         whole[self.rows] = maxima
         return self.across_stages(whole).cpu()
+
+    def _all_heads(self, own: Tensor) -> Tensor:
+        """[layers, heads]: this rank's maxima [layers, heads / tp] (its batches, its heads) in its columns, -inf in
+        the other tensor ranks' (the maximum over the ranks fills those in)."""
+        if self.tp == 1:
+            return own
+        local = own.shape[1]
+        whole = torch.full((own.shape[0], local * self.tp), float("-inf"), device=own.device, dtype=own.dtype)
+        whole[:, self.tp_rank * local:(self.tp_rank + 1) * local] = own
+        return whole
 
     @staticmethod
     def _scale(layer: nn.Module, eta: Tensor) -> None:
@@ -137,3 +156,13 @@ class QKClip:
             _scale_rows(layer.wk, _per_head_rows([root.expand(heads, width)]))
         else:
             _scale_rows(layer.wq, _per_head_rows([eta.unsqueeze(1).expand(heads, width)]))
+
+
+def job_qk_clip(model: nn.Module, tau: float, job: JobMesh, pipeline=None) -> QKClip | None:
+    """The job's QK-clip (None when `tau` is 0): under pipeline parallelism `pipeline` (a PipelineStep) reduces the
+    maxima over the ranks holding the same stages, then over the stages; the tensor ranks split the heads."""
+    if not tau > 0:
+        return None
+    if pipeline is None:
+        return QKClip(model, tau, tensor=job.tensor)
+    return QKClip(model, tau, pipeline.data_max, pipeline.pipeline_max, tensor=job.tensor)

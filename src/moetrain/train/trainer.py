@@ -86,7 +86,7 @@ from moetrain.train.loss import (
 )
 from moetrain.train.optim import LRSchedule, build_optimizer, set_lr
 from moetrain.train.pipeline_step import PipelineStep
-from moetrain.train.qk_clip import QKClip
+from moetrain.train.qk_clip import job_qk_clip
 
 log = get_logger("train")
 
@@ -173,9 +173,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.float8_gathered = cfg.train.float8 == "tensorwise" and not runs_unsharded(job)
         # QK-clip: each head's largest logit recorded during the step, its weights clipped after it.
-        pipeline = self.pipeline
-        self.qk_clip = (QKClip(self.model, cfg.train.qk_clip_tau, pipeline and pipeline.data_max,
-                               pipeline and pipeline.pipeline_max) if cfg.train.qk_clip_tau > 0 else None)
+        self.qk_clip = job_qk_clip(self.model, cfg.train.qk_clip_tau, job, self.pipeline)
         self.max_logits: torch.Tensor | None = None  # [layers, heads] of the last clipped step
         self.schedule = LRSchedule.from_config(cfg.train)
         batching = build_batching(data.train, cfg.data, cfg.train.microbatch_size, cfg.train.seed)
