@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -64,21 +65,22 @@ class BlockedClock:
         import torch.distributed as dist
 
         self.seconds = 0.0
+        self.by_op: dict[str, float] = {}  # the same seconds, by the collective that issued them
         self._dist = dist
         self._originals = {name: getattr(dist, name) for name in COLLECTIVES}
         clock = self
 
         class TimedWork(dist.Work):
-            def __init__(self, work):
+            def __init__(self, work, op):
                 super().__init__()
-                self._work = work
+                self._work, self._op = work, op
 
             def wait(self, timeout=None):
                 begin = time.perf_counter()
                 try:
                     return self._work.wait()
                 finally:
-                    clock.seconds += time.perf_counter() - begin
+                    clock._add(self._op, time.perf_counter() - begin)
 
             def is_completed(self):
                 return self._work.is_completed()
@@ -88,19 +90,23 @@ class BlockedClock:
 
         self._timed_work = TimedWork
 
-    def _wrap(self, result):
+    def _add(self, op: str, seconds: float) -> None:
+        self.seconds += seconds
+        self.by_op[op] = self.by_op.get(op, 0.0) + seconds
+
+    def _wrap(self, result, op: str):
         if isinstance(result, list):
-            return [self._wrap(item) for item in result]
-        return self._timed_work(result) if isinstance(result, self._dist.Work) else result
+            return [self._wrap(item, op) for item in result]
+        return self._timed_work(result, op) if isinstance(result, self._dist.Work) else result
 
     def __enter__(self) -> BlockedClock:
         for name, original in self._originals.items():
-            def timed(*args, _original=original, **kwargs):
+            def timed(*args, _original=original, _op=name, **kwargs):
                 begin = time.perf_counter()
                 try:
-                    return self._wrap(_original(*args, **kwargs))
+                    return self._wrap(_original(*args, **kwargs), _op)
                 finally:
-                    self.seconds += time.perf_counter() - begin
+                    self._add(_op, time.perf_counter() - begin)
             setattr(self._dist, name, timed)
         return self
 
@@ -108,9 +114,9 @@ class BlockedClock:
         for name, original in self._originals.items():
             setattr(self._dist, name, original)
 
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def take(self) -> tuple[float, dict[str, float]]:
+        seconds, by_op, self.seconds, self.by_op = self.seconds, self.by_op, 0.0, {}
+        return seconds, by_op
 
 
 def _job(config: str, ep: int, microbatch: int, seq_len: int):
@@ -161,14 +167,16 @@ def worker(args) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step_s = time.perf_counter() - start
-            collective_s = clock.take()
+            collective_s, by_op = clock.take()
             a2a_s = a2a.take()[0] if a2a is not None else 0.0
             if step >= args.warmup:
-                rows.append({"step_s": step_s, "collective_s": collective_s, "all_to_all_s": a2a_s})
-    everyone = [None] * world
+                rows.append({"step_s": step_s, "collective_s": collective_s, "all_to_all_s": a2a_s, "by_op": by_op})
+    everyone, rss = [None] * world, [None] * world
     dist.all_gather_object(everyone, rows)
+    dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB on Linux
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"ranks": everyone, "tokens_per_step": world * microbatch * seq_len}))
+        Path(args.out).write_text(json.dumps({"ranks": everyone, "tokens_per_step": world * microbatch * seq_len,
+                                              "peak_rss_mib": max(rss)}))
     dist.destroy_process_group()
 
 
