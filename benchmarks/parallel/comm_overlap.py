@@ -8,8 +8,9 @@ collective spends in flight while the thread computes is hidden, not exposed. Pe
 
     exposed = (seconds blocked in torch.distributed calls and their Works' waits + AllToAllStats seconds) / step
 
-where the step runs from a barrier through forward, backward and the optimizer step, exactly as
-`moetrain.bench.ep` runs it (`accumulation`, `token_loss_sum`, `microbatch_loss`, the job's optimizer).
+where the step runs from a barrier through the global-balance counting pass (`prepare_global_balance`,
+where the model's loss needs it), forward, backward and the optimizer step, as `moetrain.bench.ep` runs
+it (`accumulation`, `token_loss_sum`, `microbatch_loss`, the job's optimizer).
 The clock wraps `torch.distributed`'s collective functions in the worker only (a synchronous call is
 timed whole; an asynchronous one's launch is timed and its Work is wrapped so that its wait is timed
 too); moetrain is not changed. The same clock runs on both trees.
@@ -48,8 +49,8 @@ MAIN_SRC = Path("/work/main/src")
 SCENARIOS = {
     "tiny_moe EP4": ("configs/tiny_moe.toml", 4, 2, 256),
     "tiny_moe FSDP4": ("configs/tiny_moe.toml", 1, 2, 256),
-    "qwen3_moe_debug EP4": ("configs/qwen3_moe_debug.toml", 4, 1, 256),
-    "qwen3_moe_debug FSDP4": ("configs/qwen3_moe_debug.toml", 1, 1, 256),
+    "qwen3_moe_debug EP4": ("configs/qwen3_moe_debug.toml", 4, 1, 128),
+    "qwen3_moe_debug FSDP4": ("configs/qwen3_moe_debug.toml", 1, 1, 128),
 }
 COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                "all_reduce", "broadcast", "batch_isend_irecv", "all_gather")
@@ -136,11 +137,13 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from moetrain.bench.ep import _step
+    from moetrain.data.packing import Batch
     from moetrain.parallel.expert_parallel import all_to_all_stats
     from moetrain.parallel.grad_sync import resolve_sync_policy
     from moetrain.parallel.mesh import JobMesh
     from moetrain.parallel.process_group import init_distributed
     from moetrain.train.build import build_for_job
+    from moetrain.train.global_balance import prepare_global_balance
     from moetrain.train.optim import build_optimizer
 
     config, ep, microbatch, seq_len = SCENARIOS[args.scenario]
@@ -162,8 +165,12 @@ def worker(args) -> None:
             clock.take()
             if a2a is not None:
                 a2a.take()
+            inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            positions = torch.arange(seq_len).expand(microbatch, seq_len).contiguous()
             start = time.perf_counter()
-            _step(model, optimizer, policy, [(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())])
+            # The trainer's counting pass (qwen3_moe_debug's global-batch balance loss; a no-op for tiny_moe).
+            prepare_global_balance(model, [Batch(inputs, positions, torch.zeros_like(inputs), targets)])
+            _step(model, optimizer, policy, [(inputs, targets)])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step_s = time.perf_counter() - start
