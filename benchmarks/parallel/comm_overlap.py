@@ -25,9 +25,11 @@ Runs, per round, every scenario (EP 4 and FSDP 4 on tiny_moe and on qwen3_moe_de
 once with main's source and once with this tree's, alternating which goes first, each a fresh
 `torchrun --standalone` of 4 ranks (1 thread each):
 
-    PYTHONPATH=$PWD/src:$PWD nice -n 5 python benchmarks/parallel/comm_overlap.py --rounds 2
+    PYTHONPATH=$PWD/src:$PWD nice -n 5 python benchmarks/parallel/comm_overlap.py --rounds 2 \
+        --scenarios "tiny_moe EP4" "tiny_moe FSDP4" --json benchmarks/results/comm_overlap_tiny_moe.json
 
-Writes benchmarks/results/comm_overlap.json and .png. Benchmark only: it asserts nothing about time.
+Writes the JSON (default benchmarks/results/comm_overlap.json) and a .png beside it.
+Benchmark only: it asserts nothing about time.
 """
 
 from __future__ import annotations
