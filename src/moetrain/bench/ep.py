@@ -111,8 +111,10 @@ class CollectiveRecorder:
     """Wraps FSDP2's collectives (`dist.all_gather_single`, `dist.reduce_scatter_single`, `dist.all_reduce`) to
     record every call: (op, group, output bytes, bytes received from other ranks, seconds).
 
-    On CPU FSDP2 issues them synchronously, so a call's duration is the collective (waiting for the slowest
-    member included). FSDP2 skips the all-gather of a one-rank group (it copies the shard): nothing recorded.
+    A call's duration is the collective (waiting for the slowest member included): an asynchronous one (FSDP's
+    prefetched gathers, `parallel.fsdp_prefetch`) is waited for inside the wrapper, so under this recorder the
+    gathers do not overlap compute (benchmarks/parallel/comm_overlap.py measures the overlap itself).
+    FSDP2 skips the all-gather of a one-rank group (it copies the shard): nothing recorded.
     """
 
     OPS = ("all_gather_single", "reduce_scatter_single", "all_reduce")

@@ -46,6 +46,11 @@ class ParallelConfig:
     every_microbatch (docs/design/parallel.md)."""
     reshard_after_forward: bool = True
     """Free each unit's gathered parameters after its forward (FSDP2's ZeRO-3); False keeps them until backward."""
+    fsdp_prefetch: int = 1
+    """FSDP units whose all-gather each unit issues, without waiting, once its own parameters are gathered
+    (the next ones in forward order; backward prefetches the previous one): their gathers travel while it
+    computes. Each costs one more unit's gathered parameters alive at once; 0 = gather each unit when it
+    starts, waiting for it (docs/design/comm_overlap.md)."""
     param_dtype: DType = "float32"
     """Dtype the forward and backward compute in (master weights stay float32)."""
     reduce_dtype: DType = "float32"
@@ -64,6 +69,9 @@ class ParallelConfig:
         """Raise ConfigError (one line) at the first invalid [parallel] field."""
         check_positive(self, "parallel", ("dp_replicate", "ep", "pp", "tp", "cp", "pp_stages_per_rank"))
         self._validate_pipeline()
+        check(isinstance(self.fsdp_prefetch, int) and not isinstance(self.fsdp_prefetch, bool)
+              and self.fsdp_prefetch >= 0, "parallel.fsdp_prefetch", self.fsdp_prefetch,
+              "must be an integer >= 0 (units gathered ahead; 0 = off)")
         check(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
               "must be -1 (auto) or >= 1")
         # At most a year: the process group keeps it as a timedelta in C (days fit an int32, not 1e30 s).

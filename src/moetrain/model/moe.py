@@ -24,7 +24,9 @@ step's expert shares; None before that), `router_z` (per-token router z-loss [T]
 coefficient is 0) and `tokens_per_expert` (detached, [E]). It holds no distributed code: the
 cross-rank sums (expert loads for the bias update, the step's expert counts) happen outside, and
 the routed-expert computation is injected (`expert_compute`, `experts.routed_experts` by default;
-expert parallelism swaps in one that sends the routed tokens to the ranks owning their experts).
+expert parallelism swaps in one that sends the routed tokens to the ranks owning their experts, and
+that declares `runs_alongside`: it then gets the shared expert as `alongside=` to run while the tokens
+travel, and returns (routed output, shared output); the sum is the same).
 A forward with `statistics=False` (generation's, which never reads them) computes none of the
 three and leaves them None.
 It does not initialise its parameters: init.py does, and calls `reset_buffers` for the balancing state.
@@ -165,12 +167,21 @@ class MoE(nn.Module):
                 and not self.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
                 and self.expert_compute is routed_experts and self.cfg.token_rounding_tile <= 1)
 
+    def _shared(self, x_TD: Tensor) -> Tensor:
+        """The shared expert's output [T, d], gated per token under `shared_expert_gate`."""
+        shared_TD = self.shared_expert(x_TD)
+        if self.shared_expert_gate is not None:
+            shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+        return shared_TD
+
     def forward(self, x: Tensor, statistics: bool = True) -> Tensor:
         """`statistics=False` (generation's forwards, which never read them): no expert counts, balance loss or
         z-loss; `tokens_per_expert`, `aux_loss` and `router_z` are None after it."""
         shape = x.shape
         x_TD = x.reshape(-1, self.dim)
         few = self._few_tokens(x_TD)  # then the experts run straight from the top-k choice (experts.py)
+        overlap_shared = (not few and self.shared_expert is not None
+                          and getattr(self.expert_compute, "runs_alongside", False))
         with profiler_label("router"):  # labels in profiler traces
             logits_TE = self.router(x_TD)
             probs_TE, topk_idx_TK, gates_TK = self.route(logits_TE)
@@ -189,13 +200,17 @@ class MoE(nn.Module):
                                                **self.experts.biases())
                 else:
                     float8 = {"float8": True} if self.expert_float8 else {}  # the contract's optional keyword
+                    # An expert compute that communicates (expert parallelism) runs the shared expert while
+                    # its tokens travel and hands its output back; same ops, same sum below.
+                    beside = {"alongside": lambda: self._shared(x_TD)} if overlap_shared else {}
                     out_TD = self.expert_compute(x_TD, routing, w1, w2, self.activation, self.cfg.impl,
-                                                 **self.experts.biases(), **float8)
+                                                 **self.experts.biases(), **float8, **beside)
+                    if overlap_shared:
+                        out_TD, shared_TD = out_TD
         with profiler_label("combine"):  # the routed experts' output joined with the shared expert's
             if self.shared_expert is not None:
-                shared_TD = self.shared_expert(x_TD)
-                if self.shared_expert_gate is not None:
-                    shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+                if not overlap_shared:
+                    shared_TD = self._shared(x_TD)
                 out_TD = out_TD + shared_TD
         if not statistics:
             self.tokens_per_expert = self.aux_loss = self.router_z = None

@@ -12,26 +12,36 @@ The MoE layer routes its own tokens exactly as without EP (router, top-k, aux lo
 loads come before any communication, so none of them depends on ep). `ExpertParallelCompute`
 replaces only its expert computation:
 
-1. counts: each rank tells every EP peer how many of its assignments go to each of the peer's
-   experts (one all-to-all of E integers); the split sizes follow from them.
-2. dispatch: the assignment rows x[token] (grouped by expert, hence by destination rank) and their
-   gate scores travel to the owning ranks (all-to-all with uneven splits).
-3. local experts: the received rows, ordered expert-major, go through `experts.routed_experts`
-   (the configured impl, memory-efficient by default) on contiguous segments, gates applied inside.
-4. combine: the results travel back by the reverse all-to-all and are summed per token in float32,
-   in the same (expert) order as the single-process computation.
+The tokens are split into `PIPELINE_CHUNKS` consecutive ranges, each with its own dispatch and combine:
 
-Autograd runs through both all-to-alls: the backward of an all-to-all is the all-to-all with the
-splits swapped. Every local expert weight gets a gradient (zero when no token reached it), so FSDP's
-reductions have the same layout on every rank, and a rank that receives no token still takes part in
-every collective. `AllToAllStats` records the time spent in the all-to-alls (both directions) and
-the rows exchanged, for the step metrics. This module changes where expert compute runs, never what
-it computes; it holds no optimizer, loss or data logic.
+1. counts: each rank tells every EP peer how many of each chunk's assignments go to each of the peer's
+   experts (one all-to-all of chunks x E integers, waited for: the split sizes follow from it).
+2. dispatch: each chunk's assignment rows x[token] (grouped by expert, hence by destination rank) and
+   their gate scores travel to the owning ranks (all-to-all with uneven splits). All are issued before
+   the first wait, and the MoE's shared expert (`alongside`) runs while they travel.
+3. local experts: a chunk's received rows, ordered expert-major, go through `experts.routed_experts`
+   (the configured impl, memory-efficient by default) on contiguous segments, gates applied inside,
+   as soon as that chunk has arrived: chunk c + 1's rows travel while chunk c computes.
+4. combine: each chunk's results travel back by the reverse all-to-all, issued as soon as they exist
+   (while the next chunk computes), and are summed per token in float32, in the same (expert) order
+   as the single-process computation (a token's assignments all lie in one chunk).
+
+Autograd runs through every all-to-all: the backward of an all-to-all is the all-to-all with the
+splits swapped, issued by the node of the forward's wait and waited for by the node of its launch
+(`_Launch`, `_Wait`), so the backward of whatever ran between them in the forward hides it
+(docs/design/comm_overlap.md). Every local expert weight gets a gradient (zero when no token reached
+it), so FSDP's reductions have the same layout on every rank, and a rank that receives no token still
+takes part in every collective, in the same order as every other. `AllToAllStats` records the time
+the rank spent blocked in the all-to-alls (the counts exchange and every wait, both directions: the
+exposed part, not the time the bytes were in flight) and the rows exchanged, for the step metrics.
+This module changes where and when expert compute runs, never what it computes (the chunks change
+only how the expert GEMMs are cut, hence float rounding); it holds no optimizer, loss or data logic.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,9 +59,10 @@ from moetrain.model.routing import Routing
 
 @dataclass
 class AllToAllStats:
-    """This rank's all-to-all cost since the last `take()`: seconds (forward and backward, counts
-    included) and routed rows sent to / received from other ranks by the dispatches (the combines
-    move the same rows back). Under activation checkpointing the recomputed forward moves them again."""
+    """This rank's all-to-all cost since the last `take()`: seconds blocked in them (forward and backward,
+    counts included; time in flight behind compute is not counted) and routed rows sent to / received from
+    other ranks by the dispatches (the combines move the same rows back). Under activation checkpointing
+    the recomputed forward moves them again."""
 
     seconds: float = 0.0
     rows_sent: int = 0
@@ -69,46 +80,122 @@ class AllToAllStats:
         return result
 
 
-def _timed_all_to_all(x: Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
-                      group: dist.ProcessGroup, stats: AllToAllStats) -> Tensor:
-    """all_to_all_single of `x` over `group`, waited for and timed into `stats` (no autograd)."""
-    with record_function("all_to_all"):  # a label in profiler traces
-        return _timed_all_to_all_unlabelled(x, output_splits, input_splits, group, stats)
-
-
-def _timed_all_to_all_unlabelled(x: Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
-                                 group: dist.ProcessGroup, stats: AllToAllStats) -> Tensor:
-    if x.is_cuda:
+def _timed(stats: AllToAllStats, device: torch.device, call):
+    """Run `call()` and add the time the calling thread (CUDA: the stream) spent in it to `stats`."""
+    if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), output_splits, input_splits, group))
+        out = call()
         end.record()
         stats._events.append((start, end))
         return out
     begin = time.perf_counter()
-    out = funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), output_splits, input_splits, group))
+    out = call()
     stats.seconds += time.perf_counter() - begin
     return out
 
 
-class _AllToAll(torch.autograd.Function):
-    """Differentiable all-to-all with uneven splits, timed both ways.
+def _timed_all_to_all(x: Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
+                      group: dist.ProcessGroup, stats: AllToAllStats) -> Tensor:
+    """all_to_all_single of `x` over `group`, waited for and timed into `stats` (no autograd)."""
+    with record_function("all_to_all"):  # a label in profiler traces
+        return _timed(stats, x.device, lambda: funcol.wait_tensor(
+            funcol.all_to_all_single(x.contiguous(), output_splits, input_splits, group)))
 
-    The same computation as `torch.distributed._functional_collectives.all_to_all_single_autograd`
-    (whose backward is also the all-to-all with the splits swapped), written out so that the
-    backward all-to-all is timed too.
+
+class _InFlight:
+    """One all-to-all between its launch and its wait: the forward's, then (reversed) the backward's.
+
+    Holds the un-waited result of `funcol.all_to_all_single`; `_Launch` and `_Wait` pass it on, so the
+    autograd nodes between them (the work issued in the meantime) run while the bytes travel.
+    """
+
+    __slots__ = ("forward", "backward")
+
+    def __init__(self):
+        self.forward: Tensor | None = None
+        self.backward: Tensor | None = None
+
+
+def _issue(x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+    with record_function("all_to_all_launch"):
+        return funcol.all_to_all_single(x.contiguous(), output_splits, input_splits, group)
+
+
+def _wait(pending: Tensor, stats: AllToAllStats) -> Tensor:
+    """The result of an issued all-to-all; only the time spent blocked here counts (the exposed part)."""
+    with record_function("all_to_all_wait"):
+        return _timed(stats, pending.device, lambda: funcol.wait_tensor(pending))
+
+
+class _Launch(torch.autograd.Function):
+    """Issues the all-to-all of `x` and returns an empty token; `_Wait` on that token returns the result.
+
+    Backward runs in the opposite order: `_Wait`'s backward issues the reverse all-to-all of the
+    gradient, and this node waits for it, so the backward nodes created between the two forward
+    calls (the other chunk's experts, the shared expert) run while the gradient travels.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
-                stats: AllToAllStats) -> Tensor:  # noqa: D102
-        ctx.output_splits, ctx.input_splits, ctx.group, ctx.stats = output_splits, input_splits, group, stats
-        return _timed_all_to_all(x, output_splits, input_splits, group, stats)
+    def forward(ctx, x: Tensor, flight: _InFlight, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup, stats: AllToAllStats) -> Tensor:  # noqa: D102
+        ctx.flight, ctx.stats = flight, stats
+        flight.forward = _issue(x, output_splits, input_splits, group)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad: Tensor):  # noqa: D102
+        grad_in, ctx.flight.backward = _wait(ctx.flight.backward, ctx.stats), None
+        return grad_in, None, None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Waits for the all-to-all `_Launch` issued (see there); its backward issues the reverse one."""
+
+    @staticmethod
+    def forward(ctx, token: Tensor, flight: _InFlight, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup, stats: AllToAllStats) -> Tensor:  # noqa: D102
+        ctx.flight, ctx.splits, ctx.group = flight, (output_splits, input_splits), group
+        out, flight.forward = _wait(flight.forward, stats), None
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # noqa: D102
-        grad_in = _timed_all_to_all(grad_out, ctx.input_splits, ctx.output_splits, ctx.group, ctx.stats)
-        return grad_in, None, None, None, None
+        output_splits, input_splits = ctx.splits
+        ctx.flight.backward = _issue(grad_out, input_splits, output_splits, ctx.group)
+        return grad_out.new_empty(0), None, None, None, None, None
+
+
+@dataclass
+class _ChunkPlan:
+    """One token chunk's assignments and the split sizes of its all-to-alls (rows per EP peer)."""
+
+    routing: Routing
+    recv_counts_SJ: Tensor  # rows received [source rank, local expert]
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+def split_routing(routing: Routing, n_tokens: int, chunks: int) -> list[Routing]:
+    """The routing of `chunks` consecutive token ranges, each still grouped by expert (in the same order).
+
+    A token's assignments all fall in its range, so summing each chunk's results per token adds the
+    same terms in the same order as the whole routing does. Always `chunks` parts, empty ones included
+    (fewer tokens than chunks, a rank without tokens): every EP rank must issue the same all-to-alls.
+    """
+    if chunks <= 1:
+        return [routing]
+    n_experts = routing.counts.numel()
+    expert_of_row = torch.repeat_interleave(torch.arange(n_experts, device=routing.counts.device), routing.counts)
+    bounds = torch.tensor([n_tokens * c // chunks for c in range(1, chunks)], device=routing.token_index.device)
+    chunk_of_row = torch.bucketize(routing.token_index, bounds, right=True)
+    parts = []
+    for chunk in range(chunks):
+        rows = (chunk_of_row == chunk).nonzero().squeeze(1)
+        counts = torch.bincount(expert_of_row.index_select(0, rows), minlength=n_experts).to(routing.counts.dtype)
+        parts.append(Routing(token_index=routing.token_index.index_select(0, rows),
+                             scores=routing.scores.index_select(0, rows), counts=counts))
+    return parts
 
 
 def expert_major_order(counts_SJ: Tensor) -> Tensor:
@@ -129,52 +216,87 @@ def expert_major_order(counts_SJ: Tensor) -> Tensor:
     return starts[segment] + position - out_starts[segment]
 
 
+# Token chunks pipelined through dispatch, local experts and combine: chunk c + 1's dispatch travels
+# while chunk c's experts compute, chunk c's combine while chunk c + 1's do (and the reverse in backward).
+# Two hide about half of the all-to-all time at the cost of expert GEMMs half as tall.
+PIPELINE_CHUNKS = 2
+
+
 class ExpertParallelCompute:
     """The MoE's expert computation under EP: dispatch, local experts, combine (see the module docstring).
 
     Same call contract as `experts.routed_experts`: (x [T, d], routing over all E experts, w1, w2,
     activation, impl) -> out [T, d]. `w1`/`w2` are the layer's (FSDP-unsharded) expert weights, DTensors
-    sharded on dim 0 over the EP group, or this rank's local [E/ep, ...] slices.
+    sharded on dim 0 over the EP group, or this rank's local [E/ep, ...] slices. It also takes
+    `alongside`, work that does not depend on the routed experts (the MoE's shared expert): it runs while
+    the dispatches travel, and the call then returns (out, alongside's result).
     """
 
-    def __init__(self, group: dist.ProcessGroup, stats: AllToAllStats):
+    runs_alongside = True  # MoE passes its shared expert as `alongside=` (model/moe.py)
+
+    def __init__(self, group: dist.ProcessGroup, stats: AllToAllStats, chunks: int = PIPELINE_CHUNKS):
         self.group = group
         self.ep = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.stats = stats
+        self.chunks = chunks
 
     def __call__(self, x_TD: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str = "swiglu",
                  impl: str = "memory_efficient", b1: Tensor | None = None, b2: Tensor | None = None,
-                 float8: bool = False) -> Tensor:
+                 float8: bool = False, alongside: Callable[[], Tensor] | None = None) -> Tensor | tuple:
         w1_JDN, w2_JFD, b1_JN, b2_JD = (t.to_local() if isinstance(t, DTensor) else t for t in (w1, w2, b1, b2))
         n_local = w1_JDN.shape[0]
         if n_local * self.ep != routing.n_experts:
             raise ValueError(f"expert parallelism over {self.ep} ranks: {n_local} local experts per rank "
                              f"do not cover the routing's {routing.n_experts} experts")
-        ep, stats = self.ep, self.stats
-        counts_E = routing.counts.to(torch.long)
-        # 1. counts: received [source, local expert]; with them both sides know every split size.
-        recv_counts_SJ = _timed_all_to_all(counts_E, None, None, self.group, stats).reshape(ep, n_local)
-        send_splits = counts_E.reshape(ep, n_local).sum(1).tolist()
-        recv_splits = recv_counts_SJ.sum(1).tolist()
-        stats.rows_sent += sum(send_splits) - send_splits[self.rank]
-        stats.rows_received += sum(recv_splits) - recv_splits[self.rank]
-        # 2. dispatch rows and gate scores (routing is grouped by expert, so by destination rank).
+        plans = self._exchange_counts(split_routing(routing, x_TD.shape[0], self.chunks), n_local)
+        # Every chunk's dispatch is issued before the first wait; the shared expert runs while they travel.
         with record_function("dispatch"):
-            rows_AD = x_TD.index_select(0, routing.token_index)
-            recv_RD = _AllToAll.apply(rows_AD, recv_splits, send_splits, self.group, stats)
-            recv_scores_R = _AllToAll.apply(routing.scores, recv_splits, send_splits, self.group, stats)
-        # 3. local experts on contiguous expert-major segments of the received rows.
-        order_R = expert_major_order(recv_counts_SJ)
-        local = Routing(token_index=order_R, scores=recv_scores_R.index_select(0, order_R),
-                        counts=recv_counts_SJ.sum(0))
-        out_RD = routed_experts(recv_RD, local, w1_JDN, w2_JFD, activation, impl, b1=b1_JN, b2=b2_JD, float8=float8)
-        # 4. combine: back to the senders, summed per token in float32 (expert order, as without EP).
+            dispatched = [(self._launch(x_TD.index_select(0, plan.routing.token_index), plan.recv_splits,
+                                        plan.send_splits),
+                           self._launch(plan.routing.scores, plan.recv_splits, plan.send_splits)) for plan in plans]
+        beside = alongside() if alongside is not None else None
+        combines = []
+        for plan, (rows, scores) in zip(plans, dispatched, strict=True):
+            recv_RD, recv_scores_R = (_Wait.apply(token, flight, plan.recv_splits, plan.send_splits, self.group,
+                                                  self.stats) for token, flight in (rows, scores))
+            # Local experts on contiguous expert-major segments of the received rows.
+            order_R = expert_major_order(plan.recv_counts_SJ)
+            local = Routing(token_index=order_R, scores=recv_scores_R.index_select(0, order_R),
+                            counts=plan.recv_counts_SJ.sum(0))
+            out_RD = routed_experts(recv_RD, local, w1_JDN, w2_JFD, activation, impl, b1=b1_JN, b2=b2_JD,
+                                    float8=float8)
+            combines.append(self._launch(out_RD, plan.send_splits, plan.recv_splits))
+        # Combine: back to the senders, summed per token in float32 (expert order, as without EP).
         with record_function("combine"):
-            back_AD = _AllToAll.apply(out_RD, send_splits, recv_splits, self.group, stats)
             acc = torch.float32 if x_TD.dtype in (torch.bfloat16, torch.float16) else x_TD.dtype
             out_TD = torch.zeros(x_TD.shape, dtype=acc, device=x_TD.device)
-            return out_TD.index_add(0, routing.token_index, back_AD.to(acc)).to(x_TD.dtype)
+            for plan, (token, flight) in zip(plans, combines, strict=True):
+                back_AD = _Wait.apply(token, flight, plan.send_splits, plan.recv_splits, self.group, self.stats)
+                out_TD = out_TD.index_add(0, plan.routing.token_index, back_AD.to(acc))
+        out_TD = out_TD.to(x_TD.dtype)
+        return out_TD if alongside is None else (out_TD, beside)
+
+    def _launch(self, x: Tensor, output_splits: list[int], input_splits: list[int]) -> tuple[Tensor, _InFlight]:
+        flight = _InFlight()
+        return _Launch.apply(x, flight, output_splits, input_splits, self.group, self.stats), flight
+
+    def _exchange_counts(self, chunks: list[Routing], n_local: int) -> list[_ChunkPlan]:
+        """Every chunk's split sizes, from one all-to-all of the per-expert counts (each rank tells every EP
+        peer how many rows of each chunk go to each of the peer's experts)."""
+        ep, n_chunks = self.ep, len(chunks)
+        counts_CPJ = torch.stack([chunk.counts.to(torch.long) for chunk in chunks]).reshape(n_chunks, ep, n_local)
+        received = _timed_all_to_all(counts_CPJ.transpose(0, 1).reshape(-1), None, None, self.group, self.stats)
+        received_SCJ = received.reshape(ep, n_chunks, n_local)
+        plans = []
+        for index, chunk in enumerate(chunks):
+            recv_counts_SJ = received_SCJ[:, index]
+            send_splits = counts_CPJ[index].sum(1).tolist()
+            recv_splits = recv_counts_SJ.sum(1).tolist()
+            self.stats.rows_sent += sum(send_splits) - send_splits[self.rank]
+            self.stats.rows_received += sum(recv_splits) - recv_splits[self.rank]
+            plans.append(_ChunkPlan(chunk, recv_counts_SJ, send_splits, recv_splits))
+        return plans
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -10,6 +10,9 @@ some NCCL builds) must never be chosen. It also installs the gradient guard (eve
 reduced gradient exists and has the reduce dtype). This module changes how a model
 is distributed; it must not change what the model computes.
 
+Each unit prefetches the next units' all-gathers (`parallel.fsdp_prefetch`, `prefetch_ahead`) so they
+travel while it computes.
+
 Under expert parallelism the routed-expert weights (already DTensors over the EP group,
 see `moetrain.parallel.expert_parallel`) stay in their block's unit but are sharded on
 the expert-FSDP mesh: over the ranks that hold the same experts, replicated across
@@ -223,6 +226,37 @@ def _sum_without_division(unit: FSDPModule) -> None:
         group.gradient_divide_factor = None if group.mesh_info.mesh.size() == 1 else 1.0
 
 
+def _forward_chain(model: nn.Module) -> list[FSDPModule]:
+    """The units a plain forward runs, in its order: the embedding, the blocks, the head (those that are units).
+
+    Multi-token-prediction blocks are left out: they run only in some forwards, after the head."""
+    layers = getattr(model, "layers", None)
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or [])
+    chain = [getattr(model, "tok_embeddings", None), *blocks, getattr(model, "output", None)]
+    return [unit for unit in chain if isinstance(unit, FSDPModule)]
+
+
+def prefetch_ahead(model: FSDPModule, depth: int) -> None:
+    """Each unit (the root first) issues the all-gathers of the next `depth` units in forward order once its own
+    parameters are gathered, and FSDP's backward prefetch of the previous unit, without waiting for them.
+
+    On a GPU FSDP2 overlaps by streams and this only issues the gathers earlier. On CPU (gloo) there is no
+    stream: a gather FSDP issues synchronously (its default) runs while the rank waits, so the gathers are
+    made asynchronous (`_set_unshard_async_op`, the switch FSDP2 leaves private in torch 2.13) and each unit
+    waits for its own at its pre-forward / pre-backward (FSDP's all-gather copy-out). Values are unchanged:
+    the same bytes are gathered, only earlier. A forward that stops early (the global-balance counting
+    pre-pass) leaves a prefetched gather pending; the step's next forward uses it (no optimizer step lies
+    between them).
+    """
+    chain = _forward_chain(model)
+    if depth == 0 or not chain:
+        return
+    model._set_unshard_async_op(True)
+    model.set_modules_to_forward_prefetch(chain[:depth])
+    for index, unit in enumerate(chain):
+        unit.set_modules_to_forward_prefetch(chain[index + 1:index + 1 + depth])
+
+
 def apply_fsdp(
     model: nn.Module,
     job: JobMesh | None,
@@ -250,6 +284,7 @@ def apply_fsdp(
     # The root's parameters (final norm, tied weights) are needed as soon as backward
     # starts, so FSDP's default for the root (keep them gathered) is kept.
     fully_shard(model, mesh=job.fsdp, mp_policy=policy)
+    prefetch_ahead(model, parallel.fsdp_prefetch)
     guard = _GradientGuard(DTYPES[parallel.reduce_dtype])
     pool = HostBufferPool()  # one per model: its units' gathers and reductions share buffers
     for unit in fsdp_modules(model):
