@@ -87,7 +87,8 @@ def _run_child(tree: runner.Tree, steps: int, warmup: int, dtype: str) -> dict:
     env = tree.env(OMP_NUM_THREADS=str(THREADS))
     if tree.label == "torchtitan":
         env["PYTHONPATH"] = str(runner.REPO)  # torchtitan's venv must not see this tree's packages
-    return runner.run(tree, [str(SIDES), f"{tree.label}-child", str(steps), str(warmup), dtype], marker=MARKER,
+    child = "torchtitan-child" if tree.label == "torchtitan" else "moetrain-child"
+    return runner.run(tree, [str(SIDES), child, str(steps), str(warmup), dtype], marker=MARKER,
                       env=env)
 
 
@@ -103,36 +104,43 @@ def _check_params(rows: list[dict]) -> dict:
     return counts
 
 
-def summarize(rows: list[dict], dtypes: list[str]) -> tuple[dict, str]:
+def summarize(rows: list[dict], dtypes: list[str], sides: tuple[str, ...] = ("moetrain", "torchtitan")
+              ) -> tuple[dict, str]:
+    """Medians per side and dtype, and each moetrain side's ratios to torchtitan (overall and per round)."""
     mib = 2**20
     summary, lines = {}, []
-    lines.append(f"{'dtype':9s} {'side':11s} {'runs':>4s} {'step s':>8s} {'tokens/s':>9s} {'peak RSS MiB':>13s}")
+    lines.append(f"{'dtype':9s} {'side':11s} {'runs':>4s} {'step s':>8s} {'step cpu s':>10s} {'tokens/s':>9s} "
+                 f"{'peak RSS MiB':>13s}")
     for dtype in dtypes:
         med = {}
-        for side in ("moetrain", "torchtitan"):
+        for side in sides:
             pick = [r for r in rows if r["side"] == side and r["dtype"] == dtype]
             if not pick:
                 continue
             med[side] = {"runs": len(pick), "step_s": statistics.median(r["step_s"] for r in pick),
                          "tokens_per_s": statistics.median(r["tokens_per_s"] for r in pick),
-                         "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in pick)}
+                         "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in pick),
+                         "step_cpu_s": statistics.median(r.get("step_cpu_s", float("nan")) for r in pick)}
             m = med[side]
-            lines.append(f"{dtype:9s} {side:11s} {m['runs']:4d} {m['step_s']:8.2f} {m['tokens_per_s']:9.2f} "
-                         f"{m['peak_rss_bytes'] / mib:13.0f}")
-        if len(med) == 2:
-            a, b = med["moetrain"], med["torchtitan"]
+            lines.append(f"{dtype:9s} {side:11s} {m['runs']:4d} {m['step_s']:8.2f} {m['step_cpu_s']:10.2f} "
+                         f"{m['tokens_per_s']:9.2f} {m['peak_rss_bytes'] / mib:13.0f}")
+        summary[dtype] = {f"{side}_{k}": v for side, m in med.items() for k, v in m.items()}
+        for side in [s for s in med if s != "torchtitan"] if "torchtitan" in med else []:
+            a, b = med[side], med["torchtitan"]
             ratios = {"tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"],
+                      "tokens_per_cpu_s": b["step_cpu_s"] / a["step_cpu_s"],
                       "peak_rss": a["peak_rss_bytes"] / b["peak_rss_bytes"]}
             # Per round, the two sides measured next to each other: the spread of the ratio.
             per_round = []
             for round_ in sorted({r["round"] for r in rows}):
                 pair = {r["side"]: r for r in rows if r["dtype"] == dtype and r["round"] == round_}
-                if len(pair) == 2:
-                    per_round.append(pair["moetrain"]["tokens_per_s"] / pair["torchtitan"]["tokens_per_s"])
+                if side in pair and "torchtitan" in pair:
+                    per_round.append(pair[side]["tokens_per_s"] / pair["torchtitan"]["tokens_per_s"])
             ratios["tokens_per_s_per_round"] = per_round
-            lines.append(f"{dtype:9s} moetrain/torchtitan: tokens/s {ratios['tokens_per_s']:.2f}x (per round "
-                         + ", ".join(f"{x:.2f}" for x in per_round) + f"), peak RSS {ratios['peak_rss']:.2f}x")
-            summary[dtype] = {**{f"{side}_{k}": v for side, m in med.items() for k, v in m.items()}, **ratios}
+            lines.append(f"{dtype:9s} {side}/torchtitan: tokens/s {ratios['tokens_per_s']:.2f}x (per round "
+                         + ", ".join(f"{x:.2f}" for x in per_round) + f"), per CPU-second "
+                         f"{ratios['tokens_per_cpu_s']:.2f}x, peak RSS {ratios['peak_rss']:.2f}x")
+            summary[dtype].update({(k if side == "moetrain" else f"{side}_{k}"): v for k, v in ratios.items()})
     return summary, "\n".join(lines)
 
 
@@ -140,6 +148,7 @@ def driver(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description="moetrain vs torchtitan 0.3.0, one CPU process each")
     parser.add_argument("--torchtitan-python", required=True, help="python of the virtualenv holding torchtitan")
     parser.add_argument("--moetrain-python", default=sys.executable)
+    parser.add_argument("--baseline", help="another moetrain checkout (e.g. main), run as a third side \"main\"")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process (the median is kept)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -150,17 +159,19 @@ def driver(argv: list[str]) -> None:
     dtypes = opts.dtypes.split(",")
     sides = {"moetrain": runner.Tree("moetrain", runner.REPO, opts.moetrain_python),
              "torchtitan": runner.Tree("torchtitan", runner.REPO, opts.torchtitan_python)}
+    if opts.baseline:
+        sides["main"] = runner.Tree("main", Path(opts.baseline).resolve(), opts.moetrain_python)
     rows = []
     for round_ in range(opts.rounds):
         for dtype in dtypes:
             for side in runner.order(list(sides), round_):
-                row = _run_child(sides[side], opts.steps, opts.warmup, dtype)
+                row = {**_run_child(sides[side], opts.steps, opts.warmup, dtype), "side": side}
                 rows.append({"round": round_, **row})
                 print(f"round {round_} {side:10s} {dtype:8s}: step {row['step_s']:7.2f} s, "
                       f"{row['tokens_per_s']:7.2f} tokens/s, peak RSS {row['peak_rss_bytes'] / 2**20:6.0f} MiB, "
                       f"{row['params']:,} params, {row['threads']} threads, load {row['loadavg']:.1f}", flush=True)
     params = _check_params(rows)
-    summary, text = summarize(rows, dtypes)
+    summary, text = summarize(rows, dtypes, tuple(sides))
     head = (f"moetrain vs torchtitan 0.3.0: qwen3_moe_debug at vocabulary {VOCAB}, {BATCH} x {SEQ} tokens/step, "
             f"one process, {THREADS} threads, median of {opts.steps} step(s) after {opts.warmup}, "
             f"{opts.rounds} round(s)\nparameters: " + ", ".join(f"{s} {c['total']:,}" for s, c in params.items()))
