@@ -194,11 +194,12 @@ def test_world_size_not_divisible_by_model_dimensions():
 
 
 # Pipeline stages are tensor / context split like a whole model (tests/distributed/test_pipeline_tp_cp.py). Muon,
-# QK-clip are checked under pipeline parallelism (tests/distributed/test_muon_dist.py); MTP under every dimension
+# QK-clip are checked under pipeline parallelism (tests/distributed/test_muon_dist.py), float8 too
+# (test_float8_split.py); MTP under every dimension
 # (test_mtp_dist.py, test_mtp_split.py).
 FEATURES = (("model.mtp_depth", 1), ("train.float8", "rowwise"), ("train.optimizer", "muon"),
             ("train.qk_clip_tau", 100.0), ("ft.enabled", True))
-REFUSED_UNDER = {"model.mtp_depth": (), "train.float8": ("pp", "tp", "cp"),
+REFUSED_UNDER = {"model.mtp_depth": (), "train.float8": ("tp", "cp"),
                  "train.optimizer": ("tp", "cp"), "train.qk_clip_tau": ("tp", "cp"), "ft.enabled": ()}
 LAYOUTS = (("pp",), ("tp",), ("cp",), ("pp", "tp"), ("pp", "cp"))
 COMPOSED = [(layout, feature, value) for layout in LAYOUTS for feature, value in FEATURES]

@@ -101,10 +101,10 @@ def _check_composed_features(cfg: JobConfig) -> None:
     for name, degree in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
         if degree == 1:
             continue
-        # Muon and QK-clip are checked under pipeline parallelism (tests/distributed): refused under tp/cp only.
-        # MTP is checked under every dimension (tests/distributed/test_mtp_split.py).
+        # Muon, QK-clip and float8 are checked under pipeline parallelism (tests/distributed): refused under tp/cp
+        # only. MTP is checked under every dimension (tests/distributed/test_mtp_split.py).
         under_split = name != "parallel.pp"
-        for feature, used in (("train.float8", t.float8 != "none"),
+        for feature, used in (("train.float8", under_split and t.float8 != "none"),
                               ("train.optimizer", under_split and t.optimizer != "adamw"),
                               ("train.qk_clip_tau", under_split and t.qk_clip_tau > 0)):
             check(not used, feature, getattr(_section(cfg, feature), feature.split(".")[1]),
