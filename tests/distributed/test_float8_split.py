@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from split_parity_support import TINY_MOE, initial_state, load_full_state
-from split_trainer_support import MICRO, job_config, make_batches, trainer_worker
+from split_trainer_support import job_config, make_batches, trainer_worker
 
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import JobMesh
@@ -45,15 +45,16 @@ from moetrain.testing.multirank import run_on_ranks
 
 pytest.importorskip("torchao.float8")
 
-WORLD = 4
+WORLD, MICRO = 4, 2  # microbatches per step of each of the EP layout's 4 data ranks
 CFG = replace(TINY_MOE, vocab_size=259)  # the byte tokenizer's vocabulary (the trainer's data)
 PP_LAYOUT, EP_LAYOUT = {"pp": 2, "dp_shard": 2}, {"dp_shard": 4, "ep": 2}
-RECIPE = "tensorwise"
+CP_LAYOUT = {"cp": 2, "dp_shard": 2}
+CONVERTED_LINEARS = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}  # in attention, the dense FFN and the shared expert
 
 
-def float8_job(parallel: dict, grad_accum: int = MICRO):
+def float8_job(parallel: dict, grad_accum: int = MICRO, recipe: str = "tensorwise"):
     cfg = job_config(CFG, parallel)
-    cfg.train.float8, cfg.train.grad_accum = RECIPE, grad_accum
+    cfg.train.float8, cfg.train.grad_accum = recipe, grad_accum
     return cfg.validate()
 
 
@@ -105,15 +106,18 @@ def runs(tmp_path_factory) -> dict:
     the PP layout's checkpoint."""
     directory = str(tmp_path_factory.mktemp("float8_split"))
     state = {name: t.numpy() for name, t in initial_state(CFG).items()}
-    batches = make_batches(CFG, 4, seed=5)  # [step][data rank][microbatch]: the EP layout's 4 data ranks
-    pp_batches = [[step[0] + step[1], step[2] + step[3]] for step in batches]  # 2 data ranks of 6
+    # [step][data rank][microbatch]: the EP layout's 4 data ranks of MICRO microbatches
+    batches = [[rank[:MICRO] for rank in step] for step in make_batches(CFG, 4, seed=5)]
+    pp_batches = [[step[0] + step[1], step[2] + step[3]] for step in batches]  # 2 data ranks of 2 MICRO
     pp_cfg = float8_job(PP_LAYOUT, 2 * MICRO)
-    one = run_on_ranks(worker, 1, [(float8_job({"dp_shard": 1}, 4 * MICRO), state,
-                                    [[[mb for rank in step for mb in rank]] for step in batches])],
-                       None, state, directory)
-    split = run_on_ranks(worker, WORLD, [(pp_cfg, state, pp_batches), (float8_job(EP_LAYOUT), state, batches)],
+    whole = [[[mb for rank in step for mb in rank]] for step in batches]
+    one = run_on_ranks(worker, 1, [(float8_job({"dp_shard": 1}, 4 * MICRO, recipe), state, whole)
+                                   for recipe in ("tensorwise", "rowwise")], None, state, directory)
+    split = run_on_ranks(worker, WORLD, [(pp_cfg, state, pp_batches), (float8_job(EP_LAYOUT), state, batches),
+                                         (float8_job(CP_LAYOUT, 2 * MICRO, "rowwise"), state, pp_batches)],
                          pp_cfg, state, directory, timeout=600)
-    return {"one": merge(one), "pp": merge(split), "ep": merge(split, 1), "split": split, "state": state}
+    return {"one": merge(one), "one rowwise": merge(one, 1), "pp": merge(split), "ep": merge(split, 1),
+            "cp": merge(split, 2), "split": split, "state": state}
 
 
 def test_float8_under_pp_x_fsdp_equals_one_process_and_checkpoints_plain_weights(runs):
@@ -155,3 +159,17 @@ def test_float8_experts_under_ep_against_one_process(runs):
     # but the subnormal ones unchanged (module docstring): far inside the 2^-3 |X|^T|dY| of two float8 GEMMs.
     for name in routed:
         assert grads[name] <= 1e-4, (name, grads[name])
+
+
+def test_rowwise_float8_under_cp_against_one_process(runs):
+    one, cp = runs["one rowwise"], runs["cp"]
+    for step, (a, b) in enumerate(zip(cp["losses"], one["losses"], strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, cp["losses"], one["losses"])
+    grads, params = errors(cp["grads"], one["grads"]), errors(cp["params"], one["params"])
+    linears = {n for n in grads if n.endswith(".weight") and n.rsplit(".", 2)[-2] in CONVERTED_LINEARS}
+    others = {n: e for n, e in grads.items() if n not in linears}
+    g, o, p = (max(d, key=d.__getitem__) for d in ({n: grads[n] for n in linears}, others, params))
+    print(f"CP rowwise: losses {cp['losses']} vs {one['losses']}; worst gradient of a float8 linear {g}: "
+          f"{grads[g]:.2e}; of another parameter {o}: {others[o]:.2e}; worst final parameter {p}: {params[p]:.2e}")
+    assert params[p] <= 1e-5, (p, params[p])
+    assert max(grads[g], others[o]) <= 1e-4, (g, grads[g], o, others[o])

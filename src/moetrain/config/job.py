@@ -94,6 +94,14 @@ class JobConfig:
             _check_lora(self.lora, m, p)
 
 
+# train.float8 refused under a mesh dimension, by (dimension, recipe) ("*": any recipe), with the reason.
+FLOAT8_REFUSED = {
+    ("parallel.tp", "*"): "torchao's float8 TP styles need every consumer of a prepared input to be a Float8Linear, "
+                          "which MLA's high-precision wq_a / wkv_a are not",
+    ("parallel.cp", "tensorwise"): "its per-tensor scales are amaxes over a rank's tokens: use rowwise",
+}
+
+
 def _check_composed_features(cfg: JobConfig) -> None:
     """Features each built and checked against one process on FSDP/HSDP and EP, but not yet under the newer
     mesh dimensions: refused in one line there rather than run unchecked."""
@@ -101,14 +109,17 @@ def _check_composed_features(cfg: JobConfig) -> None:
     for name, degree in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
         if degree == 1:
             continue
-        # Muon, QK-clip and float8 are checked under pipeline parallelism (tests/distributed): refused under tp/cp
-        # only. MTP is checked under every dimension (tests/distributed/test_mtp_split.py).
+        # Muon and QK-clip are checked under pipeline parallelism (tests/distributed): refused under tp/cp only.
+        # MTP is checked under every dimension (tests/distributed/test_mtp_split.py); float8 under pp, and rowwise
+        # under cp (test_float8_split.py, reasons in FLOAT8_REFUSED).
         under_split = name != "parallel.pp"
-        for feature, used in (("train.float8", under_split and t.float8 != "none"),
-                              ("train.optimizer", under_split and t.optimizer != "adamw"),
-                              ("train.qk_clip_tau", under_split and t.qk_clip_tau > 0)):
+        float8_refused = (None if t.float8 == "none"
+                          else FLOAT8_REFUSED.get((name, t.float8)) or FLOAT8_REFUSED.get((name, "*")))
+        for feature, used, why in (("train.float8", float8_refused is not None, float8_refused),
+                                   ("train.optimizer", under_split and t.optimizer != "adamw", None),
+                                   ("train.qk_clip_tau", under_split and t.qk_clip_tau > 0, None)):
             check(not used, feature, getattr(_section(cfg, feature), feature.split(".")[1]),
-                  f"is not supported yet with {name} = {degree}")
+                  f"is not supported yet with {name} = {degree}" + (f" ({why})" if why else ""))
 
 
 def _check_mtp_pipeline(cfg: JobConfig) -> None:
