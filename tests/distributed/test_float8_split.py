@@ -1,8 +1,9 @@
-"""train.float8 under pipeline and expert parallelism: the Trainer's own step against one process with float8.
+"""train.float8 under pipeline, expert and context parallelism: the Trainer's own step against one process with float8.
 
 Every run goes through the Trainer (split_trainer_support's worker: fixed packed microbatches, SGD at a constant
-rate, 2 steps) with train.float8 = "tensorwise" and param_dtype float32, over one global batch of 12 microbatches:
-one process, PP 2 x FSDP 2 (2 data ranks of 6 microbatches) and FSDP 4 x EP 2 (4 data ranks of 3). Under FSDP the
+rate, 2 steps) in param_dtype float32 over one global batch of 8 microbatches: one process, PP 2 x FSDP 2 (2 data
+ranks of 4 microbatches) and FSDP 4 x EP 2 (4 data ranks of 2) with train.float8 = "tensorwise", and one process
+and CP 2 x FSDP 2 (documents crossing the CP chunk boundaries) with "rowwise". Under FSDP the tensorwise
 converted linears' weights are all-gathered in float8 with the scale of the whole weight (precomputed after each
 optimizer step), so every float8 weight is the one one process casts from the same float32 master.
 
@@ -19,7 +20,16 @@ gradients X^T dY are scaled per column over the expert's token group, which unde
 for the expert and in one process one microbatch's: other amaxes. The scales are powers of two, so a cast under
 either scale gives the same value unless the element falls in e4m3's subnormal range (below 2^-15 of its
 column's amax; there the error is at most amax x 2^-9 / 448 ~ 4.4e-6 amax), far inside the 2^-3 |X|^T|dY| that
-two float8 GEMMs' error bounds allow; asserted within 1e-4 of the largest entry (measured 1.8e-6).
+two float8 GEMMs' error bounds allow; asserted within 1e-4 of the largest entry (measured below 2e-6).
+
+CP (rowwise only; tensorwise is refused there): a rank's linears see only its chunk of each sequence. The rowwise
+recipe's scales are powers of two, per token row and per weight column in the forward and the input-gradient
+GEMMs (split-independent) and per column over the tokens in the weight-gradient GEMMs (the subnormal argument
+above). What else differs is float32 rounding (ring attention's merged softmax against one pass), which can move
+a float8 cast across a rounding boundary now and then: losses and final parameters within 1e-5, gradients within
+1e-4 of their largest entry. Tensorwise scales are amaxes over the whole tensor, not powers of two, so under CP
+every cast would differ (a 12-microbatch run of this test: losses 1.2e-3 apart, a norm's gradient 0.30 of its largest
+entry), which is why it is refused.
 
 The checkpoint: each stage part is converted, but the rank's whole part (which shares the stages' modules) is what
 the trainer saves, so the state-dict hook that turns a float8-gathered weight back into its plain float32 shard
