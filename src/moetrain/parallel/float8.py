@@ -1,7 +1,8 @@
 """FP8 training through torchao: which linears run their matmuls in float8, and the scales FSDP gathers them with.
 
 `convert_to_float8` swaps the chosen `nn.Linear`s of a model for torchao's `Float8Linear`
-(`torchao.float8.convert_to_float8_training`), before any parallelism wraps the model. A
+(`torchao.float8.convert_to_float8_training`), before any parallelism wraps the model (under pipeline parallelism
+each stage part, which shares the rank's whole part's modules). A
 `Float8Linear` keeps its high-precision `weight` (and `bias`) parameters under the same names and
 dtypes; only its forward and backward cast the input, the weight and the output gradient to
 float8 with dynamic scales (one per tensor for "tensorwise", one per row for "rowwise",
