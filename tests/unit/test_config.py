@@ -194,11 +194,12 @@ def test_world_size_not_divisible_by_model_dimensions():
 
 
 # Pipeline stages are tensor / context split like a whole model (tests/distributed/test_pipeline_tp_cp.py). Muon,
-# QK-clip are checked under pipeline parallelism (tests/distributed/test_muon_dist.py); MTP under every dimension
+# QK-clip are checked under pipeline parallelism (tests/distributed/test_muon_dist.py), float8 too and rowwise
+# float8 under cp (test_float8_split.py); MTP under every dimension
 # (test_mtp_dist.py, test_mtp_split.py).
 FEATURES = (("model.mtp_depth", 1), ("train.float8", "rowwise"), ("train.optimizer", "muon"),
             ("train.qk_clip_tau", 100.0), ("ft.enabled", True))
-REFUSED_UNDER = {"model.mtp_depth": (), "train.float8": ("pp", "tp", "cp"),
+REFUSED_UNDER = {"model.mtp_depth": (), "train.float8": ("tp",),
                  "train.optimizer": (), "train.qk_clip_tau": (), "ft.enabled": ()}
 LAYOUTS = (("pp",), ("tp",), ("cp",), ("pp", "tp"), ("pp", "cp"))
 COMPOSED = [(layout, feature, value) for layout in LAYOUTS for feature, value in FEATURES]
@@ -213,6 +214,14 @@ def _composed_job(layout: tuple[str, ...]) -> JobConfig:
     for dimension in layout:
         setattr(cfg.parallel, dimension, 2)
     return cfg
+
+
+def test_tensorwise_float8_under_cp_is_refused_with_its_reason():
+    cfg = _composed_job(("cp",))
+    cfg.train.float8 = "tensorwise"
+    with pytest.raises(ConfigError, match=r"^train.float8 = 'tensorwise' is invalid: is not supported yet with "
+                                          r"parallel.cp = 2 \(its per-tensor scales are amaxes over a rank's tokens"):
+        cfg.validate()
 
 
 def test_mtp_under_a_schedule_with_first_and_last_stage_on_one_rank_is_refused():

@@ -1,7 +1,8 @@
 """FP8 training through torchao: which linears run their matmuls in float8, and the scales FSDP gathers them with.
 
 `convert_to_float8` swaps the chosen `nn.Linear`s of a model for torchao's `Float8Linear`
-(`torchao.float8.convert_to_float8_training`), before any parallelism wraps the model. A
+(`torchao.float8.convert_to_float8_training`), before any parallelism wraps the model (under pipeline parallelism
+each stage part, which shares the rank's whole part's modules). A
 `Float8Linear` keeps its high-precision `weight` (and `bias`) parameters under the same names and
 dtypes; only its forward and backward cast the input, the weight and the output gradient to
 float8 with dynamic scales (one per tensor for "tensorwise", one per row for "rowwise",
@@ -38,9 +39,9 @@ the gathered float8 weight is the one a single process would cast; `precompute_f
 called after each optimizer step, computes every weight's scale with one all-reduce of the amaxes
 instead of one per weight. Rowwise scales cannot be computed per shard, so rowwise gathers in
 `param_dtype`. A float8-gathered weight is a storage-less torchao wrapper around its float32 shard, so a
-state-dict hook hands checkpoints the shard itself (`_plain_float8_weights`). Off CUDA the GEMMs run in
-torchao's emulation (`NATIVE_ON`). This module changes how matmuls compute, never which parameters exist or their names.
-torchao is an optional extra (moetrain[fp8]): it is imported only when float8 is asked for.
+state-dict hook on each such linear hands checkpoints the shard itself (`_plain_float8_weight`). Off CUDA the
+GEMMs run in torchao's emulation (`NATIVE_ON`). This module changes how matmuls compute, never which parameters
+exist or their names. torchao is an optional extra (moetrain[fp8]): it is imported only when float8 is asked for.
 """
 
 from __future__ import annotations
@@ -141,9 +142,10 @@ def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool 
     chosen = set(plan.converted)
     _torchao_float8().convert_to_float8_training(model, config=config,
                                                  module_filter_fn=lambda _module, name: name in chosen)
-    if config.enable_fsdp_float8_all_gather:
-        model.register_state_dict_post_hook(_plain_float8_weights)
     modules = dict(model.named_modules())
+    if config.enable_fsdp_float8_all_gather:  # on each linear: whichever module saves it (a pipeline's whole part)
+        for name in plan.converted:
+            modules[name].register_state_dict_post_hook(_plain_float8_weight)
     for name in plan.experts:
         modules[name].expert_float8 = True
     gather = "float8 all-gather" if config.enable_fsdp_float8_all_gather else "weights gathered in param_dtype"
@@ -160,22 +162,26 @@ def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool 
     return plan
 
 
-def _plain_float8_weights(_module: nn.Module, state_dict: dict, _prefix: str, _local_metadata: dict) -> None:
-    """State-dict post hook: each float8-gathered weight as the plain float32 tensor it wraps (the same storage).
+def _plain_float8_weight(_linear: nn.Module, state_dict: dict, prefix: str, _local_metadata: dict) -> None:
+    """State-dict post hook of a converted linear: its float8-gathered weight as the plain float32 tensor it wraps
+    (the same storage).
 
     Under float8 all-gather a sharded weight is a DTensor over torchao's `WeightWithDynamicFloat8CastTensor`, a
     wrapper without storage of its own, which the safetensors checkpoint writer cannot read. Its `_tensor` is the
-    float32 master shard itself, so saving reads it and loading writes into it in place.
+    float32 master shard itself, so saving reads it and loading writes into it in place. The hook sits on the
+    linear, not on the converted root: under pipeline parallelism each stage part is converted, and the rank's
+    whole part (which shares the stages' modules) is what checkpoints save.
     """
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # the optional extra
 
-    for key, value in state_dict.items():
-        local = value._local_tensor if isinstance(value, DTensor) else value
-        if not isinstance(local, WeightWithDynamicFloat8CastTensor):
-            continue
-        state_dict[key] = (DTensor.from_local(local._tensor, value.device_mesh, value.placements, run_check=False,
-                                              shape=value.shape, stride=value.stride())
-                           if isinstance(value, DTensor) else local._tensor)
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if not isinstance(local, WeightWithDynamicFloat8CastTensor):
+        return
+    state_dict[key] = (DTensor.from_local(local._tensor, value.device_mesh, value.placements, run_check=False,
+                                          shape=value.shape, stride=value.stride())
+                       if isinstance(value, DTensor) else local._tensor)
 
 
 def precompute_float8_scales(model: nn.Module) -> None:

@@ -137,8 +137,10 @@ class _GradientGuard:
         for param in unit.params:
             param.grad_dtype = self.reduce_dtype
             if param.grad is None:
-                # zeros_like keeps an expert-parallel weight's DTensor layout for its gradient.
-                param.grad = torch.zeros_like(param, dtype=self.reduce_dtype)
+                # zeros_like keeps an expert-parallel weight's DTensor layout for its gradient. A weight gathered
+                # in float8 (train.float8) is a torchao tensor without zeros_like; its gradient is a plain tensor.
+                param.grad = (torch.zeros(param.shape, dtype=self.reduce_dtype, device=param.device)
+                              if _gathered_in_float8(param) else torch.zeros_like(param, dtype=self.reduce_dtype))
 
     def before_forward(self, unit: _UnitParams, module: nn.Module, args: tuple) -> None:
         # Sharded parameters belong to other (not yet gathered) units.
@@ -164,6 +166,11 @@ class _GradientGuard:
         outputs = [t for t in _tensors_in(output) if t.requires_grad]
         if torch.is_grad_enabled() and outputs and unit.params and not unit.fills_after_backward:
             register_multi_grad_hook(outputs, lambda grads: self.fill_missing_grads(unit), mode="any")
+
+
+def _gathered_in_float8(param: torch.Tensor) -> bool:
+    # torchao's float8 all-gather output (Float8TrainingTensor), known by name: torchao is an optional extra.
+    return type(param).__name__ == "Float8TrainingTensor" or type(param.data).__name__ == "Float8TrainingTensor"
 
 
 def _shard_units(model: nn.Module) -> list[nn.Module]:

@@ -10,7 +10,7 @@ Weights: "init" draws them with the model's init scheme (each rank its own shard
 distribution as an unsharded init); "hf:DIR" reads a Hugging Face directory (each rank reads
 its own slices); "none" leaves the parameters for the caller to load from a checkpoint and
 resets only the buffers a checkpoint does not carry. Under pipeline parallelism `build_pipeline`
-builds a rank's stages the same way, each stage parallelized as a model of its own. This module
+builds a rank's stages the same way, each stage parallelized (float8 included) as a model of its own. This module
 builds; it does not train, save or parse a command line.
 
 LoRA (`lora.rank > 0`): the adapters are added and the base frozen (in the compute dtype) on the meta
@@ -104,7 +104,7 @@ def build_pipeline(cfg: JobConfig, job: JobMesh, *, weights: str | None = None) 
         parallelize_model(part, job, parallel, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile,
                           activation_checkpointing_every=cfg.train.activation_checkpointing_every,
-                          device_type=job.device.type)
+                          device_type=job.device.type, float8=cfg.train.float8)
         part.to_empty(device=job.device)
     _fill_weights(pipeline.model, weights, cfg.train.seed, None)
     if cfg.lora.init_from is not None:  # each stage reads its own layers' adapters
