@@ -34,8 +34,8 @@ def rows(recipes: list[str], control: bool = False) -> list[Row]:
     out += [Row(f"float8_{r}", "float8", f"float8 {r} linears, float8 rowwise routed experts, bf16 elsewhere",
                 (*BF16, "--train.float8", r)) for r in recipes]
     if control:  # the same function in bf16 with other rounding: how far rounding alone moves the 300-step number
-        out.append(Row("bf16_dense_attention", "float8", "bf16, attention through the dense mask (a rounding control)",
-                       (*BF16, "--model.attention", "dense")))
+        out.append(Row("bf16_segment_attention", "float8", "bf16, attention per document segment (a rounding control)",
+                       (*BF16, "--model.attention", "segments")))
     return out
 
 
