@@ -29,10 +29,13 @@ ROOT = Path(__file__).resolve().parents[2]
 BF16 = ("--parallel.param_dtype", "bfloat16")
 
 
-def rows(recipes: list[str]) -> list[Row]:
+def rows(recipes: list[str], control: bool = False) -> list[Row]:
     out = [Row("bf16", "float8", "bf16 compute (float32 master weights)", BF16)]
     out += [Row(f"float8_{r}", "float8", f"float8 {r} linears, float8 rowwise routed experts, bf16 elsewhere",
                 (*BF16, "--train.float8", r)) for r in recipes]
+    if control:  # the same function in bf16 with other rounding: how far rounding alone moves the 300-step number
+        out.append(Row("bf16_segment_attention", "float8", "bf16, attention per document segment (a rounding control)",
+                       (*BF16, "--model.attention", "segments")))
     return out
 
 
@@ -43,12 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512, help="data.seq_len (the default job's: 512)")
-    parser.add_argument("--recipes", nargs="+", default=["rowwise", "tensorwise"], choices=["tensorwise", "rowwise"])
+    parser.add_argument("--recipes", nargs="*", default=["rowwise", "tensorwise"], choices=["tensorwise", "rowwise"])
+    parser.add_argument("--control", action="store_true", help="add a bf16 row that differs from bf16 in rounding only")
     parser.add_argument("--out", default="float8_bpb", help="folder under benchmarks/results")
     args = parser.parse_args(argv)
     out = Path(os.path.relpath(ROOT / "benchmarks" / "results" / args.out))  # recorded in configs: no machine paths
     out.mkdir(parents=True, exist_ok=True)
-    chosen = rows(args.recipes)
+    chosen = rows(args.recipes, args.control)
 
     def run(row: Row) -> str:
         extra = [*schedule_args(row, args.steps, args.eval_every, args.eval_batches, args.seed, quick=False),

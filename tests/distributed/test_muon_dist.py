@@ -48,14 +48,14 @@ CASES = [("fsdp4", (1, 4), 1, 1), ("hsdp2x2", (2, 2), 1, 1), ("hsdp2x2_ep2", (2,
 TRAIN = TrainConfig(optimizer="muon", lr=0.02, muon_ns_dtype="float32", eps=1e-4, weight_decay=0.1)
 
 
-def _matrices_in_model() -> int:
-    """Matrices Muon orthogonalizes in MODEL_CFG, counted from the config: 4 attention projections a
-    block, 3 dense FFN weights a dense block, per MoE block E gate, E up and E down matrices."""
-    cfg = MODEL_CFG
-    return 4 * cfg.n_layers + 3 * cfg.n_dense_layers + 3 * cfg.moe.n_experts * (cfg.n_layers - cfg.n_dense_layers)
+def matrices_in_model(cfg=MODEL_CFG) -> int:
+    """Matrices Muon orthogonalizes in a model of `cfg`, counted from the config: 4 attention projections a block,
+    3 dense FFN weights a dense block, per MoE block E gate, E up and E down matrices and a shared expert's 3."""
+    moe_blocks = cfg.n_layers - cfg.n_dense_layers
+    return 4 * cfg.n_layers + 3 * cfg.n_dense_layers + moe_blocks * 3 * (cfg.moe.n_experts + cfg.moe.n_shared_experts)
 
 
-class _Counted:
+class CountedCalls:
     def __init__(self, inner):
         self.inner, self.calls = inner, 0
 
@@ -140,7 +140,7 @@ def _worker(state, batches):
     from moetrain.parallel.process_group import init_distributed
 
     rank, world, device = init_distributed(ParallelConfig())
-    counted = _Counted(muon_module.orthogonalize)
+    counted = CountedCalls(muon_module.orthogonalize)
     muon_module.orthogonalize = counted
     out = {}
     for name, shape, ep, pp in CASES:
@@ -172,7 +172,7 @@ def _reference(state, batches) -> tuple[dict[str, torch.Tensor], list[int], list
     model.load_state_dict(state)
     optimizer = build_optimizer(model, TRAIN)
     clip = QKClip(model, TAU)
-    counted = _Counted(muon_module.orthogonalize)
+    counted = CountedCalls(muon_module.orthogonalize)
     original, muon_module.orthogonalize = muon_module.orthogonalize, counted
     calls, clipped = [], []
     try:
@@ -200,7 +200,7 @@ def runs():
 
 def test_one_process_orthogonalizes_each_matrix_once_and_clips_heads(runs):
     _, _, (reference_calls, reference_clipped) = runs
-    assert reference_calls == [_matrices_in_model()] * 3
+    assert reference_calls == [matrices_in_model()] * 3
     # QK-clip acts in every step, on some heads only: the sharded runs must take the same per-head maxima.
     assert all(0 < n < MODEL_CFG.n_layers * MODEL_CFG.n_heads for n in reference_clipped)
 
@@ -222,9 +222,9 @@ def test_parameters_match_one_process_after_three_steps(runs, case):
 def test_newton_schulz_runs_once_per_matrix_in_the_job(runs, case):
     results, _, (_, reference_clipped) = runs
     per_step = [sum(rank[case]["calls"][step] for rank in results) for step in range(3)]
-    assert per_step == [_matrices_in_model()] * 3
+    assert per_step == [matrices_in_model()] * 3
     # the work is split: no rank orthogonalizes everything
-    assert max(rank[case]["calls"][0] for rank in results) < _matrices_in_model()
+    assert max(rank[case]["calls"][0] for rank in results) < matrices_in_model()
     assert results[0][case]["state_keys"] == ["exp_avg", "exp_avg_sq", "momentum_buffer", "step"]
     # Each rank clips the heads it holds, and the maxima it returns for the log cover the whole model: under PP
     # every stage's ranks see every layer's row, the other stages' filled in over the pipeline ranks.

@@ -32,6 +32,7 @@ from split_parity_support import (
     relative_error,
     split_step,
 )
+from test_muon_dist import CountedCalls, matrices_in_model
 
 from moetrain.config.train import TrainConfig
 from moetrain.model.transformer import Transformer
@@ -61,24 +62,7 @@ def _data_ranks(fields: dict) -> int:
     return WORLD // (fields.get("tp", 1) * fields.get("cp", 1))
 
 
-def _matrices_in_model() -> int:
-    """Matrices Muon orthogonalizes, from the config: 4 attention projections a block, 3 dense FFN weights a dense
-    block, per MoE block E gate, E up and E down matrices and the shared expert's 3."""
-    cfg = MODEL
-    moe_blocks = cfg.n_layers - cfg.n_dense_layers
-    return 4 * cfg.n_layers + 3 * cfg.n_dense_layers + moe_blocks * 3 * (cfg.moe.n_experts + cfg.moe.n_shared_experts)
-
-
-class _Counted:
-    def __init__(self, inner):
-        self.inner, self.calls = inner, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.inner(*args, **kwargs)
-
-
-def _steps(optimizer, clip: QKClip, counted: _Counted, train, microbatches_of_steps) -> tuple[list[int], list]:
+def _steps(optimizer, clip: QKClip, counted: CountedCalls, train, microbatches_of_steps) -> tuple[list[int], list]:
     """Per step `train(microbatches)`, then the optimizer and QK-clip: Newton–Schulz calls and clip maxima per step."""
     calls, maxima = [], []
     for microbatches in microbatches_of_steps:
@@ -104,7 +88,7 @@ def _worker(state, batches_by_ranks):
 
     rank, world, device = init_distributed(ParallelConfig())
     state = {n: torch.from_numpy(t) for n, t in state.items()}
-    counted = _Counted(muon_module.orthogonalize)
+    counted = CountedCalls(muon_module.orthogonalize)
     muon_module.orthogonalize = counted
     out = {}
     for name, fields in CASES.items():
@@ -129,7 +113,7 @@ def _reference(state, batches) -> tuple[dict[str, torch.Tensor], list[int], list
     model = Transformer(MODEL)
     model.load_state_dict(state)
     model.train()
-    counted = _Counted(muon_module.orthogonalize)
+    counted = CountedCalls(muon_module.orthogonalize)
     original, muon_module.orthogonalize = muon_module.orthogonalize, counted
     try:
         calls, maxima = _steps(build_optimizer(model, TRAIN), QKClip(model, TAU), counted,
@@ -155,7 +139,7 @@ def runs():
 def test_one_process_orthogonalizes_each_matrix_once_and_clips_some_heads(runs):
     _, references, _ = runs
     for _, calls, maxima in references.values():
-        assert calls == [_matrices_in_model()] * STEPS
+        assert calls == [matrices_in_model(MODEL)] * STEPS
         for step_maxima in maxima:  # QK-clip acts in every step, on some heads only
             assert 0 < int((torch.as_tensor(step_maxima) > TAU).sum()) < step_maxima.size
 
@@ -176,8 +160,8 @@ def test_parameters_match_one_process_after_three_steps(runs, case):
 def test_newton_schulz_runs_once_per_matrix_and_every_rank_clips_the_reference_heads(runs, case):
     results, references, _ = runs
     per_step = [sum(rank[case]["calls"][step] for rank in results) for step in range(STEPS)]
-    assert per_step == [_matrices_in_model()] * STEPS
-    assert max(rank[case]["calls"][0] for rank in results) < _matrices_in_model()  # the work is split
+    assert per_step == [matrices_in_model(MODEL)] * STEPS
+    assert max(rank[case]["calls"][0] for rank in results) < matrices_in_model(MODEL)  # the work is split
     reference_maxima = references[_data_ranks(CASES[case])][2]
     for rank in results:  # every head's maximum on every rank (all heads, under TP too), as one process has it
         for step, (maxima, expected) in enumerate(zip(rank[case]["maxima"], reference_maxima, strict=True)):

@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from split_parity_support import (
     LR,
     MODELS,
@@ -22,19 +21,14 @@ from split_parity_support import (
     SEQ,
     check_case,
     initial_state,
-    load_full_state,
     packed_batch,
     reference_run,
 )
-from test_pipeline import FixedLoader, full
+from split_trainer_support import run_layouts
 
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
-from moetrain.data.dataset import load_training_data
 from moetrain.data.packing import IGNORE_INDEX, Batch
-from moetrain.parallel.mesh import JobMesh
-from moetrain.testing.multirank import run_on_ranks
-from moetrain.train.trainer import Trainer
 
 WORLD, ROWS, MICRO = 4, 2, 3
 
@@ -71,30 +65,6 @@ def make_batches(model: str, seed: int) -> list[list[list[Batch]]]:
     return steps
 
 
-def split_pipeline_worker(runs: list[tuple[JobConfig, dict, list]]) -> list[dict]:
-    """Each run's Trainer steps on this rank, from the given full weights, with SGD at the constant rate; this
-    rank's step losses, step-0 gradients and final parameters (full tensors of the stages it holds)."""
-    results = []
-    for cfg, state, batches in runs:
-        job = JobMesh.from_config(cfg.parallel, dist.get_world_size(), "cpu")
-        trainer = Trainer(cfg, load_training_data(cfg), job)
-        load_full_state(trainer.model, {name: torch.from_numpy(value) for name, value in state.items()})
-        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=LR)
-        trainer.loader = FixedLoader([step[job.data_rank] for step in batches])
-        grads: list[dict] = []
-        sgd_step = trainer.optimizer.step
-
-        def recording_step(*args, grads=grads, model=trainer.model, sgd_step=sgd_step, **kwargs):
-            grads.append({name: full(p.grad).numpy() for name, p in model.named_parameters() if p.grad is not None})
-            return sgd_step(*args, **kwargs)
-
-        trainer.optimizer.step = recording_step
-        losses = [trainer.train_step().loss for _ in range(N_STEPS)]
-        params = {name: full(p).numpy() for name, p in trainer.model.named_parameters()}
-        results.append({"losses": losses, "grads": grads[0], "params": params})
-    return results
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[dict, dict]]:
     """layout -> (the ranks' merged result, the float64 reference); the 4 ranks forked once for every layout."""
@@ -102,16 +72,8 @@ def runs() -> dict[str, tuple[dict, dict]]:
     for index, (name, (model, parallel)) in enumerate(LAYOUTS.items()):
         state, batches = initial_state(model_config(model), seed=index), make_batches(model, seed=index)
         references[name] = reference_run(model_config(model), state, batches)
-        jobs.append((job_config(model, parallel), {n: t.numpy() for n, t in state.items()}, batches))
-    per_rank = run_on_ranks(split_pipeline_worker, WORLD, jobs, timeout=600)
-    out = {}
-    for index, name in enumerate(LAYOUTS):
-        merged: dict = {"losses": per_rank[0][index]["losses"], "grads": {}, "params": {}}
-        for rank in per_rank:
-            for what in ("grads", "params"):
-                merged[what].update(rank[index][what])
-        out[name] = (merged, references[name])
-    return out
+        jobs.append((job_config(model, parallel), state, batches))
+    return {name: (merged, references[name]) for name, merged in zip(LAYOUTS, run_layouts(jobs), strict=True)}
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
