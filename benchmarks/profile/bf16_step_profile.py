@@ -57,11 +57,16 @@ def kind_of(name: str) -> str:
 def issue_shape_trainer(dtype: str, threads: int, overrides: list[str] | None = None) -> Trainer:
     """The Trainer `moetrain bench train` builds for qwen3_moe_debug at the issue's shape (`issue_shape.ARGS`)."""
     argv = [*ARGS, "--train.num_threads", str(threads), "--parallel.param_dtype", dtype, *(overrides or [])]
-    cfg = parse_job_args(argv, prog="issue-shape trainer")
+    return trainer_from_args(argv, "issue-shape trainer")
+
+
+def trainer_from_args(argv: list[str], prog: str) -> Trainer:
+    """The Trainer `moetrain bench train` builds for the job `argv` describes, in this process."""
+    cfg = parse_job_args(argv, prog=prog)
     data = load_training_data(cfg)
     set_intra_op_threads(cfg.train.num_threads)
     _, world, device = init_distributed(cfg.parallel)
-    reuse_freed_host_memory(world)
+    reuse_freed_host_memory(world, cfg.lora.enabled)  # as `moetrain train` does
     return Trainer(cfg, data, JobMesh.from_config(cfg.parallel, world, device))
 
 

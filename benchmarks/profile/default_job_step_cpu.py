@@ -17,28 +17,17 @@ import collections
 import sys
 import time
 
-from benchmarks.profile.bf16_step_profile import kind_of
+from benchmarks.profile.bf16_step_profile import kind_of, trainer_from_args
 from torch.profiler import ProfilerActivity, profile
 
 from moetrain.args import take_option
-from moetrain.config.job import parse_job_args
-from moetrain.data.dataset import load_training_data
-from moetrain.parallel.mesh import JobMesh
-from moetrain.parallel.process_group import init_distributed
-from moetrain.runtime.allocator import reuse_freed_host_memory
-from moetrain.runtime.threads import set_intra_op_threads
 from moetrain.train.trainer import Trainer
 
 
 def default_job_trainer(dtype: str, threads: int, overrides: list[str]) -> Trainer:
     argv = ["--config", "configs/tiny_moe.toml", "--train.num_threads", str(threads), "--parallel.param_dtype",
             dtype, "--checkpoint.enabled", "False", *overrides]
-    cfg = parse_job_args(argv, prog="default-job trainer")
-    data = load_training_data(cfg)
-    set_intra_op_threads(cfg.train.num_threads)
-    _, world, device = init_distributed(cfg.parallel)
-    reuse_freed_host_memory(world)
-    return Trainer(cfg, data, JobMesh.from_config(cfg.parallel, world, device))
+    return trainer_from_args(argv, "default-job trainer")
 
 
 def print_op_kinds(trainer: Trainer, steps: int) -> None:
