@@ -151,8 +151,8 @@ def export(args: ExportOptions) -> Path:
         parallel = dataclasses.replace(cfg.parallel, param_dtype="float32", reduce_dtype="float32", output_dtype=None)
         try:
             dims = MeshDims.from_config(parallel, world)
-        except ConfigError:  # the run's mesh does not fit this world: plain FSDP over all of it
-            parallel = dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1, ep=1)
+        except ConfigError:  # the run's mesh does not fit this world: plain FSDP over all of it (DCP reshards)
+            parallel = dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1, ep=1, tp=1, cp=1, pp=1)
             dims = MeshDims.from_config(parallel, world)
         job = JobMesh.build(dims, device)
         model = model_of_run(cfg, ref, parallel, job, device)
