@@ -25,7 +25,7 @@ Runs, per round, every scenario (EP 4 and FSDP 4 on tiny_moe and on qwen3_moe_de
 once with main's source and once with this tree's, alternating which goes first, each a fresh
 `torchrun --standalone` of 4 ranks (1 thread each):
 
-    PYTHONPATH=$PWD/src:$PWD nice -n 5 python benchmarks/parallel/comm_overlap.py --rounds 2 \
+    PYTHONPATH=$PWD/src:$PWD nice -n 5 python benchmarks/parallel/comm_overlap.py --baseline ../main --rounds 2 \
         --scenarios "tiny_moe EP4" "tiny_moe FSDP4" --json benchmarks/results/comm_overlap_tiny_moe.json
 
 Writes the JSON (default benchmarks/results/comm_overlap.json) and a .png beside it.
@@ -46,7 +46,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MAIN_SRC = Path("/work/main/src")
 # name -> (config, ep, microbatch size, sequence length)
 SCENARIOS = {
     "tiny_moe EP4": ("configs/tiny_moe.toml", 4, 2, 256),
@@ -232,7 +231,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--before-src", default=str(MAIN_SRC))
+    parser.add_argument("--baseline", required=True, help="a checkout of the code before (its src/ is run)")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
@@ -241,7 +240,7 @@ def main() -> None:
         return
     from moetrain.bench import results_dir
 
-    trees = {"before": Path(opts.before_src), "after": REPO / "src"}
+    trees = {"before": Path(opts.baseline) / "src", "after": REPO / "src"}
     runs: dict[str, dict[str, list]] = {s: {"before": [], "after": []} for s in opts.scenarios}
     for round_index in range(opts.rounds):
         for scenario in opts.scenarios:
@@ -253,7 +252,7 @@ def main() -> None:
                 print(f"round {round_index} {scenario:22s} {tree:6s} exposed {line['exposed_fraction']:.3f} "
                       f"(a2a {line['all_to_all_fraction']:.3f}) step {line['step_s']:.3f} s "
                       f"{line['tokens_per_s']:.0f} tok/s", flush=True)
-    report = {"before_commit": _git(Path(opts.before_src), "rev-parse", "HEAD"),
+    report = {"before_commit": _git(Path(opts.baseline) / "src", "rev-parse", "HEAD"),
               "after_commit": _git(REPO, "rev-parse", "HEAD"), "rounds": opts.rounds, "steps": opts.steps,
               "warmup": opts.warmup, "machine": "2 cores shared with other jobs (nice 5); 4 gloo ranks, 1 thread each",
               "scenarios": {}}
