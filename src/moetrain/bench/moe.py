@@ -37,7 +37,7 @@ from moetrain.errors import ConfigError
 from moetrain.model.experts import IMPLS, routed_experts
 from moetrain.model.grouped_mm import ACTIVATIONS, BACKENDS, grouped_mm_backend
 from moetrain.model.routing import Routing, routing_from_topk
-from moetrain.observe.peak_flops import measure_gemm_flops
+from moetrain.observe.peak_flops import PEAK_SIZES, best_gemm_flops
 from moetrain.runtime.allocator import reuse_freed_host_memory
 
 matplotlib.use("Agg")  # the sweep plot goes to a file only; never needs a display
@@ -212,9 +212,9 @@ def run_preset(cfg: BenchConfig, compare_backends: bool) -> dict[str, Any]:
         variants += [(impl, other) for impl in ("grouped", "memory_efficient") for other in BACKENDS
                      if other != chosen[impl]]
     times = time_variants(inputs, cfg, variants)
-    # The same-dtype GEMM peak the MFU of `bench train` uses (a 1024^2 product, best of 8, this
-    # process's threads), taken right after the timings so both see the same machine.
-    peak = (measure_gemm_flops(DTYPES[cfg.dtype], cfg.device, torch.get_num_threads(), clock=cfg.clock)
+    # The same-dtype GEMM peak the MFU of `bench train` uses (the best square product of PEAK_SIZES,
+    # this process's threads), taken right after the timings so both see the same machine.
+    peak = (best_gemm_flops(DTYPES[cfg.dtype], cfg.device, torch.get_num_threads(), clock=cfg.clock)
             if cfg.device == "cpu" else None)
     flops = layer_flops(cfg)
     results = []
@@ -305,8 +305,9 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{r['fwd_bwd_ms']:11.2f} {r['time_ratio_to_grouped']:9.3f} {r['gemm_flops_per_s'] / 1e9:8.1f} "
                      f"{of_peak}")
     if report.get("gemm_peak_flops_per_s"):
-        lines.append(f"GEMM peak ({report['config']['dtype']}, 1024^2, {report['threads']} thread(s), same run, "
-                     f"{report['config']['clock']} clock): "
+        sizes = ",".join(f"{n}^2" for n in PEAK_SIZES)
+        lines.append(f"GEMM peak ({report['config']['dtype']}, best of {sizes}, {report['threads']} thread(s), "
+                     f"same run, {report['config']['clock']} clock): "
                      f"{report['gemm_peak_flops_per_s'] / 1e9:.1f} GFLOP/s; the layer's GEMMs: "
                      f"{report['layer_gemm_flops'] / 1e9:.2f} GFLOP per forward+backward")
     mem = next(r for r in report["results"] if r["impl"] == "memory_efficient")

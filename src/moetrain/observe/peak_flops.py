@@ -4,7 +4,9 @@ On CUDA it is the device's published dense (no sparsity) tensor-core peak for th
 the device is known, else a GEMM measurement. `train.peak_flops` > 0 overrides both.
 
 On CPU the peak is what a dense GEMM reaches on this machine at the run's compute dtype with
-the run's thread count, measured once while the cores are idle and cached per machine and
+the run's thread count: the best of square products of `PEAK_SIZES` (one size alone undersells
+some kernels, so a run's own larger GEMMs could beat it: docs/results.md, "The peak over GEMM
+sizes"), measured once while the cores are idle and cached per machine and
 setting (`gemm_peaks.json` in moetrain's cache directory), so a run started beside other work
 divides by the same peak as one started alone. A peak probed under load is lower than the
 machine's, which is how a training log once printed an MFU of 190%. When no idle measurement
@@ -37,6 +39,7 @@ _CUDA_DENSE_PEAKS: dict[str, dict[torch.dtype, float]] = {
     "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
 }
 CACHE_ENV = "MOETRAIN_CACHE_DIR"
+PEAK_SIZES = (1024, 2048)  # square GEMMs the CPU peak is the best of
 # Idle enough to measure: the threads to be measured find at least this share of a core free each.
 _IDLE_SHARE = 0.85
 
@@ -73,6 +76,11 @@ def measure_gemm_flops(dtype: torch.dtype, device_type: str = "cpu", threads: in
         torch.set_num_threads(previous)
 
 
+def best_gemm_flops(dtype: torch.dtype, device_type: str = "cpu", threads: int = 0, clock: str = "wall") -> float:
+    """The best FLOP/s over square products of each of `PEAK_SIZES` (see `measure_gemm_flops`)."""
+    return max(measure_gemm_flops(dtype, device_type, threads, size=size, clock=clock) for size in PEAK_SIZES)
+
+
 def idle_cores(interval_s: float = 0.25) -> float | None:
     """How many cores were idle over the next `interval_s` (from /proc/stat), or None where it cannot be read."""
     def sample() -> tuple[int, int]:
@@ -94,7 +102,7 @@ def cache_path() -> Path:
 
 
 def machine_key(dtype: torch.dtype, threads: int) -> str:
-    """What a cached peak is valid for: the processor, its core count, torch's version, the dtype and threads."""
+    """What a cached peak is valid for: the processor, its core count, torch's version, the dtype, threads and sizes."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -104,7 +112,7 @@ def machine_key(dtype: torch.dtype, threads: int) -> str:
     except OSError:
         pass
     return f"{cpu} | {os.cpu_count()} cores | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | " \
-           f"{threads} threads"
+           f"{threads} threads | gemm {','.join(map(str, PEAK_SIZES))}"
 
 
 def _read_cache(path: Path) -> dict[str, float]:
@@ -123,14 +131,14 @@ def cpu_peak_flops(dtype: torch.dtype, threads: int) -> tuple[float, str]:
         return cached[key], "cached"
     free = idle_cores()
     if free is not None and free >= _IDLE_SHARE * threads:
-        peak = measure_gemm_flops(dtype, "cpu", threads)
+        peak = best_gemm_flops(dtype, "cpu", threads)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomically(path, {**_read_cache(path), key: peak})
         except OSError:
             pass  # an unwritable cache only costs the next run a measurement
         return peak, "measured idle"
-    return threads * measure_gemm_flops(dtype, "cpu", 1, clock="cpu"), "busy estimate"
+    return threads * best_gemm_flops(dtype, "cpu", 1, clock="cpu"), "busy estimate"
 
 
 def rank_peak_flops(dtype: torch.dtype, device: torch.device, threads: int | None = None,
