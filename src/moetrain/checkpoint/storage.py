@@ -85,7 +85,7 @@ from moetrain.checkpoint.manifest import files_under, manifest_entries, require_
 from moetrain.checkpoint.state import is_int, read_json, read_trainer_state, to_json, write_trainer_state
 from moetrain.durable import fsync_dir
 from moetrain.errors import ConfigError, PoisonedStateError
-from moetrain.parallel.collectives import all_gather_objects, all_ranks_true, barrier, distributed, rank_and_world
+from moetrain.parallel.collectives import all_gather_objects, all_ranks_true, barrier, multi_rank, rank_and_world
 from moetrain.runtime import faults
 
 DCP_SHARDING_KEY = "DCP_SHARDING_INFO"  # a tensor file's header metadata: each tensor's offsets in the whole
@@ -194,7 +194,7 @@ def _write(snap: Snapshot, group: dist.ProcessGroup | None = None,
     barrier(group)
     # save_distributed: every rank writes its own shards into its own file (none is gathered).
     writer = writer_class(str(tmp / TENSORS_DIR), save_distributed=True)
-    dcp.save(snap.tensors, storage_writer=writer, process_group=group, no_dist=not distributed())
+    dcp.save(snap.tensors, storage_writer=writer, process_group=group, no_dist=not multi_rank())
     faults.fail_in_checkpoint_write(step, tmp)
     barrier(group)
     # Each rank hashes its share of the tensor files; rank 0 writes the manifest.
@@ -358,7 +358,7 @@ def _load_tensors(ref: CheckpointRef, state: dict[str, Any]) -> None:
     reader = HuggingFaceStorageReader(str(ref.path / TENSORS_DIR))
     try:
         with _quiet_single_process():
-            dcp.load(state, storage_reader=reader, no_dist=not distributed())
+            dcp.load(state, storage_reader=reader, no_dist=not multi_rank())
     except (CheckpointException, SafetensorError) as err:  # DCP's wrapper of a rank's failure; a bad header
         first = str(err).strip().splitlines()
         raise ConfigError(f"checkpoint {ref.path} cannot be loaded into this model: "

@@ -59,7 +59,7 @@ from moetrain.logging import get_logger
 from moetrain.model.init import canonical_name
 from moetrain.model.layers import rope_permutation
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.collectives import all_ranks_true, barrier, distributed, rank_and_world
+from moetrain.parallel.collectives import all_ranks_true, barrier, distributed, multi_rank, rank_and_world
 
 log = get_logger("interop")
 INDEX_FILE = "model.safetensors.index.json"
@@ -245,7 +245,7 @@ def load_hf_weights(model: nn.Module, init_from: str | Path) -> None:
     fused = _check_stored(family, cfg, whole, model_dir)
     state, finish = _import_targets(family, cfg, tensors, fused)
     with _quiet_single_process():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(model_dir)), no_dist=not distributed())
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(model_dir)), no_dist=not multi_rank())
     with torch.no_grad():
         for step in finish:
             step()

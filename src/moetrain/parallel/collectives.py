@@ -30,7 +30,8 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _multi_rank() -> bool:
+def multi_rank() -> bool:
+    """True when a default process group of more than one rank is initialised."""
     return distributed() and dist.get_world_size() > 1
 
 
@@ -43,7 +44,7 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank of `group` (default: the default group)."""
-    if _multi_rank():
+    if multi_rank():
         dist.barrier(group=group)
 
 
@@ -60,7 +61,7 @@ def leave_together(timeout_s: float = 10.0) -> None:
     where it was), sleeping meanwhile so the worker can take the GIL. Earlier
     collectives' workers got the GIL during this one's wait.
     """
-    if not _multi_rank():
+    if not multi_rank():
         return
     token = torch.zeros(1, device=collective_device())
     baseline = sys.getrefcount(token)
@@ -72,7 +73,7 @@ def leave_together(timeout_s: float = 10.0) -> None:
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum `tensor` over the ranks of `group` in place (and return it)."""
-    if _multi_rank():
+    if multi_rank():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
@@ -88,7 +89,7 @@ def all_reduce_int(value: int, group: dist.ProcessGroup | None = None) -> int:
 
 def all_ranks_true(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     """True when `flag` is true on every rank of `group` (one MIN all-reduce)."""
-    if not _multi_rank():
+    if not multi_rank():
         return bool(flag)
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
@@ -98,7 +99,7 @@ def all_ranks_true(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
 def all_gather_floats(values: list[float]) -> list[list[float]]:
     """Every rank's `values` (the same length on every rank), indexed by rank."""
     local = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    if not _multi_rank():
+    if not multi_rank():
         return [local.tolist()]
     out = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(out, local)
@@ -107,7 +108,7 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's `obj` (of `group`), indexed by rank (in-memory objects only; nothing read from disk)."""
-    if not _multi_rank():
+    if not multi_rank():
         return [obj]
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
@@ -116,7 +117,7 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
 
 def broadcast_int(value: int, src: int = 0) -> int:
     """Rank `src`'s integer on every rank."""
-    if not _multi_rank():
+    if not multi_rank():
         return int(value)
     tensor = torch.tensor([int(value)], dtype=torch.int64, device=collective_device())
     dist.broadcast(tensor, src=src)
