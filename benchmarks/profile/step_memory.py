@@ -119,7 +119,7 @@ def main(argv: list[str]) -> None:
     out, argv = take_option(argv, "json")
     heap_reuse, argv = take_option(argv, "heap-reuse")
     if heap_reuse == "0":  # glibc's defaults: large blocks mmapped and returned on free (no slack, fresh pages)
-        bf16_step_profile.reuse_freed_host_memory = lambda world: False
+        bf16_step_profile.reuse_freed_host_memory = lambda *args: False
     trainer = issue_shape_trainer(dtype or "float32", int(threads or 2), argv)
     import moetrain.train.trainer as trainer_module
 

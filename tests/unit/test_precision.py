@@ -8,6 +8,7 @@ and tied weights, see below), stay float32 parameters under their own names, and
 
 import copy
 
+import pytest
 import torch
 
 from moetrain.config.model import ModelConfig
@@ -48,18 +49,22 @@ def reference_grads(model: Transformer, batches: list[torch.Tensor]) -> dict[str
     return total
 
 
-def test_master_gradients_are_the_float32_sum_of_bf16_microbatch_gradients():
+@pytest.mark.parametrize("n", [1, 3])  # one backward (each copy inside its gradient buffer) or several
+def test_master_gradients_are_the_float32_sum_of_bf16_microbatch_gradients(n):
     for tie in (False, True):
         model = tiny_model(tie)
-        batches = microbatches()
+        batches = microbatches(n)
         expected = reference_grads(model, batches)
         masters = {name: param for name, param in model.named_parameters()}
         copies = compute_copy(model, ParallelConfig(param_dtype="bfloat16", reduce_dtype="float32"))
-        with copies.compute():
+        with copies.compute(backwards=n):
             assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+            where = {name: p.data_ptr() for name, p in model.named_parameters()}
             for tokens in batches:
                 objective(model, tokens).backward()
         params = dict(model.named_parameters())
+        # One backward: the bf16 copy was the head of the bytes that now hold its float32 gradient.
+        assert all((where[name] == p.grad.data_ptr()) == (n == 1) for name, p in params.items())
         assert params.keys() == masters.keys() == expected.keys()
         for name, param in params.items():
             assert param is masters[name] and param.dtype == torch.float32, name
@@ -81,7 +86,7 @@ def test_compute_copies_follow_the_optimizer_updates():
     copies = compute_copy(model, ParallelConfig(param_dtype="bfloat16"))
     tokens = microbatches(1)[0]
     for _ in range(2):
-        with copies.compute():
+        with copies.compute(backwards=1):  # the copies inside the gradient buffers, refilled at each entry
             objective(model, tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -92,6 +97,21 @@ def test_compute_copies_follow_the_optimizer_updates():
     with torch.no_grad():
         expected = objective(copy.deepcopy(model).to(torch.bfloat16), tokens)
     assert float(got) == float(expected)
+
+
+def test_a_forward_after_the_declared_backwards_fails_instead_of_reading_freed_weights():
+    model = tiny_model()
+    copies = compute_copy(model, ParallelConfig(param_dtype="bfloat16"))
+    tokens = microbatches(1)[0]
+    with pytest.raises(RuntimeError, match="storage"), copies.compute(backwards=1):
+        objective(model, tokens).backward()
+        objective(model, tokens)  # the weights' bytes are gradients now
+    with pytest.raises(RuntimeError), copies.compute(backwards=1):
+        loss = objective(model, tokens)
+        loss.backward(retain_graph=True)
+        loss.backward()  # a second backward: its gradients would land where the first ones are
+    with pytest.raises(ValueError, match="backwards"), copies.compute(backwards=-1):
+        pass
 
 
 def test_no_compute_copy_in_float32():

@@ -9,7 +9,13 @@ swaps the copies into the modules; as each microbatch's gradient of a copy arriv
 (a post-accumulate-grad hook), it is cast into (first microbatch) or added to (later
 ones) a persistent `reduce_dtype` buffer and the copy's `.grad` is cleared, so the sum
 over microbatches is as exact as FSDP's float32 reduction; on leaving it hands those
-buffers to the masters as gradients and swaps the masters back. (Setting the copies'
+buffers to the masters as gradients and swaps the masters back. A copy and its
+gradient buffer are never both alive when each copy takes one gradient (the
+one-microbatch step, `compute(backwards=1)`, or evaluation under no_grad): autograd has
+run every node that reads a copy before its gradient arrives, so the copy's bytes are
+the head of its buffer, overwritten by the gradient, and the step holds the buffers
+alone instead of both (docs/results.md, "bf16 memory: the compute copy inside the
+gradient buffer"). (Setting the copies'
 `grad_dtype` to float32 instead makes the autograd engine upcast every incoming
 gradient into a fresh float32 tensor before accumulating it: on qwen3_moe_debug that
 was 130 ms per [64, 256, 1536] expert gradient, most of a bf16 backward.) The optimizer, the
@@ -45,8 +51,10 @@ class _Slot:
     name: str
     master: nn.Parameter
     copy: nn.Parameter
+    hole: torch.Tensor  # the copy's shape with no storage: what it holds once its bytes became the gradient
     grad: torch.Tensor | None = None  # the persistent reduce-dtype gradient buffer of the copy
     filled: bool = False  # whether `grad` holds this step's gradient (else it holds stale values)
+    shared: bool = False  # whether the copy's bytes are the head of `grad` (see the module docstring)
 
 
 class ComputeCopy:
@@ -62,10 +70,11 @@ class ComputeCopy:
                 if not master.is_floating_point() or master.dtype == param_dtype:
                     continue
                 if id(master) not in copies:
-                    copy = nn.Parameter(torch.empty_like(master, dtype=param_dtype),
+                    # Bytes come at the first entry: of its own, or the head of its gradient buffer.
+                    copy = nn.Parameter(_storageless(master, param_dtype),
                                         requires_grad=master.requires_grad)
                     copies[id(master)] = copy
-                self.slots.append(_Slot(module, name, master, copies[id(master)]))
+                self.slots.append(_Slot(module, name, master, copies[id(master)], _storageless(master, param_dtype)))
         self._masters = list({id(s.master): s for s in self.slots}.values())
         for slot in self._masters:
             if slot.copy.requires_grad:
@@ -76,6 +85,13 @@ class ComputeCopy:
     def _take_grad(self, slot: _Slot, copy: torch.Tensor) -> None:
         """Move the gradient autograd just put on a compute copy into the slot's reduce-dtype buffer."""
         grad, copy.grad = copy.grad, None
+        if slot.shared:
+            if slot.filled:
+                raise RuntimeError("a second gradient of a compute copy in a context declared for one backward")
+            copy.data = slot.hole  # a forward reading it now fails instead of reading gradient bytes
+            slot.grad.copy_(grad)
+            slot.filled = True
+            return
         if not slot.filled:
             slot.grad.copy_(grad)  # casts while copying
             slot.filled = True
@@ -89,17 +105,21 @@ class ComputeCopy:
             total.add_(part)
 
     @torch.no_grad()
-    def _refresh(self, with_grads: bool) -> None:
+    def _refresh(self, with_grads: bool, share: bool) -> None:
         for slot in self._masters:
+            slot.filled, slot.copy.grad = False, None
+            if slot.copy.requires_grad and (with_grads or share):
+                # A persistent buffer, so no step pays for fresh pages (docs/results.md, "Step
+                # time"); a new one only while the master still holds the last one as its gradient.
+                if slot.grad is None or slot.master.grad is slot.grad:
+                    slot.grad = torch.empty_like(slot.master, dtype=self.reduce_dtype)
+            was_shared, slot.shared = slot.shared, share and slot.grad is not None and slot.copy.requires_grad
+            if slot.shared:
+                slot.copy.data = slot.grad.view(-1).view(torch.uint8)[:slot.hole.nbytes].view(
+                    self.param_dtype).view(slot.master.shape)
+            elif was_shared or slot.copy.untyped_storage().nbytes() == 0:  # bytes of its own (several backwards)
+                slot.copy.data = torch.empty_like(slot.master, dtype=self.param_dtype)
             slot.copy.copy_(slot.master)
-            if not (with_grads and slot.copy.requires_grad):
-                continue
-            # A persistent buffer, so no step pays for fresh pages (docs/results.md, "Step
-            # time"); a new one only while the master still holds the last one as its gradient.
-            if slot.grad is None or slot.master.grad is slot.grad:
-                slot.grad = torch.empty_like(slot.master, dtype=self.reduce_dtype)
-            slot.filled = False
-            slot.copy.grad = None
 
     @torch.no_grad()
     def _hand_back_grads(self) -> None:
@@ -114,12 +134,19 @@ class ComputeCopy:
                 slot.master.grad += grad
 
     @contextmanager
-    def compute(self) -> Iterator[None]:
-        """Run the body (forwards and their backwards) on fresh compute copies; gradients land on the masters."""
+    def compute(self, backwards: int = 0) -> Iterator[None]:
+        """Run the body (forwards and their backwards) on fresh compute copies; gradients land on the masters.
+
+        backwards = 1 declares that the body runs one backward and no forward after it: each copy then lives in
+        the head of its gradient buffer (see the module docstring). 0: any number, with copies of their own.
+        """
         if self.active or not self.slots:
             yield
             return
-        self._refresh(with_grads=torch.is_grad_enabled())  # evaluation under no_grad needs no buffers
+        if backwards < 0:
+            raise ValueError(f"backwards must be >= 0, got {backwards}")
+        grads = torch.is_grad_enabled()  # evaluation under no_grad takes no gradients
+        self._refresh(with_grads=grads, share=backwards == 1 or not grads)
         for slot in self.slots:
             slot.module._parameters[slot.name] = slot.copy
         self.active = True
@@ -130,6 +157,13 @@ class ComputeCopy:
                 slot.module._parameters[slot.name] = slot.master
             self.active = False
             self._hand_back_grads()
+
+
+def _storageless(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `like`'s shape and device and of `dtype` whose storage holds no bytes: reading it raises."""
+    hole = torch.empty_like(like, dtype=dtype)
+    hole.untyped_storage().resize_(0)
+    return hole
 
 
 def compute_copy(model: nn.Module, parallel: ParallelConfig) -> ComputeCopy | None:

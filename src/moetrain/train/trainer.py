@@ -369,7 +369,7 @@ class Trainer:
                 local_counts = torch.tensor([mtp_valid_counts(b.targets, b.document_ids, self.cfg.model.mtp_depth)
                                              for b in microbatches], dtype=torch.int64).sum(dim=0)
                 mtp_counts = (all_reduce_sum(local_counts.to(self.device)) // self.split.replicas).tolist()
-        with self._compute_dtype():
+        with self._compute_dtype(backwards=len(microbatches)):
             with phases.phase("forward"):
                 prepare_global_balance(self.model, microbatches, self.split.model_inputs, self.split.tp)
             if self.qk_clip is not None:
@@ -436,9 +436,10 @@ class Trainer:
         self.model.discard_pending_expert_load()
         self.loader.load_state_dict(position)
 
-    def _compute_dtype(self) -> AbstractContextManager:
-        """Where forwards (and their backwards) run on `parallel.param_dtype` weights when FSDP does not cast them."""
-        return self.compute_copy.compute() if self.compute_copy is not None else nullcontext()
+    def _compute_dtype(self, backwards: int = 0) -> AbstractContextManager:
+        """Where forwards (and their `backwards`, when known) run on `parallel.param_dtype` weights when FSDP does
+        not cast them."""
+        return self.compute_copy.compute(backwards) if self.compute_copy is not None else nullcontext()
 
     def train_record(self, result: StepResult, window: list[StepResult]) -> dict[str, Any]:
         """The metrics record of the step just taken (collective: every rank calls it)."""
