@@ -28,6 +28,3 @@ use_preloaded_fork_server(extra_preload=("pytest",))  # ranks import it with the
 def one_intra_op_thread():
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
-# Measured GEMM peaks are cached per machine; the suite keeps its own cache, never the user's
-# (ranks and commands it starts inherit the variable).
-os.environ["MOETRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="moetrain-test-cache-")

@@ -19,15 +19,14 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Record each GEMM measurement (dtype, threads, clock) instead of timing one; the largest size is fastest."""
+    """Record each GEMM peak probe (dtype, threads, clock) instead of starting one."""
     made = []
 
-    def fake(dtype, device_type="cpu", threads=0, size=1024, repeats=8, clock="wall"):
-        made.append((dtype, threads, clock, size))
-        scale = 1.0 if size == max(pf.PEAK_SIZES) else 0.5
-        return scale * (100.0 * threads if clock == "wall" else 60.0)
+    def fake(dtype, threads, clock="wall"):
+        made.append((dtype, threads, clock))
+        return 100.0 * threads if clock == "wall" else 60.0
 
-    monkeypatch.setattr(pf, "measure_gemm_flops", fake)
+    monkeypatch.setattr(pf, "gemm_peak_in_fresh_process", fake)
     return made
 
 
@@ -53,7 +52,7 @@ def test_an_idle_measurement_is_cached_once(cache, calls, monkeypatch):
     monkeypatch.setattr(pf, "idle_cores", lambda: 2.0)
     assert pf.cpu_peak_flops(torch.float32, 2) == (200.0, "measured idle")
     assert pf.cpu_peak_flops(torch.float32, 2) == (200.0, "cached")
-    assert calls == [(torch.float32, 2, "wall", size) for size in pf.PEAK_SIZES]  # the best size, once
+    assert calls == [(torch.float32, 2, "wall")]  # once
     assert json.loads(cache.read_text()) == {pf.machine_key(torch.float32, 2): 200.0}
 
 
@@ -61,7 +60,7 @@ def test_busy_cores_give_a_cpu_time_estimate_that_is_not_cached(cache, calls, mo
     # Two threads wanted, half a core free: a wall-clock probe now would read about a quarter of the peak.
     monkeypatch.setattr(pf, "idle_cores", lambda: 0.5)
     assert pf.cpu_peak_flops(torch.float32, 2) == (2 * 60.0, "busy estimate")
-    assert calls == [(torch.float32, 1, "cpu", size) for size in pf.PEAK_SIZES] and not cache.exists()
+    assert calls == [(torch.float32, 1, "cpu")] and not cache.exists()
 
 
 def test_a_corrupt_cache_is_measured_again(cache, calls, monkeypatch):
@@ -103,6 +102,20 @@ def test_no_gemm_of_the_peak_sizes_runs_above_the_peak(dtype, monkeypatch):
             assert 2 * size**3 / best <= 1.2 * peak, size
     finally:
         torch.set_num_threads(previous)
+
+
+def test_the_probe_runs_in_a_child_and_measures_the_best_size(monkeypatch):
+    # The child's answer is a real GEMM rate: within timing noise of the same probe run here, and at
+    # least the 1024^2 rate alone (the best over the sizes includes it).
+    in_process = pf.measure_gemm_flops.__wrapped__
+    here_1024 = in_process(torch.float32, "cpu", 1, size=1024)
+    child = pf.gemm_peak_in_fresh_process(torch.float32, 1)
+    assert 0.7 * here_1024 <= child <= 1.5 * max(here_1024, in_process(torch.float32, "cpu", 1, size=2048))
+
+
+def test_a_failing_probe_names_itself(monkeypatch):
+    with pytest.raises(RuntimeError, match="GEMM peak probe"):
+        pf.gemm_peak_in_fresh_process(torch.float32, 1, clock="no-such-clock")
 
 
 def test_idle_cores_is_a_share_of_the_machine():

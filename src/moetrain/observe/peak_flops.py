@@ -13,6 +13,11 @@ machine's, which is how a training log once printed an MFU of 190%. When no idle
 is cached and the cores are busy, the peak is estimated instead from one thread's FLOPs per
 CPU-second (which other processes do not dilute) times the thread count, and not cached.
 
+The CPU probe runs in a fresh interpreter (`python -m moetrain.observe.peak_flops`), never in the
+training process: its 2048^2 operands are 48 MiB, and a one-process job keeps freed memory in its
+heap (moetrain.runtime.allocator), so a probe run in-process left that much resident slack, which
+then hid the job's own growth from its RSS (docs/results.md, "The peak over GEMM sizes").
+
 Ranks of one host share its cores: each rank's peak is the host's peak at the threads its
 ranks can run at once (at most the cores) divided by the ranks, so 4 one-thread ranks on 2
 cores are measured against 2 cores, not 4. This module measures; it must not change what
@@ -25,6 +30,8 @@ import functools
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,6 +60,8 @@ def measure_gemm_flops(dtype: torch.dtype, device_type: str = "cpu", threads: in
     instead of the wall clock: FLOPs per CPU-second, what a benchmark on a shared, oversubscribed
     machine can compare against its own CPU time. Cached per arguments: a process measures each once.
     """
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', not {clock!r}")
     timer = time.perf_counter if clock == "wall" else time.process_time
     previous = torch.get_num_threads()
     if threads > 0:
@@ -79,6 +88,17 @@ def measure_gemm_flops(dtype: torch.dtype, device_type: str = "cpu", threads: in
 def best_gemm_flops(dtype: torch.dtype, device_type: str = "cpu", threads: int = 0, clock: str = "wall") -> float:
     """The best FLOP/s over square products of each of `PEAK_SIZES` (see `measure_gemm_flops`)."""
     return max(measure_gemm_flops(dtype, device_type, threads, size=size, clock=clock) for size in PEAK_SIZES)
+
+
+def gemm_peak_in_fresh_process(dtype: torch.dtype, threads: int, clock: str = "wall") -> float:
+    """`best_gemm_flops` on the CPU in a child interpreter: this process's heap and threads stay as they are."""
+    command = [sys.executable, "-m", "moetrain.observe.peak_flops", str(dtype).removeprefix("torch."),
+               str(threads), clock]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the GEMM peak probe ({' '.join(command[1:])}) failed: {last}")
+    return float(done.stdout.split()[-1])
 
 
 def idle_cores(interval_s: float = 0.25) -> float | None:
@@ -131,14 +151,14 @@ def cpu_peak_flops(dtype: torch.dtype, threads: int) -> tuple[float, str]:
         return cached[key], "cached"
     free = idle_cores()
     if free is not None and free >= _IDLE_SHARE * threads:
-        peak = best_gemm_flops(dtype, "cpu", threads)
+        peak = gemm_peak_in_fresh_process(dtype, threads)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomically(path, {**_read_cache(path), key: peak})
         except OSError:
             pass  # an unwritable cache only costs the next run a measurement
         return peak, "measured idle"
-    return threads * best_gemm_flops(dtype, "cpu", 1, clock="cpu"), "busy estimate"
+    return threads * gemm_peak_in_fresh_process(dtype, 1, clock="cpu"), "busy estimate"
 
 
 def rank_peak_flops(dtype: torch.dtype, device: torch.device, threads: int | None = None,
@@ -154,3 +174,7 @@ def rank_peak_flops(dtype: torch.dtype, device: torch.device, threads: int | Non
     host_threads = min(threads * local_ranks, cores or os.cpu_count() or 1)
     peak, source = cpu_peak_flops(dtype, host_threads)
     return peak / local_ranks, source
+
+
+if __name__ == "__main__":  # the child of `gemm_peak_in_fresh_process`: dtype threads clock -> FLOP/s
+    print(best_gemm_flops(getattr(torch, sys.argv[1]), "cpu", int(sys.argv[2]), clock=sys.argv[3]))
