@@ -231,13 +231,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--baseline", required=True, help="a checkout of the code before (its src/ is run)")
+    parser.add_argument("--baseline", help="a checkout of the code before (its src/ is run); the driver needs it")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
     if opts.worker:
         worker(opts)
         return
+    if not opts.baseline:
+        parser.error("--baseline: a checkout of the code before is required")
+    load_at_start = os.getloadavg()
     from moetrain.bench import results_dir
 
     trees = {"before": Path(opts.baseline) / "src", "after": REPO / "src"}
@@ -254,7 +257,8 @@ def main() -> None:
                       f"{line['tokens_per_s']:.0f} tok/s", flush=True)
     report = {"before_commit": _git(Path(opts.baseline) / "src", "rev-parse", "HEAD"),
               "after_commit": _git(REPO, "rev-parse", "HEAD"), "rounds": opts.rounds, "steps": opts.steps,
-              "warmup": opts.warmup, "machine": "2 cores shared with other jobs (nice 5); 4 gloo ranks, 1 thread each",
+              "warmup": opts.warmup, "machine": f"{os.cpu_count()} cores; 4 gloo ranks, 1 thread each",
+              "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg(),
               "scenarios": {}}
     print(f"\n{'scenario':24s} {'exposed before':>15s} {'exposed after':>14s} {'tok/s before':>13s} "
           f"{'tok/s after':>12s} {'after/before':>13s}")
