@@ -121,6 +121,7 @@ def _model_case(ep: int, prefetch: int, chunks: int, batches, state, rank: int, 
     mesh = JobMesh.from_config(pcfg, world, "cpu")
     model = build_model(MODEL_CFG, pcfg, mesh, "cpu", weights="none")
     load_full_state(model, state)
+    default_chunks = {moe.expert_compute.chunks for moe in moe_layers(model) if ep > 1}
     for moe in moe_layers(model):
         if ep > 1:
             moe.expert_compute.chunks = chunks
@@ -142,7 +143,7 @@ def _model_case(ep: int, prefetch: int, chunks: int, batches, state, rank: int, 
         losses.append(float(loss))
     grads = {name: _np(p.grad.full_tensor()) for name, p in model.named_parameters()}
     assert len(list(fsdp_modules(model))) > 1
-    return {"losses": losses, "grads": grads, "pending": pending}
+    return {"losses": losses, "grads": grads, "pending": pending, "default_chunks": default_chunks}
 
 
 MODEL_RUNS = {"fsdp_prefetch": (1, 1, 2), "fsdp_no_prefetch": (1, 0, 2), "ep4_chunks2": (4, 1, 2),
@@ -206,6 +207,11 @@ def test_fsdp_prefetch_gathers_ahead_and_changes_no_bit(ranks):
             assert np.array_equal(on["grads"][name], grad), name
         assert on["pending"] and all(on["pending"])
         assert not any(off["pending"])
+
+
+def test_gloo_expert_parallelism_runs_one_chunk_by_default(ranks):
+    # gloo's transfers take the compute's own cores: nothing to hide behind, so the layer does not split.
+    assert all(result["model"]["ep4_chunks2"]["default_chunks"] == {1} for result in ranks)
 
 
 def test_pipelined_expert_parallel_model_matches_one_chunk(ranks):

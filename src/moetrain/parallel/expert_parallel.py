@@ -12,7 +12,8 @@ The MoE layer routes its own tokens exactly as without EP (router, top-k, aux lo
 loads come before any communication, so none of them depends on ep). `ExpertParallelCompute`
 replaces only its expert computation:
 
-The tokens are split into `PIPELINE_CHUNKS` consecutive ranges, each with its own dispatch and combine:
+The tokens are split into `pipeline_chunks(group)` consecutive ranges (two on NCCL, one on gloo, where
+the transfers share the compute's cores), each with its own dispatch and combine:
 
 1. counts: each rank tells every EP peer how many of each chunk's assignments go to each of the peer's
    experts (one all-to-all of chunks x E integers, waited for: the split sizes follow from it).
@@ -218,8 +219,17 @@ def expert_major_order(counts_SJ: Tensor) -> Tensor:
 
 # Token chunks pipelined through dispatch, local experts and combine: chunk c + 1's dispatch travels
 # while chunk c's experts compute, chunk c's combine while chunk c + 1's do (and the reverse in backward).
-# Two hide about half of the all-to-all time at the cost of expert GEMMs half as tall.
+# Two hide about half of the all-to-all time at the cost of expert GEMMs half as tall. Only where the
+# transfers run beside the compute (NCCL: copy engines and NICs); gloo moves the bytes with threads on the
+# compute's own cores, so there the halved GEMMs and the extra exchanges are pure cost: qwen3_moe_debug on
+# 4 gloo ranks (idle, 2 cores) ran 0.87x the tokens/s with two chunks as with one (docs/results.md,
+# "Communication overlap on idle cores (round 22)").
 PIPELINE_CHUNKS = 2
+
+
+def pipeline_chunks(group: dist.ProcessGroup) -> int:
+    """How many token chunks an EP layer pipelines on `group`: 1 on gloo, `PIPELINE_CHUNKS` elsewhere."""
+    return 1 if dist.get_backend(group) == "gloo" else PIPELINE_CHUNKS
 
 
 class ExpertParallelCompute:
@@ -320,7 +330,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> AllToAllStat
                 continue
             sharded = distribute_tensor(weight.data, ep_mesh, [Shard(0)], src_data_rank=None)
             moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
-        moe.expert_compute = ExpertParallelCompute(group, stats)
+        moe.expert_compute = ExpertParallelCompute(group, stats, pipeline_chunks(group))
     return stats
 
 
