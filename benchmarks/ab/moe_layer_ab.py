@@ -25,21 +25,7 @@ from benchmarks.ab import runner
 MARKER = "LAYER_RESULT "
 TOKENS, DIM, EXPERTS, TOP_K, WIDTH = 1024, 256, 64, 8, 768
 FLOPS = 3 * 2 * TOKENS * TOP_K * DIM * 3 * WIDTH
-PEAK_SIZES = (1024, 2048)  # as moetrain.observe.peak_flops, restated: an older tree A may lack it
-
-
-def gemm_flops(dtype, size: int) -> float:
-    """FLOPs per CPU-second of the best of 8 size x size products, timed here so both trees share one probe."""
-    import torch
-
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(8):
-        start = time.process_time()
-        torch.mm(a, b)
-        best = min(best, time.process_time() - start)
-    return 2 * size**3 / best
+PEAK_SIZES = (1024, 2048)  # as moetrain.observe.peak_flops, restated: tree A may predate it
 
 
 def worker() -> None:
@@ -48,6 +34,7 @@ def worker() -> None:
     from moetrain.model.grouped_mm import grouped_mm_backend
     from moetrain.model.moe_function import memory_efficient_experts
     from moetrain.model.routing import routing_from_topk, select_experts
+    from moetrain.observe.peak_flops import measure_gemm_flops  # in every tree since `bench moe --clock`
 
     torch.set_num_threads(1)
     result = {}
@@ -71,7 +58,7 @@ def worker() -> None:
             start = time.process_time()
             step()
             best = min(best, time.process_time() - start)
-        peak = max(gemm_flops(dtype, size) for size in PEAK_SIZES)
+        peak = max(measure_gemm_flops(dtype, "cpu", 1, size=size, clock="cpu") for size in PEAK_SIZES)
         name = str(dtype).removeprefix("torch.")
         result[name] = {"layer_s": best, "layer_flops": FLOPS / best, "peak_flops": peak,
                         "fraction_of_peak": (FLOPS / best) / peak}

@@ -104,7 +104,7 @@ def test_no_gemm_of_the_peak_sizes_runs_above_the_peak(dtype, monkeypatch):
         torch.set_num_threads(previous)
 
 
-def test_the_probe_runs_in_a_child_and_measures_the_best_size(monkeypatch):
+def test_the_probe_runs_in_a_child_and_measures_the_best_size():
     # The child's answer is a real GEMM rate: within timing noise of the same probe run here, and at
     # least the 1024^2 rate alone (the best over the sizes includes it).
     in_process = pf.measure_gemm_flops.__wrapped__
@@ -113,7 +113,7 @@ def test_the_probe_runs_in_a_child_and_measures_the_best_size(monkeypatch):
     assert 0.7 * here_1024 <= child <= 1.5 * max(here_1024, in_process(torch.float32, "cpu", 1, size=2048))
 
 
-def test_a_failing_probe_names_itself(monkeypatch):
+def test_a_failing_probe_names_itself():
     with pytest.raises(RuntimeError, match="GEMM peak probe"):
         pf.gemm_peak_in_fresh_process(torch.float32, 1, clock="no-such-clock")
 

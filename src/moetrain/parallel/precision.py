@@ -51,7 +51,9 @@ class _Slot:
     name: str
     master: nn.Parameter
     copy: nn.Parameter
-    hole: torch.Tensor  # the copy's shape with no storage: what it holds once its bytes became the gradient
+    # The copy's shape with no storage: what it holds once its bytes became the gradient (made once, since
+    # making one allocates the whole size before dropping it).
+    hole: torch.Tensor
     grad: torch.Tensor | None = None  # the persistent reduce-dtype gradient buffer of the copy
     filled: bool = False  # whether `grad` holds this step's gradient (else it holds stale values)
     shared: bool = False  # whether the copy's bytes are the head of `grad` (see the module docstring)
